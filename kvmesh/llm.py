@@ -1,0 +1,254 @@
+"""Public Python API: ``LLM`` (offline, batched) and ``AsyncLLM`` (streaming), in the style of
+vLLM: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+Both wrap the token-level engine (:mod:`scheduler.engine`) with the text layer: the model's
+tokenizer and chat template (transformers), incremental detokenization and stop strings
+(:mod:`gateway.detokenizer`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from gateway.detokenizer import IncrementalDetokenizer
+from kvmesh.config import EngineConfig
+from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
+from scheduler.request import EngineError, FinishReason, SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. ``text``/``token_ids`` are cumulative; ``delta_text`` and
+    ``delta_token_ids`` hold what is new in this streamed update."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Seconds on the monotonic clock; ``ttft`` is arrival → first token."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+class _TextStream:
+    """Text state of one request: detokenizer, stop strings, cumulative output."""
+
+    def __init__(self, tokenizer, request_id: str, prompt: str | None, prompt_ids: list[int],
+                 params: SamplingParams):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop=params.stop,
+                                            skip_special_tokens=params.skip_special_tokens)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.metrics = RequestMetrics(time.monotonic())
+
+    def apply(self, o: EngineOutput) -> tuple[RequestOutput, str | None]:
+        """Fold an engine output in. Returns the update and the stop string that matched now
+        (the caller must then finish the request in the engine)."""
+        delta_ids = [] if self.finish_reason else list(o.new_token_ids)
+        d = self.detok.add_tokens(delta_ids) if delta_ids else None
+        delta = d.text if d else ""
+        stop_hit = d.stop_string if d else None
+        self.token_ids += delta_ids
+        if self.params.logprobs is not None:
+            self.logprobs += o.new_logprobs
+        if stop_hit is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP.value, stop_hit
+        elif o.finished and self.finish_reason is None:
+            delta += self.detok.flush()
+            self.finish_reason = o.finish_reason.value if o.finish_reason else None
+            self.stop_reason = o.stop_reason
+        self.text += delta
+        m = self.metrics
+        m.arrival_time = o.arrival_time or m.arrival_time
+        m.first_scheduled_time, m.first_token_time = o.first_scheduled_time, o.first_token_time
+        m.num_cached_tokens = o.num_cached_tokens
+        if self.finish_reason is not None:
+            m.finished_time = o.finished_time or time.monotonic()
+        comp = CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                                self.logprobs if self.params.logprobs is not None else None, delta, delta_ids)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [comp],
+                             self.finish_reason is not None, m), stop_hit
+
+
+def _load_tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class _TextFront:
+    """Prompt handling shared by LLM and AsyncLLM."""
+
+    tokenizer = None
+
+    def encode_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """A string, a list of token ids or ``{"prompt_token_ids": [...]}`` → (text, ids).
+        Chat-templated text already holds its special tokens: pass ``add_special_tokens=False``."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise EngineError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            return self.encode_prompt(prompt, add_special_tokens)
+        if isinstance(prompt, Sequence):
+            return None, list(prompt)
+        raise EngineError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """Chat messages (``[{"role": ..., "content": ...}]``) → prompt text via the model's
+        chat template, with the assistant turn opened."""
+        if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
+            raise EngineError("messages must be a non-empty list of {role, content} objects")
+        if self.tokenizer.chat_template is None:
+            raise EngineError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class LLM(_TextFront):
+    """Offline batched generation.
+
+    Args:
+        model: a known model name (pulled on first use) or a checkpoint directory.
+        **kwargs: any :class:`kvmesh.config.EngineConfig` field (``dtype``, ``policy``,
+            ``enable_prefix_caching``, ``kv_cache_memory``, ``max_num_seqs`` ...).
+    Raises:
+        EngineError: unknown model or unservable settings.
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
+        self.engine = LLMEngine(EngineConfig.from_env(model=model, **kwargs))
+        self.tokenizer = _load_tokenizer(self.engine.model_dir)
+        self._counter = 0
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or dicts) and return outputs in prompt
+        order. Each request is validated before any runs (EngineError names the bad one)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise EngineError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        streams: dict[str, _TextStream] = {}
+        order = []
+        try:
+            for p, sp in zip(prompts, params):
+                text, ids = self.encode_prompt(p)
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                req = self.engine.add_request(rid, ids, sp)
+                streams[rid] = _TextStream(self.tokenizer, rid, text, ids, sp)
+                streams[rid].metrics.arrival_time = req.arrival_time
+                order.append(rid)
+        except EngineError:
+            for rid in order:
+                self.engine.abort_request(rid)
+            self.engine.step()          # collect the aborts
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(order), desc="generate", unit="req")
+        while len(results) < len(order):
+            for o in self.engine.step():
+                s = streams.get(o.request_id)
+                if s is None or o.request_id in results:
+                    continue
+                ro, stop_hit = s.apply(o)
+                if stop_hit is not None:
+                    self.engine.finish_request(o.request_id, FinishReason.STOP, stop_hit)
+                if ro.finished:
+                    results[o.request_id] = ro
+                    bar and bar.update(1)
+        bar and bar.close()
+        return [results[r] for r in order]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (list of messages) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.tokenizer.encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
+        return self.generate(ids, sampling_params, use_tqdm)
+
+
+class AsyncLLM(_TextFront):
+    """Streaming generation on a background engine loop. Construct inside an event loop
+    (``await AsyncLLM.create(...)``-free: the constructor just needs a running loop)."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
+        self.engine = AsyncEngine(LLMEngine(EngineConfig.from_env(model=model, **kwargs)))
+        self.tokenizer = _load_tokenizer(self.engine.engine.model_dir)
+
+    async def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None
+                          ) -> AsyncIterator[RequestOutput]:
+        """Stream updates (``.outputs[0].delta_text``) until the request finishes. Breaking
+        out of the iteration aborts the request. Raises EngineError for a bad request."""
+        params = params or SamplingParams()
+        text, ids = self.encode_prompt(prompt)
+        rid, q = self.engine.add_request(request_id, ids, params)
+        stream = _TextStream(self.tokenizer, rid, text, ids, params)
+        try:
+            while True:
+                o = await q.get()
+                if isinstance(o, BaseException):
+                    raise o
+                ro, stop_hit = stream.apply(o)
+                if stop_hit is not None:
+                    self.engine.finish(rid, FinishReason.STOP, stop_hit)
+                yield ro
+                if ro.finished:
+                    return
+        finally:
+            if stream.finish_reason is None:
+                self.engine.abort(rid)
+            self.engine._queues.pop(rid, None)
+
+    generate = add_request
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()

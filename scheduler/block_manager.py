@@ -1,0 +1,189 @@
+"""Paged KV block accounting and automatic prefix caching.
+
+The block manager is the only owner of block ids. Each request holds a block table (list of
+block ids); a block can be shared by several requests (reference counted) when their
+prefixes match. A full block gets a chained hash (:mod:`kvstore.hashing`); when its last
+user frees it, it stays in the cache, reusable by a later request with the same prefix,
+until the allocator needs it (LRU eviction, oldest freed first). Design after vLLM's
+automatic prefix caching and nano-vllm's block manager.
+
+KV events (:mod:`kvstore.events`) go out through ``sink`` when a hashed block becomes
+reusable (stored) or is evicted (removed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventSink
+from kvstore.hashing import hash_blocks
+from scheduler.request import Request
+
+
+@dataclass
+class BlockStats:
+    num_blocks: int
+    used: int          # referenced by at least one request
+    cached: int        # free, but holding a reusable hashed block
+    free: int          # free and empty (includes cached: free == allocatable)
+    prefix_cache_queries: int   # prompt tokens looked up
+    prefix_cache_hits: int      # of which found in the cache
+
+    @property
+    def usage(self) -> float:
+        return self.used / self.num_blocks if self.num_blocks else 0.0
+
+
+class BlockManager:
+    """Allocates KV blocks of ``block_size`` tokens out of ``num_blocks``.
+
+    Args:
+        num_blocks: size of the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: keep and reuse hashed full blocks.
+        hash_seed: root of the block-hash chain (:func:`kvstore.hashing.seed_hash` of the
+            model identity and KV format).
+        sink: receives KV events, or None.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 hash_seed: int, sink: KVEventSink | None = None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed
+        self.sink = sink
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}          # block hash -> block id
+        self.queries = self.hits = 0
+        self._events: list[KVEvent] = []
+
+    # ---- queries ---------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> BlockStats:
+        free = len(self.free_queue)
+        cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+        return BlockStats(self.num_blocks, self.num_blocks - free, cached, free, self.queries, self.hits)
+
+    # ---- prefix cache ----------------------------------------------------------------
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend ``req.block_hashes`` to cover every full block of its first ``num_tokens``."""
+        have = len(req.block_hashes)
+        if num_tokens // self.block_size > have:
+            parent = req.block_hashes[-1] if have else self.hash_seed
+            req.block_hashes += hash_blocks(self.hash_seed, req.tokens(0, num_tokens), self.block_size,
+                                            parent=parent, start_block=have)
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of the request's tokens.
+
+        At least one token is always left to compute (the model needs a query to produce
+        logits), so a prompt that is entirely cached gets its last block recomputed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(req, req.num_tokens)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    # ---- allocation ------------------------------------------------------------------
+    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens after its computed ones.
+
+        ``cached_blocks`` (first allocation only) are prefix-cache hits from
+        :meth:`find_cached_prefix`; they are shared and count as computed. Returns False
+        (and changes nothing) when the pool cannot supply the blocks.
+        """
+        reused_free = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
+        have = len(req.block_table) + len(cached_blocks)
+        computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
+        need = self.blocks_needed(computed + num_new_tokens) - have
+        if max(need, 0) + reused_free > len(self.free_queue):
+            return False
+        if cached_blocks:
+            n = len(req.prompt_token_ids)
+            self.queries += n
+            self.hits += len(cached_blocks) * self.block_size
+            for b in cached_blocks:
+                if self.ref_count[b] == 0:
+                    del self.free_queue[b]
+                self.ref_count[b] += 1
+            req.block_table.extend(cached_blocks)
+            req.num_computed_tokens = computed
+            req.num_cached_tokens = computed
+        elif req.num_computed_tokens == 0 and self.enable_prefix_caching:
+            self.queries += len(req.prompt_token_ids)
+        for _ in range(need):
+            req.block_table.append(self._pop_free())
+        return True
+
+    def _pop_free(self) -> int:
+        b, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[b]
+        if h is not None:                    # evict a cached block
+            self.block_hash[b] = None
+            if self.cached.get(h) == b:
+                del self.cached[h]
+                self._events.append(BlockRemoved((h,)))
+        self.ref_count[b] = 1
+        return b
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        n_full = req.num_computed_tokens // self.block_size
+        self._update_hashes(req, n_full * self.block_size)
+        new: list[int] = []
+        first = None
+        for i in range(req.num_registered_blocks, n_full):
+            b = req.block_table[i]
+            h = req.block_hashes[i]
+            if self.block_hash[b] is not None or h in self.cached:   # hit, or a duplicate
+                continue
+            self.block_hash[b] = h
+            self.cached[h] = b
+            if first is None:
+                first = i
+            new.append(h)
+        req.num_registered_blocks = n_full
+        if new:
+            parent = req.block_hashes[first - 1] if first else None
+            self._events.append(BlockStored(tuple(new), parent, self.block_size))
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first, so that the tail is evicted first."""
+        for b in reversed(req.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free_queue[b] = None
+        req.block_table = []
+        req.num_registered_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached (unreferenced) block."""
+        for b in self.free_queue:
+            self.block_hash[b] = None
+        self.cached = {h: b for h, b in self.cached.items() if self.ref_count[b] > 0}
+        self._events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVEvent]:
+        """Events since the last call; also forwards them to the sink."""
+        ev, self._events = self._events, []
+        if ev and self.sink is not None:
+            self.sink.publish(ev)
+        return ev

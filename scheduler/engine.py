@@ -1,0 +1,273 @@
+"""The engine loop of one replica: schedule → execute → update, and its async API.
+
+:class:`LLMEngine` is token-level and synchronous (``step()`` runs one model step);
+:class:`AsyncEngine` runs that loop on a background thread and streams
+:class:`EngineOutput` objects to asyncio callers, in the manner of vLLM's engine core and
+AsyncLLM. Text (tokenization, detokenization, stop strings) lives above, in
+:mod:`kvmesh.llm` and the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kvmesh.config import EngineConfig
+from kvstore.events import KVEventSink
+from kvstore.hashing import seed_hash
+from scheduler.block_manager import BlockManager, BlockStats
+from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler
+
+
+@dataclass
+class EngineOutput:
+    """What one step produced for one request. Times are seconds (monotonic clock)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+def model_identity(model_dir: Path, name: str, cfg: EngineConfig, kv_dtype: torch.dtype) -> str:
+    """Stable identity of the KV contents: model (name, or directory name + config digest),
+    weight dtype/format and KV dtype. Seeds the prefix-cache block hashes."""
+    digest = xxhash.xxh3_64_hexdigest((model_dir / "config.json").read_bytes())
+    return f"model={name}:{digest};weights={cfg.torch_dtype};kv={kv_dtype}"
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json and config.json (either may list several)."""
+    ids: list[int] = []
+    for fname in ("generation_config.json", "config.json"):
+        p = model_dir / fname
+        if p.is_file():
+            v = json.loads(p.read_text()).get("eos_token_id")
+            ids += v if isinstance(v, list) else ([v] if v is not None else [])
+    return tuple(dict.fromkeys(ids))
+
+
+class LLMEngine:
+    """One replica: a scheduler, its block manager and an executor.
+
+    Thread-safety: ``add_request``, ``abort_request`` and ``finish_request`` may be called
+    from other threads while ``step()`` runs; the model executes outside the lock.
+
+    Raises:
+        EngineError: unknown model, unservable checkpoint, bad settings.
+    """
+
+    def __init__(self, cfg: EngineConfig, *, executor=None, kv_event_sink: KVEventSink | None = None,
+                 num_blocks: int | None = None):
+        from workers.registry import resolve_model   # a known name is pulled on first use
+        self.cfg = cfg
+        self.model_dir = resolve_model(cfg.model)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        from workers.loader import load_config
+        mcfg = load_config(self.model_dir)
+        limit = min(mcfg.max_position_embeddings, 8192)
+        if cfg.max_model_len > mcfg.max_position_embeddings:
+            raise EngineError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {mcfg.max_position_embeddings}")
+        self.cfg = cfg = cfg.replace(max_model_len=cfg.max_model_len or limit)
+        self.model_config = mcfg
+        if executor is None:
+            from workers.executor import InProcessExecutor
+            executor = InProcessExecutor(cfg, str(self.model_dir), num_blocks)
+        self.executor = executor
+        self.eos_token_ids = eos_token_ids(self.model_dir)
+        from workers.kv_cache import kv_dtype
+        self.identity = model_identity(self.model_dir, cfg.model, cfg, kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
+        self.block_manager = BlockManager(executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          seed_hash(self.identity), kv_event_sink)
+        self.scheduler = Scheduler(self.block_manager, policy=cfg.policy, max_num_seqs=cfg.max_num_seqs,
+                                   max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
+                                   max_model_len=cfg.max_model_len,
+                                   enable_chunked_prefill=cfg.enable_chunked_prefill)
+        self.lock = threading.RLock()
+        self._emitted: dict[str, int] = {}
+        self._finished_out: list[EngineOutput] = []
+        self.num_steps = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
+        """Queue a request. Raises EngineError (empty prompt, token id out of range, too
+        long for max_model_len or for the whole KV pool, duplicate id)."""
+        params = params or SamplingParams()
+        params.validate()
+        if not prompt_token_ids:
+            raise EngineError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise EngineError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        req = Request(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, self.eos_token_ids,
+                      arrival_time=arrival_time or time.monotonic())
+        with self.lock:
+            self.scheduler.add(req)
+            self._emitted[req.request_id] = 0
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request; its blocks are freed at once. False if it is unknown/finished."""
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
+        with self.lock:
+            req = self.scheduler.requests.get(request_id)
+            if req is None:
+                return False
+            self.scheduler.finish(req, reason, stop_reason)
+            self._finished_out.append(self._output(req))
+            self.executor.free_requests([request_id])
+            return True
+
+    def has_unfinished_requests(self) -> bool:
+        with self.lock:
+            return self.scheduler.has_unfinished()
+
+    def stats(self) -> BlockStats:
+        with self.lock:
+            return self.block_manager.stats()
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run the model once, apply the results. Returns the outputs of requests
+        that produced tokens or finished in this step (including aborts since the last step)."""
+        with self.lock:
+            sched = self.scheduler.schedule()
+        if sched.empty:
+            with self.lock:
+                out, self._finished_out = self._finished_out, []
+                self.block_manager.take_events()
+            return out
+        result = self.executor.execute(sched)
+        with self.lock:
+            self.num_steps += 1
+            changed = self.scheduler.update(sched, result.sampled, result.logprobs)
+            outputs, self._finished_out = self._finished_out, []
+            outputs += [self._output(r) for r in changed]
+            done = [o.request_id for o in outputs if o.finished]
+            self.block_manager.take_events()
+        if done:
+            self.executor.free_requests(done)
+        return outputs
+
+    def _output(self, req: Request) -> EngineOutput:
+        start = self._emitted.get(req.request_id, 0)
+        self._emitted[req.request_id] = req.num_output_tokens
+        finished = req.is_finished
+        if finished:
+            self._emitted.pop(req.request_id, None)
+        return EngineOutput(
+            req.request_id, req.output_token_ids[start:], req.output_logprobs[start:], finished,
+            req.finish_reason, req.stop_reason, req.num_prompt_tokens, req.num_cached_tokens,
+            req.num_output_tokens, req.arrival_time, req.first_scheduled_time, req.first_token_time,
+            time.monotonic() if finished else None)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+class AsyncEngine:
+    """Runs an :class:`LLMEngine`'s loop on a background thread; asyncio callers stream
+    outputs per request. Create it inside a running event loop."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.errored: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None) -> tuple[str, asyncio.Queue]:
+        """Queue a request; returns its id and the queue its :class:`EngineOutput`s arrive on.
+        Raises EngineError at once for a request that cannot be served."""
+        if self.errored is not None:
+            raise EngineError(f"engine loop died: {self.errored!r}")
+        q: asyncio.Queue = asyncio.Queue()
+        req = self.engine.add_request(request_id, prompt_token_ids, params)
+        self._queues[req.request_id] = q
+        self._wake.set()
+        return req.request_id, q
+
+    async def generate(self, request_id: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams | None = None) -> AsyncIterator[EngineOutput]:
+        """Stream the request's outputs; aborts it if the consumer stops early."""
+        rid, q = self.add_request(request_id, prompt_token_ids, params)
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._queues.pop(rid, None) is not None:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> bool:
+        ok = self.engine.abort_request(request_id)
+        self._wake.set()
+        return ok
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
+        ok = self.engine.finish_request(request_id, reason, stop_reason)
+        self._wake.set()
+        return ok
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        for o in outputs:
+            q = self._queues.get(o.request_id)
+            if q is not None:
+                q.put_nowait(o)
+                if o.finished:
+                    self._queues.pop(o.request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                if not self.engine.has_unfinished_requests() and not self.engine._finished_out:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as e:  # surface to every waiting caller
+            self.errored = e
+            def fail():
+                for q in self._queues.values():
+                    q.put_nowait(EngineError(f"engine loop died: {e!r}"))
+            self._loop.call_soon_threadsafe(fail)
+
+    async def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10)

@@ -1,0 +1,304 @@
+"""Tests for gateway.detokenizer.IncrementalDetokenizer.
+
+Tokenizers: the real SmolLM2 tokenizer (GPT2-style byte-level BPE) and the Qwen2.5
+tokenizer via workers.registry (skipped if not pulled), plus a small in-memory
+sentencepiece-style tokenizer (Metaspace "▁" + byte-fallback tokens, Llama decoder
+chain) so the sentencepiece code path is always exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "안녕하세요, 반갑습니다",
+    "🎉👍🏽 done",
+    "def f(x):\n    return  x * 2\n\n\tprint('hi')   \n  # trailing  ",
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\nok 🎉<|im_end|><|endoftext|>",
+]
+FFFD = "\ufffd"
+
+
+# ---------------------------------------------------------------- tokenizer fixtures
+
+
+def _registry_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    import os
+    if name == "smollm2-135m-instruct" and os.path.exists("/tmp/smol_tok"): return AutoTokenizer.from_pretrained("/tmp/smol_tok")  # DEVTMP
+    registry = pytest.importorskip("workers.registry")
+    try:
+        path = registry.resolve_model(name)
+    except Exception as e:  # not pulled / not converted yet
+        pytest.skip(f"model {name!r} not available: {e}")
+    return AutoTokenizer.from_pretrained(str(getattr(path, "path", path)))
+
+
+def _sentencepiece_tokenizer():
+    """A tiny Llama-style tokenizer: BPE over "▁"-joined words with <0xXX> byte fallback."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    # ASCII-only corpus, so Korean and emoji are encoded as <0xXX> byte-fallback tokens
+    corpus = [t for t in TEXTS if t.isascii()] + ["Help me. Hello world, alpha beta gamma."]
+    tk.train_from_iterator(corpus * 10, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    spec = json.loads(tk.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    return _registry_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    return _registry_tokenizer("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer():
+    return _sentencepiece_tokenizer()
+
+
+@pytest.fixture(params=["smollm2", "sentencepiece"])
+def tokenizer(request):
+    return request.getfixturevalue({"smollm2": "smollm2_tokenizer", "sentencepiece": "sp_tokenizer"}[request.param])
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _chunks(ids, mode, seed=0):
+    """Split ids into one-token chunks, or random chunks of 1..5 tokens (fixed seed)."""
+    if mode == "single":
+        return [[i] for i in ids]
+    rng, out, pos = random.Random(seed), [], 0
+    while pos < len(ids):
+        n = rng.randint(1, 5)
+        out.append(ids[pos : pos + n])
+        pos += n
+    return out
+
+
+def _stream(tok, ids, chunk_mode="single", prompt=(), **kw):
+    """Feed ids; return (detokenizer, list of deltas, final flush text or None if stopped)."""
+    d = IncrementalDetokenizer(tok, list(prompt), **kw)
+    deltas = []
+    for chunk in _chunks(ids, chunk_mode):
+        delta = d.add_tokens(chunk)
+        assert isinstance(delta, DetokenizerDelta)
+        deltas.append(delta)
+        if delta.stop_string is not None:
+            return d, deltas, None
+    return d, deltas, d.flush()
+
+
+def _check_roundtrip(tok, text, chunk_mode, skip_special_tokens):
+    ids = tok.encode(text, add_special_tokens=False)
+    ref = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    d, deltas, tail = _stream(tok, ids, chunk_mode, skip_special_tokens=skip_special_tokens)
+    assert all(x.stop_string is None for x in deltas)
+    assert "".join(x.text for x in deltas) + tail == ref
+    assert d.output_text == ref
+    assert d.num_output_tokens == len(ids)
+    if FFFD not in ref:
+        assert not any(FFFD in x.text for x in deltas), [x.text for x in deltas]
+
+
+# ---------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("chunk_mode", ["single", "random"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_roundtrip(tokenizer, text, chunk_mode, skip_special_tokens):
+    _check_roundtrip(tokenizer, text, chunk_mode, skip_special_tokens)
+
+
+@pytest.mark.parametrize("chunk_mode", ["single", "random"])
+def test_roundtrip_qwen(qwen_tokenizer, chunk_mode):
+    for text in TEXTS:
+        for skip in (True, False):
+            _check_roundtrip(qwen_tokenizer, text, chunk_mode, skip)
+
+
+def test_split_character_is_held_back(tokenizer):
+    ids = tokenizer.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1  # the emoji is split over several (byte) tokens
+    d = IncrementalDetokenizer(tokenizer, [])
+    assert [d.add_tokens([i]).text for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert d.add_tokens(ids[-1:]).text.strip() == "🎉"
+
+
+def test_incomplete_character_at_end_is_flushed(tokenizer):
+    ids = tokenizer.encode("ok 🎉", add_special_tokens=False)[:-1]  # drop the emoji's last byte token
+    d = IncrementalDetokenizer(tokenizer, [])
+    text = "".join(d.add_tokens([i]).text for i in ids)
+    assert FFFD not in text
+    assert text + d.flush() == tokenizer.decode(ids)
+    assert d.flush() == ""  # idempotent
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def _spanning_stop(tok, ids):
+    """A stop string made of the last 2 chars of one token and the first 2 of the next."""
+    for k in range(1, len(ids) - 1):
+        a, b = tok.decode(ids[k : k + 1]), tok.decode(ids[k + 1 : k + 2])
+        if len(a) >= 2 and len(b) >= 2 and a.isascii() and b.isascii() and a[-2:].strip():
+            return a[-2:] + b[:2]
+    raise AssertionError("no suitable token pair")
+
+
+@pytest.mark.parametrize("chunk_mode", ["single", "random"])
+def test_stop_spanning_two_tokens(tokenizer, chunk_mode):
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog again", add_special_tokens=False)
+    full = tokenizer.decode(ids)
+    stop = _spanning_stop(tokenizer, ids)
+    d, deltas, tail = _stream(tokenizer, ids, chunk_mode, stop=[stop])
+    assert tail is None and deltas[-1].stop_string == stop
+    assert all(x.stop_string is None for x in deltas[:-1])
+    emitted = "".join(x.text for x in deltas)
+    assert emitted == full[: full.index(stop)] == d.output_text
+    assert not any(stop in x.text for x in deltas)
+    assert d.num_output_tokens < len(ids)
+
+
+def test_stop_prefix_false_alarm_is_emitted(tokenizer):
+    hel, lo = tokenizer.encode("Hel", add_special_tokens=False), tokenizer.encode("lo", add_special_tokens=False)
+    d = IncrementalDetokenizer(tokenizer, [], stop=["Help"])
+    assert d.add_tokens(hel).text == ""  # might be the start of "Help": held back
+    delta = d.add_tokens(lo)
+    assert delta.stop_string is None
+    assert delta.text + d.flush() == tokenizer.decode(hel + lo)
+    assert "Hel" in d.output_text
+
+
+def test_held_stop_prefix_released_by_flush(tokenizer):
+    ids = tokenizer.encode("I need He", add_special_tokens=False)
+    d, deltas, tail = _stream(tokenizer, ids, stop=["Help"])
+    assert not "".join(x.text for x in deltas).endswith("He")
+    assert "".join(x.text for x in deltas) + tail == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("chunk_mode", ["single", "all"])
+def test_multiple_stops_earliest_wins(tokenizer, chunk_mode):
+    ids = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    chunks = "single" if chunk_mode == "single" else "random"
+    d = IncrementalDetokenizer(tokenizer, [], stop=["delta", "gamma", "beta"])
+    if chunk_mode == "all":  # everything in one chunk: all three match, earliest wins
+        delta = d.add_tokens(ids)
+        text, stop = delta.text, delta.stop_string
+    else:
+        d, deltas, _ = _stream(tokenizer, ids, chunks, stop=["delta", "gamma", "beta"])
+        text, stop = "".join(x.text for x in deltas), deltas[-1].stop_string
+    assert stop == "beta"
+    assert text == "alpha " == d.output_text
+
+
+def test_include_stop_str_in_output(tokenizer):
+    ids = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
+    d, deltas, tail = _stream(tokenizer, ids, stop=["beta"], include_stop_str_in_output=True)
+    assert tail is None and deltas[-1].stop_string == "beta"
+    assert "".join(x.text for x in deltas) == "alpha beta" == d.output_text
+
+
+def test_nothing_after_stop(tokenizer):
+    ids = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
+    more = tokenizer.encode(" more text", add_special_tokens=False)
+    d, deltas, _ = _stream(tokenizer, ids, stop=["beta"])
+    n = d.num_output_tokens
+    after = d.add_tokens(more)
+    assert after.text == ""
+    assert d.flush() == ""
+    assert d.output_text == "alpha "
+    assert d.num_output_tokens == n
+
+
+def test_stop_in_prompt_does_not_trigger(tokenizer):
+    prompt = tokenizer.encode("Say alpha beta then stop", add_special_tokens=False)
+    ids = tokenizer.encode(" gamma delta", add_special_tokens=False)
+    d, deltas, tail = _stream(tokenizer, ids, prompt=prompt, stop=["beta", "stop"])
+    assert all(x.stop_string is None for x in deltas)
+    assert "".join(x.text for x in deltas) + tail == tokenizer.decode(ids)
+
+
+def test_korean_stop_string(tokenizer):
+    ids = tokenizer.encode("안녕하세요, 반갑습니다", add_special_tokens=False)
+    d, deltas, tail = _stream(tokenizer, ids, stop=["반갑"])
+    assert tail is None and deltas[-1].stop_string == "반갑"
+    assert d.output_text.strip() == "안녕하세요,"
+    assert not any(FFFD in x.text for x in deltas)
+
+
+def test_stop_string_with_special_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode("answer<|im_end|>junk", add_special_tokens=False)
+    # with skip_special_tokens=False the special token text is visible to stop strings
+    d, deltas, tail = _stream(tok, ids, stop=["<|im_end|>"], skip_special_tokens=False)
+    assert deltas[-1].stop_string == "<|im_end|>" and d.output_text == "answer"
+    # with skip_special_tokens=True it is dropped from the text entirely
+    d, deltas, tail = _stream(tok, ids, stop=["<|im_end|>"])
+    assert tail is not None and d.output_text == "answerjunk"
+
+
+# ---------------------------------------------------------------- cost
+
+
+def _long_ids(tok, n=2000):
+    rng = random.Random(0)
+    words = ["hello", "world", "안녕", "🎉", "code", "\n", "x = 1;", "반갑습니다", "👍🏽", "the"]
+    text = " ".join(rng.choice(words) for _ in range(n))
+    ids = tok.encode(text, add_special_tokens=False)[:n]
+    assert len(ids) == n
+    return ids
+
+
+def test_decode_window_is_bounded(tokenizer):
+    """Each step decodes a small window, independent of the output length."""
+    ids = _long_ids(tokenizer)
+    d = IncrementalDetokenizer(tokenizer, [], stop=["STOP", "</answer>"])
+    inner, sizes = d._decode, []
+    d._decode = lambda window: sizes.append(len(window)) or inner(window)
+    text = "".join(d.add_tokens([i]).text for i in ids) + d.flush()
+    assert text == tokenizer.decode(ids)
+    assert max(sizes) <= 16, max(sizes)
+
+
+def test_per_token_cost_is_flat(tokenizer, capsys):
+    ids = _long_ids(tokenizer)
+    d = IncrementalDetokenizer(tokenizer, [], stop=["STOP", "</answer>"])
+    times = []
+    for i in ids:
+        t0 = time.perf_counter()
+        d.add_tokens([i])
+        times.append(time.perf_counter() - t0)
+    first, last = sorted(times[:500])[250], sorted(times[-500:])[250]  # medians
+    with capsys.disabled():
+        print(f"\n[detokenizer] 2000 tokens: median us/token first 500 = {first * 1e6:.1f}, "
+              f"last 500 = {last * 1e6:.1f}, mean = {sum(times) / len(times) * 1e6:.1f}")
+    assert last < 3 * first + 20e-6

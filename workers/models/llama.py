@@ -1,0 +1,265 @@
+"""Decoder-only transformer of the Llama family (Llama, Qwen2, Mistral), config-driven.
+
+Plain PyTorch in the manner of gpt-fast. Differences between the families are config
+switches: Qwen2 has a bias on q/k/v; Llama may have ``attention_bias``; the lm_head may be
+tied to the embeddings. Architecture: pre-norm RMSNorm (Zhang & Sennrich 2019), RoPE, grouped-query attention,
+SwiGLU MLP (Shazeer 2020).
+
+The module can hold a contiguous range of decoder layers (a pipeline stage): the first stage
+owns the embeddings, the last the final norm and lm_head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.layers.attention import AttentionMetadata, paged_attention
+from workers.layers.linear import Linear
+from workers.layers.rotary import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of a Hugging Face ``config.json`` that the model needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Build from a parsed config.json. Raises ValueError for unsupported architectures."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                             f"kvmesh serves {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        rope_params = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            sliding_window=window,
+        )
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32. x: ``[T, hidden]``."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias,
+                               shards={"q": self.h * self.d, "k": self.kvh * self.d, "v": self.kvh * self.d})
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
+        self.rope = rope
+        self.scale = self.d ** -0.5
+
+    def forward(self, x, positions, md: AttentionMetadata, kv_cache):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k = self.rope(positions, q.view(T, self.h, self.d), k.view(T, self.kvh, self.d))
+        o = paged_attention(q, k, v.view(T, self.kvh, self.d), kv_cache[0], kv_cache[1], md, self.scale)
+        return self.o_proj(o.reshape(T, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter,
+                                   shards={"gate": self.inter, "up": self.inter})
+        self.down_proj = Linear(self.inter, cfg.hidden_size)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, md, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, md, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Layers ``[start_layer, end_layer)`` of the model.
+
+    ``forward(x, positions, md, kv_caches)``: on the first stage ``x`` is input ids ``[T]``
+    int64, otherwise hidden states ``[T, hidden]``; returns hidden states ``[T, hidden]`` (after
+    the final norm on the last stage). ``kv_caches[i]`` is ``[2, num_blocks, block_size, KVH, D]``
+    for the stage's i-th layer. ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, start_layer: int = 0, end_layer: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.start_layer = start_layer
+        self.end_layer = cfg.num_layers if end_layer is None else end_layer
+        self.is_first = start_layer == 0
+        self.is_last = self.end_layer == cfg.num_layers
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.embed_tokens and self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(self.start_layer, self.end_layer))
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, x, positions, md: AttentionMetadata, kv_caches) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.is_first else x
+        for layer, kv in zip(self.layers, kv_caches):
+            h = layer(h, positions, md, kv)
+        return self.norm(h) if self.is_last else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weight loading -------------------------------------------------------------
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors. Raises ValueError naming an unexpected tensor, a
+        shape mismatch or a tensor the checkpoint lacks."""
+        loaded: set[str] = set()
+        tie = self.cfg.tie_word_embeddings
+        for name, t in tensors:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if tie and name == "model.embed_tokens.weight" and self.is_last:
+                self.lm_head.load_shard("weight", "", t)
+            target = self._route(name)
+            if target is _SKIP:
+                continue
+            if target is None:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            try:
+                if isinstance(target, tuple):
+                    lin, param, shard = target
+                    lin.load_shard(param, shard, t)
+                else:
+                    if target.shape != t.shape:
+                        raise ValueError(f"shape mismatch: checkpoint {tuple(t.shape)}, model expects {tuple(target.shape)}")
+                    target.data.copy_(t)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}: {e}") from None
+            loaded.add(name)
+        missing = [n for n in self._expected_names() if n not in loaded]
+        for mod_name, mod in self.named_modules():
+            if isinstance(mod, Linear) and mod.missing() and not (tie and mod is getattr(self, "lm_head", None)):
+                missing.append(f"{mod_name}: {mod.missing()}")
+        if self.is_last and tie and self.lm_head.missing():
+            missing.append("model.embed_tokens.weight (tied lm_head)")
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _expected_names(self) -> list[str]:
+        names = []
+        if self.is_first:
+            names.append("model.embed_tokens.weight")
+        for i in range(self.start_layer, self.end_layer):
+            names += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+        if self.is_last:
+            names.append("model.norm.weight")
+        return names
+
+    def _route(self, name: str):
+        """Map a checkpoint name to a parameter, a (Linear, param, shard) tuple, _SKIP (belongs
+        to another stage) or None (unknown)."""
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.weight if self.is_first else _SKIP
+        if name == "model.norm.weight":
+            return self.norm.weight if self.is_last else _SKIP
+        if name == "lm_head.weight":
+            return (self.lm_head, "weight", "") if self.is_last else _SKIP
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return None
+        i = int(parts[2])
+        if not self.start_layer <= i < self.end_layer:
+            return _SKIP if i < self.cfg.num_layers else None
+        layer = self.layers[i - self.start_layer]
+        rest = ".".join(parts[3:])
+        param = parts[-1]
+        table = {
+            "self_attn.q_proj": (layer.self_attn.qkv_proj, "q"),
+            "self_attn.k_proj": (layer.self_attn.qkv_proj, "k"),
+            "self_attn.v_proj": (layer.self_attn.qkv_proj, "v"),
+            "self_attn.o_proj": (layer.self_attn.o_proj, ""),
+            "mlp.gate_proj": (layer.mlp.gate_up_proj, "gate"),
+            "mlp.up_proj": (layer.mlp.gate_up_proj, "up"),
+            "mlp.down_proj": (layer.mlp.down_proj, ""),
+        }
+        prefix = rest.rsplit(".", 1)[0]
+        if prefix in table:
+            lin, shard = table[prefix]
+            return (lin, param, shard)
+        if rest == "input_layernorm.weight":
+            return layer.input_layernorm.weight
+        if rest == "post_attention_layernorm.weight":
+            return layer.post_attention_layernorm.weight
+        return None
+
+    def finalize(self, dtype: torch.dtype) -> None:
+        """Convert every weight to the serving dtype (norm weights stay float32)."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.finalize(dtype)
+        if self.embed_tokens is not None:
+            self.embed_tokens.weight.data = self.embed_tokens.weight.data.to(dtype)
+            if self.is_last and self.cfg.tie_word_embeddings:
+                self.lm_head.weight.data = self.embed_tokens.weight.data   # one copy
+
+
+_SKIP = object()
