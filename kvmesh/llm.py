@@ -144,6 +144,10 @@ class _TextFront:
             raise EngineError("this model has no chat template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages → prompt token ids (the template text already holds its special tokens)."""
+        return self.tokenizer.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
 
 class LLM(_TextFront):
     """Offline batched generation.
@@ -209,7 +213,7 @@ class LLM(_TextFront):
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (list of messages) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        ids = [self.tokenizer.encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
+        ids = [self.encode_chat(c) for c in convs]
         return self.generate(ids, sampling_params, use_tqdm)
 
 

@@ -124,7 +124,8 @@ class BlockManager:
                 self.ref_count[b] += 1
             req.block_table.extend(cached_blocks)
             req.num_computed_tokens = computed
-            req.num_cached_tokens = computed
+            if req.num_preemptions == 0:      # usage reports the first schedule's hits only
+                req.num_cached_tokens = computed
         elif req.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.queries += len(req.prompt_token_ids)
         for _ in range(need):

@@ -88,6 +88,15 @@ class Scheduler:
         if self.bm.blocks_needed(total) > self.bm.num_blocks:
             raise EngineError(f"request needs {self.bm.blocks_needed(total)} KV blocks of {self.bm.block_size} tokens; "
                               f"the whole pool has {self.bm.num_blocks} (raise --kv-cache-memory)")
+        if self.policy == "continuous" and not self.enable_chunked_prefill:
+            # unchunked, a prompt (or, after a preemption, prompt + output so far) must be
+            # prefilled in one step; a longer one would wait forever
+            worst = total - 1
+            if worst > self.max_num_batched_tokens:
+                raise EngineError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                                  f"({req.sampling_params.max_tokens}) may need a {worst}-token prefill, over "
+                                  f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked prefill "
+                                  f"disabled (enable chunked prefill or raise max_num_batched_tokens)")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -139,10 +148,7 @@ class Scheduler:
 
     def _schedule_static(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.running and all(r.is_finished for r in self.running):
-            for r in self.running:               # the batch is done: release its rows
-                self.bm.free(r)
-            self.running = []
+        self._release_static_batch_if_done()
         if not self.running:
             while self.waiting and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
@@ -152,7 +158,8 @@ class Scheduler:
                 self._start(req)
         for req in self.running:
             if req.is_finished:                  # padding row: recompute its last position
-                out.seqs.append(ScheduledSeq(req, req.num_computed_tokens - 1, 1, True, padding=True))
+                if req.num_computed_tokens > 0:  # (none if aborted during its first step)
+                    out.seqs.append(ScheduledSeq(req, req.num_computed_tokens - 1, 1, True, padding=True))
             else:
                 n = req.num_tokens - req.num_computed_tokens
                 out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, True))
@@ -213,3 +220,11 @@ class Scheduler:
             self.running.remove(req)
             self.bm.cache_full_blocks(req)
             self.bm.free(req)
+        elif req in self.running:
+            self._release_static_batch_if_done()
+
+    def _release_static_batch_if_done(self) -> None:
+        if self.running and all(r.is_finished for r in self.running):
+            for r in self.running:               # the batch is done: release its rows
+                self.bm.free(r)
+            self.running = []

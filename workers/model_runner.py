@@ -15,9 +15,11 @@ import torch
 from kvmesh.config import EngineConfig
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
-from workers.layers.attention import AttentionMetadata, PrefillChunk
+from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk
 from workers.layers.sampler import Sampler, SamplingMetadata, make_generator
 from workers.loader import load_model
+
+CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
 
 
 @dataclass
@@ -90,13 +92,48 @@ class ModelRunner:
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                num_decode_tokens=len(decode_lens), prefills=prefills)
         if decode_lens:
+            if self.cfg.enable_prefix_caching:
+                md.cascade = self._cascade_groups(decode_tables, decode_lens)
             width = max(len(t) for t in decode_tables)
             md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
                                                   dtype=torch.long, device=dev)
             md.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            md.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < md.decode_seq_lens[:, None])[:, None, None, :]
+            valid = torch.arange(width * bs, device=dev)[None, :] < md.decode_seq_lens[:, None]
+            md.decode_mask = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(
+                ~valid, float("-inf"))[:, None, None, :]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 md, sample_idx, sample_seqs)
+
+    def _cascade_groups(self, tables: list[list[int]], lens: list[int]) -> list[CascadeGroup]:
+        """Group decode rows whose block tables start with the same physical blocks (at least
+        ``CASCADE_MIN_BLOCKS``, at least 2 rows); strip the shared blocks from ``tables`` and
+        ``lens`` in place so those rows attend to the shared prefix once, as a group."""
+        bs = self.block_size
+        by_first: dict[int, list[int]] = {}
+        for row, t in enumerate(tables):
+            if len(t) > CASCADE_MIN_BLOCKS:
+                by_first.setdefault(t[0], []).append(row)
+        groups = []
+        for rows in by_first.values():
+            if len(rows) < 2:
+                continue
+            first = tables[rows[0]]
+            # only blocks before each row's last token can be shared (its last block is its own)
+            lcp = min((lens[r] - 1) // bs for r in rows)
+            for r in rows[1:]:
+                t = tables[r]
+                n = 0
+                while n < lcp and t[n] == first[n]:
+                    n += 1
+                lcp = n
+            if lcp < CASCADE_MIN_BLOCKS:
+                continue
+            groups.append(CascadeGroup(torch.tensor(rows, dtype=torch.long, device=self.device),
+                                       torch.tensor(first[:lcp], dtype=torch.long, device=self.device)))
+            for r in rows:
+                tables[r] = tables[r][lcp:]
+                lens[r] -= lcp * bs
+        return groups
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed

@@ -10,7 +10,15 @@ through its block table.
 A batch is laid out with all decode tokens first (one query token per sequence), then the
 prefill chunks (several query tokens per sequence, possibly after ``ctx_len`` tokens already
 in the cache: a prefix-cache hit or an earlier chunk). Grouped-query attention (GQA;
-Ainslie et al. 2023) is computed without materialising repeated K/V heads.
+Ainslie et al. 2023) is computed without materialising repeated K/V heads: the G query heads
+that share a K/V head are folded into the query-length dimension.
+
+Shared-prefix ("cascade") decode attention: decodes whose block tables start with the same
+physical blocks (prefix-cache hits on one policy document, say) attend to that prefix in
+one batched pass — the prefix K/V is read once for the whole group, and each group member's
+queries form the rows of one matrix product — and to their own remaining blocks separately;
+the two partial softmaxes are merged with their log-sum-exp (as in FlashInfer's cascade
+attention, Ye et al. 2024, and the online-softmax identity of Milakov & Gimelshein 2018).
 """
 
 from __future__ import annotations
@@ -33,14 +41,27 @@ class PrefillChunk:
 
 
 @dataclass
+class CascadeGroup:
+    """Decode rows ``rows`` ([n] int64) whose block tables all begin with ``prefix_blocks``
+    ([P] int64, full blocks); their ``decode_block_tables`` rows hold only the blocks after."""
+
+    rows: torch.Tensor
+    prefix_blocks: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step inputs to every attention layer (built once per step by the model runner).
 
     Attributes:
         slot_mapping: ``[T]`` int64, cache slot of each token of the batch.
         num_decode_tokens: ``Bd``; tokens ``[0, Bd)`` are single-token decodes.
-        decode_block_tables: ``[Bd, max_blocks]`` int64 (padded with block 0).
-        decode_seq_lens: ``[Bd]`` int64, context length including the new token.
+        decode_block_tables: ``[Bd, max_blocks]`` int64 (padded with block 0); for rows in a
+            cascade group, only the blocks after the group's shared prefix.
+        decode_seq_lens: ``[Bd]`` int64, tokens those tables hold (including the new token).
+        decode_mask: ``[Bd, 1, 1, max_blocks * block_size]`` additive mask (0 or -inf) in the
+            model dtype, hiding each row's padding slots.
+        cascade: groups of decode rows sharing a prefix of blocks.
         prefills: the prefill chunks, in batch order after the decodes.
     """
 
@@ -48,7 +69,8 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None   # [Bd, 1, 1, L] bool, derived once per step
+    decode_mask: torch.Tensor | None = None
+    cascade: list[CascadeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -60,10 +82,28 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention that also returns the log-sum-exp of each query's scores.
+
+    q: ``[B, Hk, M, D]``; k, v: ``[B, Hk, N, D]`` (any strides); mask: additive, broadcastable
+    to ``[B, Hk, M, N]``, or None. Returns (out ``[B, Hk, M, D]`` in q's dtype, lse ``[B, Hk, M]``
+    float32).
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+
+
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype) -> torch.Tensor:
-    """K or V of one sequence, ``[KVH, length, D]`` in ``dtype``."""
+    """K or V of one sequence, ``[KVH, length, D]`` in ``dtype`` (``length=-1``: all blocks)."""
     kvh, d = cache.shape[2], cache.shape[3]
-    return cache[block_table].view(-1, kvh, d)[:length].transpose(0, 1).to(dtype)
+    kv = cache[block_table].view(-1, kvh, d)
+    return (kv if length < 0 else kv[:length]).transpose(0, 1).to(dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,15 +127,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     bd = md.num_decode_tokens
     if bd:
+        # Gather each row's blocks and attend on the strided [Bd, KVH, L, D] view (no copy).
         bt = md.decode_block_tables
         L = bt.shape[1] * k_cache.shape[1]
-        kc = k_cache[bt].view(bd, L, KVH, D).transpose(1, 2).to(q.dtype)     # [Bd, KVH, L, D]
+        kc = k_cache[bt].view(bd, L, KVH, D).transpose(1, 2).to(q.dtype)
         vc = v_cache[bt].view(bd, L, KVH, D).transpose(1, 2).to(q.dtype)
         qd = q[:bd].view(bd, KVH, G, D)
-        scores = torch.matmul(qd, kc.transpose(-1, -2)).mul_(scale)            # [Bd, KVH, G, L]
-        scores.masked_fill_(~md.decode_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:bd] = torch.matmul(probs, vc).view(bd, H, D)
+        if not md.cascade:
+            o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=md.decode_mask, scale=scale)
+            out[:bd] = o.reshape(bd, H, D)
+        else:
+            o, lse = attention_with_lse(qd, kc, vc, md.decode_mask, scale)
+            o = o.float()
+            for g in md.cascade:
+                n = g.rows.shape[0]
+                kp = _gather(k_cache, g.prefix_blocks, -1, q.dtype).unsqueeze(0)   # [1, KVH, P, D]
+                vp = _gather(v_cache, g.prefix_blocks, -1, q.dtype).unsqueeze(0)
+                qg = qd[g.rows].transpose(0, 1).reshape(1, KVH, n * G, D)
+                op, lp = attention_with_lse(qg, kp, vp, None, scale)
+                op = op.view(KVH, n, G, D).transpose(0, 1).float()                # [n, KVH, G, D]
+                lp = lp.view(KVH, n, G).transpose(0, 1)
+                ls = lse[g.rows]
+                m = torch.maximum(lp, ls)
+                wp, ws = torch.exp(lp - m).unsqueeze(-1), torch.exp(ls - m).unsqueeze(-1)
+                o[g.rows] = (op * wp + o[g.rows] * ws) / (wp + ws)
+            out[:bd] = o.to(q.dtype).reshape(bd, H, D)
 
     for p in md.prefills:
         n = p.q_end - p.q_start

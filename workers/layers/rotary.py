@@ -50,10 +50,12 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        """Rotation computed in the activations' dtype (as transformers does), from the
+        float32 table."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,32 @@
+# kvmesh developer entry points. `make demo` and `make test` do all the set-up themselves.
+#   venv  .venv with kvmesh installed editable (+ test extras); torch pinned by constraints-cpu.txt
+#   pull  fetch the test model (smollm2-135m-instruct) into $KVMESH_HOME (~/.cache/kvmesh)
+#   demo  venv + the demo model + a two-turn PolicyDesk chat (`kvmesh demo`)
+#   test  venv + test model + the whole test suite
+
+PYTHON      ?= python3
+VENV        := .venv
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.kvmesh-installed
+TEST_MODEL  := smollm2-135m-instruct
+DEMO_MODEL  ?= qwen2.5-coder-0.5b-instruct
+
+.PHONY: venv pull demo test
+
+venv: $(STAMP)
+
+# Re-runs only when the venv is missing or the dependencies changed.
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -c constraints-cpu.txt -e '.[test]'
+	touch $@
+
+pull: venv
+	$(BIN)/kvmesh models pull $(TEST_MODEL)
+
+demo: venv
+	$(BIN)/kvmesh models pull $(DEMO_MODEL)
+	$(BIN)/kvmesh demo --model $(DEMO_MODEL)
+
+test: pull
+	$(BIN)/python -m pytest -q tests

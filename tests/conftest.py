@@ -1,0 +1,224 @@
+"""Shared fixtures for the engine tests.
+
+Models:
+- ``smollm2_dir``: the real SmolLM2-135M-Instruct checkpoint (pulled on first use, honours
+  ``KVMESH_HOME``).
+- ``tiny_llama_dir`` / ``tiny_qwen2_dir``: random tiny checkpoints written with transformers.
+  They are initialised with a large ``initializer_range`` (0.2) so that greedy decoding is
+  context dependent and the top-1/top-2 logit gap is far above float32 noise; RMSNorm weights
+  and the Qwen2 q/k/v biases are randomised too, so loading them wrong changes the outputs.
+
+  ===========  ====  ======  ====================================  ===============
+  checkpoint   arch  layers  rope                                  lm_head
+  ===========  ====  ======  ====================================  ===============
+  tiny_llama   Llama 3       llama3 scaling (factor 4, orig. 64)   untied
+  tiny_qwen2   Qwen2 2       linear scaling (factor 2)             tied, qkv bias
+  ===========  ====  ======  ====================================  ===============
+
+Threads: the machine is shared and has 2 cores. Measured here, one intra-op thread is 4-8x
+faster than two when the other core is busy (OpenMP threads spin-waiting on a preempted
+sibling), so the tests use ``KVMESH_TEST_THREADS`` (default 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from scheduler.request import SamplingParams
+
+torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
+
+BLOCK = 16
+
+# English prose used to build real-text prompts of exact token lengths.
+PROSE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type with an oil-based ink and a wooden screw press adapted from the "
+    "presses used to make wine and olive oil. Within fifty years, printing shops had opened in more "
+    "than two hundred European cities, and millions of books were in circulation. Scholars could "
+    "compare identical copies of a text for the first time, which changed how knowledge was checked "
+    "and shared. Pamphlets spread news and arguments quickly, and the price of a book fell so far "
+    "that ordinary merchants could own a small library. Printers also standardised spelling and "
+    "punctuation, because a single edition reached readers in many regions. Later improvements, such "
+    "as the steam-powered rotary press of the nineteenth century, made newspapers cheap enough to be "
+    "sold on every street corner. Today most text is read on screens, yet the page layout of a "
+    "modern web site still follows conventions that early printers invented: titles, margins, "
+    "numbered pages, footnotes and an index at the end. Meanwhile, in a quiet mountain village, a "
+    "baker named Clara rose every morning before dawn to light her oven. She mixed flour, water, "
+    "salt and a spoonful of old dough, folded it gently and let it rest while the sky turned from "
+    "black to grey. Her neighbours said that the smell of her bread could wake the whole valley. "
+    "One winter the road to the city was closed by snow for three weeks, and Clara's small shop "
+    "became the only place where people could buy food. She baked twice as much as usual, gave "
+    "loaves to families who could not pay, and kept a list in pencil that she later threw away."
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from workers.registry import resolve_model
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def prose_ids(smollm2_tokenizer):
+    """Token ids of real English text (SmolLM2 tokenizer), at least 300 of them."""
+    ids = smollm2_tokenizer.encode(PROSE)
+    assert len(ids) >= 300
+    return ids
+
+
+def _randomise_(model, bias_std: float = 0.0) -> None:
+    """Make the parameters transformers initialises to constants random too."""
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(bias_std * torch.randn(p.shape, generator=g))
+
+
+def _write_tiny(path, config, bias_std: float = 0.0):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    _randomise_(model, bias_std)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                   rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(num_hidden_layers=3, tie_word_embeddings=False,
+                      rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                      **TINY_COMMON)
+    return _write_tiny(tmp_path_factory.mktemp("tiny-llama"), cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    from transformers import Qwen2Config
+    cfg = Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True,
+                      rope_scaling={"rope_type": "linear", "factor": 2.0}, **TINY_COMMON)
+    return _write_tiny(tmp_path_factory.mktemp("tiny-qwen2"), cfg, bias_std=0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers (exposed as fixtures so test modules need not import conftest)
+
+def make_engine(model, **kw):
+    """An LLMEngine on ``model`` (name or directory). ``num_blocks`` sizes the KV pool."""
+    from kvmesh.config import EngineConfig
+    from scheduler.engine import LLMEngine
+    num_blocks = kw.pop("num_blocks", None)
+    kw.setdefault("kv_cache_memory", 96 * 2**20)    # SmolLM2: 136 blocks of 16 tokens
+    kw.setdefault("max_model_len", 512)
+    return LLMEngine(EngineConfig(model=str(model), **kw), num_blocks=num_blocks)
+
+
+class SharedExecutor:
+    """Executor of an existing engine, reused by another engine (same model, block size and
+    max_model_len) so that a test can try several scheduler settings without reloading the
+    weights. ``num_blocks`` may be smaller than the real pool (block ids stay valid). Blocks
+    keep whatever K/V earlier engines left in them, as a real pool does."""
+
+    def __init__(self, base, num_blocks: int | None = None):
+        self.base = base
+        self.num_blocks = num_blocks or base.num_blocks
+        assert self.num_blocks <= base.num_blocks
+        self.kv_cache_bytes = base.kv_cache_bytes
+
+    def execute(self, out):
+        return self.base.execute(out)
+
+    def free_requests(self, ids):
+        self.base.free_requests(ids)
+
+    def shutdown(self):
+        pass
+
+
+def derive_engine(engine, num_blocks: int | None = None, **overrides):
+    """A new LLMEngine sharing ``engine``'s model and KV cache, with other settings."""
+    from scheduler.engine import LLMEngine
+    cfg = engine.cfg.replace(**overrides)
+    assert cfg.block_size == engine.cfg.block_size and cfg.max_model_len == engine.cfg.max_model_len
+    return LLMEngine(cfg, executor=SharedExecutor(engine.executor, num_blocks))
+
+
+def run_to_completion(engine, requests, max_steps: int = 100_000):
+    """Add ``requests`` (list of (id, prompt_ids, SamplingParams)) and step until every one
+    finished. Returns {id: Request}."""
+    reqs = {rid: engine.add_request(rid, ids, sp) for rid, ids, sp in requests}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    else:
+        raise AssertionError("engine did not finish")
+    engine.step()   # collect late outputs (aborts), a no-op otherwise
+    assert all(r.is_finished for r in reqs.values())
+    return reqs
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+class Helpers:
+    make_engine = staticmethod(make_engine)
+    derive_engine = staticmethod(derive_engine)
+    run = staticmethod(run_to_completion)
+    greedy = staticmethod(greedy)
+    BLOCK = BLOCK
+
+    @staticmethod
+    def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """transformers' greedy ``generate`` with no EOS (exactly ``max_new_tokens`` tokens)."""
+        from transformers import GenerationConfig
+        gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=None,
+                              eos_token_id=None, pad_token_id=0, bos_token_id=None)
+        x = torch.tensor([prompt_ids])
+        with torch.inference_mode():
+            out = hf_model.generate(x, generation_config=gc, attention_mask=torch.ones_like(x))
+        return out[0, len(prompt_ids):].tolist()
+
+    @staticmethod
+    def capture_logits(engine) -> list[torch.Tensor]:
+        """Record every ``[N, vocab]`` logits tensor the engine's model produces (one per step
+        that samples). Relies only on the model's documented ``compute_logits``."""
+        model = engine.executor.runner.model
+        orig = model.compute_logits
+        captured: list[torch.Tensor] = []
+
+        def wrapper(hidden):
+            out = orig(hidden)
+            captured.append(out.detach().float().clone())
+            return out
+
+        model.compute_logits = wrapper
+        return captured
+
+
+@pytest.fixture(scope="session")
+def h():
+    return Helpers
