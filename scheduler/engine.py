@@ -107,6 +107,8 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._emitted: dict[str, int] = {}
         self._finished_out: list[EngineOutput] = []
+        self._in_flight: set[str] = set()       # ids of the requests the running step computes
+        self._deferred: dict[str, tuple[FinishReason, int | str | None]] = {}
         self.num_steps = 0
 
     # ---- requests ----------------------------------------------------------------------
@@ -134,14 +136,23 @@ class LLMEngine:
         return self.finish_request(request_id, FinishReason.ABORT)
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
+        """End a request. One that the model is computing right now (a call from another
+        thread during ``step()``) is ended as soon as the model returns: until then the
+        executor still reads its block table."""
         with self.lock:
             req = self.scheduler.requests.get(request_id)
             if req is None:
                 return False
-            self.scheduler.finish(req, reason, stop_reason)
-            self._finished_out.append(self._output(req))
-            self.executor.free_requests([request_id])
+            if request_id in self._in_flight:
+                self._deferred.setdefault(request_id, (reason, stop_reason))
+                return True
+            self._finish_now(req, reason, stop_reason)
             return True
+
+    def _finish_now(self, req: Request, reason: FinishReason, stop_reason) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        self._finished_out.append(self._output(req))
+        self.executor.free_requests([req.request_id])
 
     def has_unfinished_requests(self) -> bool:
         with self.lock:
@@ -157,12 +168,22 @@ class LLMEngine:
         that produced tokens or finished in this step (including aborts since the last step)."""
         with self.lock:
             sched = self.scheduler.schedule()
+            self._in_flight = {s.req.request_id for s in sched.seqs}
         if sched.empty:
             with self.lock:
                 out, self._finished_out = self._finished_out, []
                 self.block_manager.take_events()
             return out
-        result = self.executor.execute(sched)
+        try:
+            result = self.executor.execute(sched)
+        finally:
+            with self.lock:
+                self._in_flight = set()
+                deferred, self._deferred = self._deferred, {}
+                for rid, (reason, stop_reason) in deferred.items():   # finished during the step
+                    req = self.scheduler.requests.get(rid)
+                    if req is not None:
+                        self._finish_now(req, reason, stop_reason)
         with self.lock:
             self.num_steps += 1
             changed = self.scheduler.update(sched, result.sampled, result.logprobs)
@@ -262,7 +283,7 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # surface to every waiting caller
             self.errored = e
-            def fail():
+            def fail(e=e):                  # bind now: `e` is unset after the except block
                 for q in self._queues.values():
                     q.put_nowait(EngineError(f"engine loop died: {e!r}"))
             self._loop.call_soon_threadsafe(fail)

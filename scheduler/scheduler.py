@@ -130,9 +130,24 @@ class Scheduler:
                 budget -= n
                 i += 1
         # 2) waiting requests, unless this step had to preempt
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.seqs)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Move waiting requests into the batch (FCFS) while budget, sequence cap and blocks
+        allow. With prefix caching, a request whose next uncached block is being computed
+        right now by another request waits for it (prefix-aware admission) instead of
+        computing the same K/V twice; requests behind it may go first."""
+        inflight = self._inflight_hashes() if self.bm.enable_prefix_caching else set()
+        deferred = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.bm.find_cached_prefix(req)
+            if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in inflight:
+                deferred.append(self.waiting.popleft())
+                continue
             remaining = req.num_tokens - len(hits) * self.bm.block_size
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
@@ -143,8 +158,15 @@ class Scheduler:
             self._start(req)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
             budget -= n
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.seqs)
-        return out
+            if inflight is not None and self.bm.enable_prefix_caching:
+                inflight.update(req.block_hashes[len(hits):])
+        self.waiting.extendleft(reversed(deferred))
+        return budget
+
+    def _inflight_hashes(self) -> set[int]:
+        """Hashes of full prompt blocks that running requests have not finished computing."""
+        bs = self.bm.block_size
+        return {h for r in self.running for h in r.block_hashes[r.num_computed_tokens // bs:]}
 
     def _schedule_static(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -15,7 +15,7 @@ import torch
 from kvmesh.config import EngineConfig
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
-from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk
+from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index
 from workers.layers.sampler import Sampler, SamplingMetadata, make_generator
 from workers.loader import load_model
 
@@ -84,7 +84,7 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 prefills.append(PrefillChunk(q_start, q_start + n, start,
-                                             torch.tensor(bt[: -(-(start + n) // bs)], dtype=torch.long, device=self.device)))
+                                             block_index(bt[: -(-(start + n) // bs)], self.device)))
             if s.sample:
                 sample_idx.append(len(ids) - 1)
                 sample_seqs.append(s)
@@ -95,8 +95,13 @@ class ModelRunner:
             if self.cfg.enable_prefix_caching:
                 md.cascade = self._cascade_groups(decode_tables, decode_lens)
             width = max(len(t) for t in decode_tables)
-            md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                                  dtype=torch.long, device=dev)
+            if len(decode_tables) == 1:
+                md.decode_block_tables = block_index(decode_tables[0], dev)
+                if isinstance(md.decode_block_tables, torch.Tensor):
+                    md.decode_block_tables = md.decode_block_tables[None]
+            else:
+                md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                                      dtype=torch.long, device=dev)
             md.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
             valid = torch.arange(width * bs, device=dev)[None, :] < md.decode_seq_lens[:, None]
             md.decode_mask = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(
@@ -129,7 +134,7 @@ class ModelRunner:
             if lcp < CASCADE_MIN_BLOCKS:
                 continue
             groups.append(CascadeGroup(torch.tensor(rows, dtype=torch.long, device=self.device),
-                                       torch.tensor(first[:lcp], dtype=torch.long, device=self.device)))
+                                       block_index(first[:lcp], self.device)))
             for r in rows:
                 tables[r] = tables[r][lcp:]
                 lens[r] -= lcp * bs

@@ -37,7 +37,7 @@ class PrefillChunk:
     q_start: int
     q_end: int
     ctx_len: int
-    block_table: torch.Tensor   # [num_blocks_of_seq] int64
+    block_table: torch.Tensor | slice   # [num_blocks_of_seq] int64, or a slice for a contiguous run
 
 
 @dataclass
@@ -46,7 +46,7 @@ class CascadeGroup:
     ([P] int64, full blocks); their ``decode_block_tables`` rows hold only the blocks after."""
 
     rows: torch.Tensor
-    prefix_blocks: torch.Tensor
+    prefix_blocks: torch.Tensor | slice
 
 
 @dataclass
@@ -57,7 +57,8 @@ class AttentionMetadata:
         slot_mapping: ``[T]`` int64, cache slot of each token of the batch.
         num_decode_tokens: ``Bd``; tokens ``[0, Bd)`` are single-token decodes.
         decode_block_tables: ``[Bd, max_blocks]`` int64 (padded with block 0); for rows in a
-            cascade group, only the blocks after the group's shared prefix.
+            cascade group, only the blocks after the group's shared prefix. A ``slice`` when
+            ``Bd == 1`` and the blocks are a contiguous run (read as a view, no gather).
         decode_seq_lens: ``[Bd]`` int64, tokens those tables hold (including the new token).
         decode_mask: ``[Bd, 1, 1, max_blocks * block_size]`` additive mask (0 or -inf) in the
             model dtype, hiding each row's padding slots.
@@ -67,7 +68,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | slice | None = None
     decode_seq_lens: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     cascade: list[CascadeGroup] = field(default_factory=list)
@@ -99,7 +100,15 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype) -> torch.Tensor:
+def block_index(ids: list[int], device) -> torch.Tensor | slice:
+    """Index for a list of block ids: a slice when they are one contiguous ascending run
+    (then reading them is a view, not a copy), else an int64 tensor."""
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
+        return slice(ids[0], ids[-1] + 1)
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor | slice, length: int, dtype) -> torch.Tensor:
     """K or V of one sequence, ``[KVH, length, D]`` in ``dtype`` (``length=-1``: all blocks)."""
     kvh, d = cache.shape[2], cache.shape[3]
     kv = cache[block_table].view(-1, kvh, d)
@@ -129,7 +138,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if bd:
         # Gather each row's blocks and attend on the strided [Bd, KVH, L, D] view (no copy).
         bt = md.decode_block_tables
-        L = bt.shape[1] * k_cache.shape[1]
+        L = md.decode_mask.shape[-1]
         kc = k_cache[bt].view(bd, L, KVH, D).transpose(1, 2).to(q.dtype)
         vc = v_cache[bt].view(bd, L, KVH, D).transpose(1, 2).to(q.dtype)
         qd = q[:bd].view(bd, KVH, G, D)

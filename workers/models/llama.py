@@ -258,8 +258,6 @@ class LlamaForCausalLM(nn.Module):
                 mod.finalize(dtype)
         if self.embed_tokens is not None:
             self.embed_tokens.weight.data = self.embed_tokens.weight.data.to(dtype)
-            if self.is_last and self.cfg.tie_word_embeddings:
-                self.lm_head.weight.data = self.embed_tokens.weight.data   # one copy
 
 
 _SKIP = object()
