@@ -186,9 +186,45 @@ async def _race(allm):
     keep = asyncio.create_task(_collect(allm, "A list of rivers:", SamplingParams(temperature=0.0, max_tokens=30,
                                                                                  ignore_eos=True)))
     await asyncio.gather(*(cut(i) for i in range(12)))
-    ups = await asyncio.wait_for(keep, 60)
+    ups = await asyncio.wait_for(keep, 30)
     assert allm.engine.errored is None
     assert len(ups[-1].outputs[0].token_ids) == 30
     await _wait_idle(allm)
     eng = allm.engine.engine
     assert eng.stats().used == 0 and not eng.scheduler.requests
+
+
+class FailingExecutor:
+    def __init__(self, inner, fail_at: int):
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+        self.num_blocks, self.kv_cache_bytes = inner.num_blocks, inner.kv_cache_bytes
+
+    def execute(self, out):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("device lost")
+        return self.inner.execute(out)
+
+    def free_requests(self, ids):
+        self.inner.free_requests(ids)
+
+    def shutdown(self):
+        pass
+
+
+async def test_engine_loop_failure_reaches_callers(tiny_llama_dir, h):
+    """If a step raises, every open stream gets an EngineError (instead of waiting forever)
+    and new requests are refused."""
+    from scheduler.engine import AsyncEngine, LLMEngine
+    base = h.make_engine(tiny_llama_dir)
+    eng = AsyncEngine(LLMEngine(base.cfg, executor=FailingExecutor(base.executor, fail_at=3)))
+    try:
+        async def stream(rid):
+            return [o async for o in eng.generate(rid, [1, 2, 3, 4], h.greedy(20))]
+        results = await asyncio.wait_for(asyncio.gather(stream("f1"), stream("f2"), return_exceptions=True), 20)
+        for r in results:
+            assert isinstance(r, EngineError) and "engine loop died" in str(r) and "device lost" in str(r)
+        with pytest.raises(EngineError, match="engine loop died"):
+            eng.add_request("f3", [1, 2], h.greedy(2))
+    finally:
+        await eng.shutdown()

@@ -160,6 +160,7 @@ class ModelRunner:
             return ModelRunnerOutput({}, None)
         logits = self.model.compute_logits(hidden[sample_idx])
         reqs = [s.req for s in sample_seqs]
+        self._suppress_stops(logits, reqs)
         smd = SamplingMetadata.build([r.sampling_params for r in reqs],
                                      [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
                                      [self._generator(r) for r in reqs], self.vocab_size, self.device)
@@ -170,6 +171,17 @@ class ModelRunner:
         if so.logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(reqs, so.logprobs) if r.sampling_params.logprobs is not None}
         return ModelRunnerOutput(sampled, logprobs)
+
+    @staticmethod
+    def _suppress_stops(logits: torch.Tensor, reqs) -> None:
+        """``min_tokens``: while a request has fewer output tokens, its EOS and stop token ids
+        cannot be sampled (their logits become -inf), as in vLLM."""
+        for row, r in enumerate(reqs):
+            sp = r.sampling_params
+            if r.num_output_tokens < sp.min_tokens:
+                ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
+                if ids:
+                    logits[row, ids] = float("-inf")
 
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget per-request state (seeded generators) of finished requests."""
