@@ -34,14 +34,14 @@ OUTPUT_LENS = (16, 32, 64, 128, 256, 64)
 
 CONFIGS = [
     # name, policy, prefix caching, dtype
-    ("naive", "naive", False, "float32"),
-    ("static", "static", False, "float32"),
-    ("continuous", "continuous", False, "float32"),
-    ("continuous+prefix", "continuous", True, "float32"),
     ("naive", "naive", False, "bfloat16"),
     ("static", "static", False, "bfloat16"),
     ("continuous", "continuous", False, "bfloat16"),
     ("continuous+prefix", "continuous", True, "bfloat16"),
+    ("naive", "naive", False, "float32"),
+    ("static", "static", False, "float32"),
+    ("continuous", "continuous", False, "float32"),
+    ("continuous+prefix", "continuous", True, "float32"),
 ]
 
 
@@ -77,7 +77,7 @@ def run_one(args) -> dict:
     from kvmesh import LLM, SamplingParams
     llm = LLM(args.model, policy=args.policy, enable_prefix_caching=args.prefix, dtype=args.dtype,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=2048)
+              kv_cache_memory=args.kv_cache_memory, max_model_len=4096)
     n = args.naive_requests if args.policy == "naive" else args.requests
     convs = policydesk_conversations(n)
     prompts = [llm.tokenizer.encode(llm.apply_chat_template(c), add_special_tokens=False) for c in convs]
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--naive-requests", type=int, default=2)
-    ap.add_argument("--max-num-seqs", type=int, default=16, help="batch size for static; sequence cap for continuous")
+    ap.add_argument("--max-num-seqs", type=int, default=48, help="batch size for static; sequence cap for continuous")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", default="3GiB")
     ap.add_argument("--threads", type=int, default=2)
@@ -165,6 +165,8 @@ def main(argv=None) -> int:
             return 1
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.out:                     # keep partial results if a later configuration fails
+            Path(args.out).write_text(json.dumps(rows, indent=2))
     print(table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))

@@ -112,33 +112,43 @@ class ModelRunner:
     def _cascade_groups(self, tables: list[list[int]], lens: list[int]) -> list[CascadeGroup]:
         """Group decode rows whose block tables start with the same physical blocks (at least
         ``CASCADE_MIN_BLOCKS``, at least 2 rows); strip the shared blocks from ``tables`` and
-        ``lens`` in place so those rows attend to the shared prefix once, as a group."""
+        ``lens`` in place so those rows attend to the shared prefix once, as a group.
+
+        Rows are sorted by block table, so rows sharing long prefixes are neighbours; a group
+        grows while the next row still shares at least half of the group's prefix (so a short
+        prefix common to everyone, a system prompt, does not swallow the longer per-document
+        prefixes)."""
         bs = self.block_size
-        by_first: dict[int, list[int]] = {}
-        for row, t in enumerate(tables):
-            if len(t) > CASCADE_MIN_BLOCKS:
-                by_first.setdefault(t[0], []).append(row)
-        groups = []
-        for rows in by_first.values():
-            if len(rows) < 2:
-                continue
-            first = tables[rows[0]]
-            # only blocks before each row's last token can be shared (its last block is its own)
-            lcp = min((lens[r] - 1) // bs for r in rows)
-            for r in rows[1:]:
-                t = tables[r]
+        order = sorted((r for r in range(len(tables)) if len(tables[r]) > CASCADE_MIN_BLOCKS),
+                       key=lambda r: tables[r])
+        groups, cur, prefix = [], [], []
+
+        def close():
+            if len(cur) >= 2 and len(prefix) >= CASCADE_MIN_BLOCKS:
+                groups.append((list(cur), list(prefix)))
+
+        for r in order:
+            own = tables[r][: (lens[r] - 1) // bs]     # a row's last block is its own
+            if cur:
                 n = 0
-                while n < lcp and t[n] == first[n]:
+                limit = min(len(prefix), len(own))
+                while n < limit and own[n] == prefix[n]:
                     n += 1
-                lcp = n
-            if lcp < CASCADE_MIN_BLOCKS:
-                continue
-            groups.append(CascadeGroup(torch.tensor(rows, dtype=torch.long, device=self.device),
-                                       block_index(first[:lcp], self.device)))
+                if n >= CASCADE_MIN_BLOCKS and 2 * n >= len(prefix):
+                    cur.append(r)
+                    prefix = prefix[:n]
+                    continue
+                close()
+            cur, prefix = [r], own
+        close()
+        out = []
+        for rows, shared in groups:
+            out.append(CascadeGroup(torch.tensor(rows, dtype=torch.long, device=self.device),
+                                    block_index(shared, self.device)))
             for r in rows:
-                tables[r] = tables[r][lcp:]
-                lens[r] -= lcp * bs
-        return groups
+                tables[r] = tables[r][len(shared):]
+                lens[r] -= len(shared) * bs
+        return out
 
     def _generator(self, req) -> torch.Generator | None:
         seed = req.sampling_params.seed
