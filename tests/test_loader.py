@@ -1,0 +1,80 @@
+"""A checkpoint that cannot be served fails at load with a message naming the problem."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvmesh.config import EngineConfig
+from scheduler.engine import LLMEngine
+from scheduler.request import EngineError
+from workers.loader import load_model
+
+
+@pytest.fixture
+def ckpt(tiny_llama_dir, tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama_dir, d)
+    return d
+
+
+def _edit_tensors(d, fn):
+    f = next(d.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    fn(tensors)
+    save_file(tensors, str(f))
+
+
+def _edit_config(d, **kw):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(kw)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _load(d):
+    return load_model(d, dtype=torch.float32, device="cpu", max_positions=64)
+
+
+def test_tiny_checkpoint_loads(ckpt):
+    assert _load(ckpt).cfg.num_layers >= 2
+
+
+def test_unknown_architecture(ckpt):
+    _edit_config(ckpt, architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
+    with pytest.raises(EngineError, match="unsupported architecture.*GPTNeoXForCausalLM"):
+        _load(ckpt)
+
+
+def test_missing_tensor(ckpt):
+    _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(EngineError, match="lacks.*layers.1.mlp.down_proj"):
+        _load(ckpt)
+
+
+def test_shape_mismatch(ckpt):
+    def shrink(t):
+        t["model.layers.0.self_attn.o_proj.weight"] = t["model.layers.0.self_attn.o_proj.weight"][:, :-1].contiguous()
+    _edit_tensors(ckpt, shrink)
+    with pytest.raises(EngineError, match="o_proj.weight.*shape mismatch"):
+        _load(ckpt)
+
+
+def test_unexpected_tensor(ckpt):
+    _edit_tensors(ckpt, lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
+    with pytest.raises(EngineError, match="unexpected tensor.*mystery"):
+        _load(ckpt)
+
+
+def test_no_weight_files(ckpt):
+    for f in ckpt.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(EngineError, match="no \\*.safetensors"):
+        _load(ckpt)
+
+
+def test_engine_reports_the_load_error(ckpt):
+    _edit_config(ckpt, architectures=["BertModel"])
+    with pytest.raises(EngineError, match="unsupported architecture"):
+        LLMEngine(EngineConfig(model=str(ckpt), kv_cache_memory=2**20))
