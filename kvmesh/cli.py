@@ -43,7 +43,7 @@ def _memory(v: str) -> float:
 ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--model", "model", dict(metavar="NAME|DIR", help="known model name (see `kvmesh models list`) or a "
                                                        "Hugging Face checkpoint directory")),
-    ("--dtype", "dtype", dict(help="weights/activations: auto (float32 on CPU, bfloat16 on CUDA), "
+    ("--dtype", "dtype", dict(help="weights/activations: auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), "
                                    "float32, bfloat16")),
     ("--kv-cache-dtype", "kv_cache_dtype", dict(help="auto (= dtype), float32, bfloat16")),
     ("--block-size", "block_size", dict(type=int, metavar="N", help="tokens per KV block (power of two; 16)")),
@@ -252,6 +252,12 @@ def register_commands(sub) -> None:
     add_engine_args(p, default_model=DEMO_MODEL)
     p.set_defaults(func=cmd_demo)
 
+    bench = sub.add_parser("bench", help="benchmarks (see docs/)")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
+    # `kvmesh bench engine ARGS` hands ARGS to bench.engine_offline (see main())
+    bsub.add_parser("engine", help="offline engine benchmark: naive / static / continuous (± prefix caching), "
+                                   "fp32 and bf16; `kvmesh bench engine --help` for its flags")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from kvmesh import __version__
@@ -265,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (2 for a bad argument or an EngineError)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "engine"]:
+        from bench.engine_offline import main as bench_engine
+        try:
+            return bench_engine(argv[2:])
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 0
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:             # --help, --version, or argparse's "error: ..." (code 2)

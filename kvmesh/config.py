@@ -17,6 +17,16 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU advertises AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
 def _parse_bytes(v: str | float | int) -> float:
     """``"2GiB"``, ``"512MB"``, ``"0.2"`` (fraction), ``1e9`` → float."""
     if isinstance(v, (int, float)):
@@ -34,8 +44,8 @@ class EngineConfig:
 
     Attributes:
         model: known model name (see ``kvmesh models list``) or checkpoint directory.
-        dtype: weight/activation dtype: ``float32`` or ``bfloat16`` (``auto`` = float32 on
-            the CPU, bfloat16 on CUDA).
+        dtype: weight/activation dtype: ``float32`` or ``bfloat16`` (``auto``: see
+            :attr:`torch_dtype`).
         kv_cache_dtype: ``auto`` (= dtype), ``float32`` or ``bfloat16``.
         block_size: tokens per KV block.
         kv_cache_memory: KV budget: bytes if > 1 (``"2GiB"`` accepted), else a fraction of
@@ -98,8 +108,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """``auto``: bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16 or AMX),
+        where it measured faster than float32 for prefill and batched decode
+        (docs/engine_offline.md); float32 on other CPUs."""
         if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+            if self.device.startswith("cuda") or cpu_has_native_bf16():
+                return torch.bfloat16
+            return torch.float32
         return DTYPES[self.dtype]
 
     def replace(self, **kw) -> "EngineConfig":

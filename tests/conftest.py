@@ -30,6 +30,8 @@ import torch
 from scheduler.request import SamplingParams
 
 torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
+# Parity with transformers is checked in float32; `auto` picks bfloat16 on CPUs with native bf16.
+os.environ.setdefault("KVMESH_DTYPE", "float32")
 
 BLOCK = 16
 
@@ -132,6 +134,7 @@ def make_engine(model, **kw):
     num_blocks = kw.pop("num_blocks", None)
     kw.setdefault("kv_cache_memory", 96 * 2**20)    # SmolLM2: 136 blocks of 16 tokens
     kw.setdefault("max_model_len", 512)
+    kw.setdefault("dtype", os.environ["KVMESH_DTYPE"])
     return LLMEngine(EngineConfig(model=str(model), **kw), num_blocks=num_blocks)
 
 
