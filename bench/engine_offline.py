@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved rows and exit")
     # child mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name"); ap.add_argument("--policy"); ap.add_argument("--dtype")
@@ -148,6 +149,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(run_one(args)))
+        return 0
+    if args.table:
+        print(table([r for f in args.table for r in json.loads(Path(f).read_text())]))
         return 0
     rows = []
     for name, policy, prefix, dtype in CONFIGS:
