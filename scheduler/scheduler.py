@@ -158,7 +158,7 @@ class Scheduler:
             self._start(req)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
             budget -= n
-            if inflight is not None and self.bm.enable_prefix_caching:
+            if self.bm.enable_prefix_caching:
                 inflight.update(req.block_hashes[len(hits):])
         self.waiting.extendleft(reversed(deferred))
         return budget

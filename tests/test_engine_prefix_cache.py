@@ -123,3 +123,19 @@ def test_kv_events_from_engine(tiny_llama_dir, tokens, h):
     _one(h, eng, "ev-b", tokens(90), n=2)
     removed = [x for e in sink.events if isinstance(e, BlockRemoved) for x in e.block_hashes]
     assert sorted(removed) == sorted(hashes)
+
+
+def test_burst_on_one_prefix_computes_it_once(engines, tokens, h):
+    """Prefix-aware admission: requests submitted together that share full blocks wait for the
+    first one to compute them instead of computing the same K/V in parallel."""
+    eng, plain = engines
+    shared = tokens(64)                       # 4 full blocks
+    prompts = {f"burst-{i}": shared + tokens(5 + i) for i in range(4)}
+    s0 = eng.stats()
+    got = h.run(eng, [(rid, p, h.greedy(6)) for rid, p in prompts.items()])
+    hits = sorted(got[rid].num_cached_tokens for rid in prompts)
+    assert hits == [0, 64, 64, 64]
+    assert _delta(s0, eng.stats())[1] == 3 * 64
+    ref = h.run(plain, [(rid + "-plain", p, h.greedy(6)) for rid, p in prompts.items()])
+    for rid in prompts:
+        assert got[rid].output_token_ids == ref[rid + "-plain"].output_token_ids
