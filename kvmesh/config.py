@@ -32,7 +32,7 @@ def _parse_bytes(v: str | float | int) -> float:
     if isinstance(v, (int, float)):
         return float(v)
     s = v.strip().lower().replace(" ", "")
-    for suffix, mult in (("gib", 2**30), ("mib", 2**20), ("kib", 2**10), ("gb", 1e9), ("mb", 1e6), ("kb", 1e3), ("g", 2**30), ("m", 2**20)):
+    for suffix, mult in (("gib", 2**30), ("mib", 2**20), ("kib", 2**10), ("gb", 1e9), ("mb", 1e6), ("kb", 1e3), ("g", 2**30), ("m", 2**20), ("b", 1)):
         if s.endswith(suffix):
             return float(s[: -len(suffix)]) * mult
     return float(s)
@@ -48,7 +48,7 @@ class EngineConfig:
             :attr:`torch_dtype`).
         kv_cache_dtype: ``auto`` (= dtype), ``float32`` or ``bfloat16``.
         block_size: tokens per KV block.
-        kv_cache_memory: KV budget: bytes if > 1 (``"2GiB"`` accepted), else a fraction of
+        kv_cache_memory: KV budget: bytes if >= 1 (``"2GiB"`` accepted), else a fraction of
             free device memory.
         max_model_len: longest sequence, prompt + output, in tokens (0 = model's limit, at most 8192).
         max_num_seqs: most sequences in one step.

@@ -8,6 +8,7 @@ tokens already have K/V in the cache). Token ids are Python ints; nothing here t
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +60,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise :class:`EngineError` naming the first bad field."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise EngineError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise EngineError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

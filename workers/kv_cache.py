@@ -28,12 +28,15 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 
 def budget_bytes(kv_cache_memory: float, device: torch.device) -> int:
-    """``kv_cache_memory`` > 1 is a byte count; in (0, 1] a fraction of the device's free
-    memory (available RAM on the CPU, free memory on an accelerator)."""
-    if kv_cache_memory <= 0:
+    """``kv_cache_memory`` >= 1 is a byte count; in (0, 1) a fraction of the device's free
+    memory (available RAM on the CPU, free memory on an accelerator). A fraction above 0.9 is
+    refused: the weights and activations need room too."""
+    if not kv_cache_memory > 0:
         raise EngineError(f"kv_cache_memory must be > 0, got {kv_cache_memory}")
-    if kv_cache_memory > 1:
+    if kv_cache_memory >= 1:
         return int(kv_cache_memory)
+    if kv_cache_memory > 0.9:
+        raise EngineError(f"kv_cache_memory fraction {kv_cache_memory} leaves no room for the model; use at most 0.9")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
@@ -43,6 +46,10 @@ def budget_bytes(kv_cache_memory: float, device: torch.device) -> int:
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Zero-filled caches, one per layer: ``[2, num_blocks, block_size, KVH, D]``."""
-    return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)]
+    """Zero-filled caches, one per layer: ``[2, num_blocks, block_size, KVH, D]``.
+    Raises EngineError when the memory cannot be allocated."""
+    try:
+        return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                for _ in range(num_layers)]
+    except (RuntimeError, MemoryError) as e:     # torch's allocators raise RuntimeError / OutOfMemoryError
+        raise EngineError(f"cannot allocate the KV cache ({num_blocks} blocks): {e}; lower --kv-cache-memory") from None

@@ -53,7 +53,8 @@ class ModelRunner:
             num_blocks = budget_bytes(cfg.kv_cache_memory, self.device) // per_block
         if num_blocks < 1:
             from scheduler.request import EngineError
-            raise EngineError(f"KV cache budget {cfg.kv_cache_memory} holds no block of {per_block} bytes")
+            raise EngineError(f"KV cache budget {budget_bytes(cfg.kv_cache_memory, self.device)} bytes "
+                              f"holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * per_block
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, cfg.block_size,
