@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-DATA = Path(__file__).parent / "data" / "policydesk"
+from bench import policydesk
+
 OUTPUT_LENS = (16, 32, 64, 128, 256, 64)
 
 CONFIGS = [
@@ -46,19 +47,17 @@ CONFIGS = [
 
 
 def policydesk_conversations(n: int) -> list[list[dict]]:
-    """``n`` single-turn PolicyDesk chats: policies in rotation, each with its own questions."""
-    system = (DATA / "system_prompt.txt").read_text().strip()
-    policies = {p.stem: p.read_text() for p in sorted((DATA / "policies").glob("*.md"))}
-    questions = [json.loads(line) for line in (DATA / "questions.jsonl").read_text().splitlines() if line.strip()]
+    """``n`` single-turn PolicyDesk chats: policies in rotation, each with its own questions
+    (prompt layout of :mod:`bench.policydesk`)."""
     by_policy: dict[str, list[str]] = {}
-    for q in questions:
+    for q in policydesk.questions():
         by_policy.setdefault(q["policy"], []).append(q["question"])
-    names = sorted(policies)
+    names = sorted(by_policy)
     convs = []
     for i in range(n):
         name = names[i % len(names)]
         qs = by_policy[name]
-        convs.append([{"role": "system", "content": f"{system}\n\n{policies[name]}"},
+        convs.append([{"role": "system", "content": policydesk.system_message(name)},
                       {"role": "user", "content": qs[(i // len(names)) % len(qs)]}])
     return convs
 
@@ -80,7 +79,7 @@ def run_one(args) -> dict:
               kv_cache_memory=args.kv_cache_memory, max_model_len=4096)
     n = args.naive_requests if args.policy == "naive" else args.requests
     convs = policydesk_conversations(n)
-    prompts = [llm.tokenizer.encode(llm.apply_chat_template(c), add_special_tokens=False) for c in convs]
+    prompts = [llm.encode_chat(c) for c in convs]
     params = [SamplingParams(temperature=0, max_tokens=OUTPUT_LENS[i % len(OUTPUT_LENS)], ignore_eos=True)
               for i in range(n)]
     # warm-up (first-call allocations), not timed

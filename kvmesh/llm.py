@@ -247,7 +247,7 @@ class AsyncLLM(_TextFront):
         finally:
             if stream.finish_reason is None:
                 self.engine.abort(rid)
-            self.engine._queues.pop(rid, None)
+            self.engine.release(rid)
 
     generate = add_request
 

@@ -158,6 +158,11 @@ class LLMEngine:
         with self.lock:
             return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or ended ones whose final outputs ``step()`` has yet to return."""
+        with self.lock:
+            return self.scheduler.has_unfinished() or bool(self._finished_out)
+
     def stats(self) -> BlockStats:
         with self.lock:
             return self.block_manager.stats()
@@ -253,6 +258,10 @@ class AsyncEngine:
             if self._queues.pop(rid, None) is not None:
                 self.abort(rid)
 
+    def release(self, request_id: str) -> None:
+        """Stop delivering outputs of a request whose consumer has gone."""
+        self._queues.pop(request_id, None)
+
     def abort(self, request_id: str) -> bool:
         ok = self.engine.abort_request(request_id)
         self._wake.set()
@@ -274,7 +283,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop:
-                if not self.engine.has_unfinished_requests() and not self.engine._finished_out:
+                if not self.engine.has_work():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
