@@ -231,23 +231,19 @@ class AsyncLLM(_TextFront):
         out of the iteration aborts the request. Raises EngineError for a bad request."""
         params = params or SamplingParams()
         text, ids = self.encode_prompt(prompt)
-        rid, q = self.engine.add_request(request_id, ids, params)
-        stream = _TextStream(self.tokenizer, rid, text, ids, params)
+        outputs = self.engine.generate(request_id, ids, params)   # aborts the request if we stop early
+        stream = None
         try:
-            while True:
-                o = await q.get()
-                if isinstance(o, BaseException):
-                    raise o
+            async for o in outputs:
+                stream = stream or _TextStream(self.tokenizer, o.request_id, text, ids, params)
                 ro, stop_hit = stream.apply(o)
                 if stop_hit is not None:
-                    self.engine.finish(rid, FinishReason.STOP, stop_hit)
+                    self.engine.finish(o.request_id, FinishReason.STOP, stop_hit)
                 yield ro
                 if ro.finished:
                     return
         finally:
-            if stream.finish_reason is None:
-                self.engine.abort(rid)
-            self.engine.release(rid)
+            await outputs.aclose()
 
     generate = add_request
 

@@ -258,10 +258,6 @@ class AsyncEngine:
             if self._queues.pop(rid, None) is not None:
                 self.abort(rid)
 
-    def release(self, request_id: str) -> None:
-        """Stop delivering outputs of a request whose consumer has gone."""
-        self._queues.pop(request_id, None)
-
     def abort(self, request_id: str) -> bool:
         ok = self.engine.abort_request(request_id)
         self._wake.set()
