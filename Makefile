@@ -3,6 +3,7 @@
 #   pull  fetch the test model (smollm2-135m-instruct) into $KVMESH_HOME (~/.cache/kvmesh)
 #   demo  venv + the demo model + a two-turn PolicyDesk chat (`kvmesh demo`)
 #   test  venv + test model + the whole test suite
+#   protos  regenerate the committed gRPC stubs in kvmesh/v1 from protos/ (tests/test_protos.py checks they are current)
 
 PYTHON      ?= python3
 VENV        := .venv
@@ -11,7 +12,7 @@ STAMP       := $(VENV)/.kvmesh-installed
 TEST_MODEL  := smollm2-135m-instruct
 DEMO_MODEL  ?= qwen2.5-coder-0.5b-instruct
 
-.PHONY: venv pull demo test
+.PHONY: venv pull demo test protos
 
 venv: $(STAMP)
 
@@ -30,3 +31,6 @@ demo: venv
 
 test: pull
 	$(BIN)/python -m pytest -q tests
+
+protos: venv
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/kvmesh/v1/*.proto

@@ -38,6 +38,34 @@ def _parse_bytes(v: str | float | int) -> float:
     return float(s)
 
 
+def _from_env(cls, prefix: str, overrides: dict):
+    kw = {}
+    for f in fields(cls):
+        env = os.environ.get(f"{prefix}{f.name.upper()}")
+        if env is not None:
+            kw[f.name] = env
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**kw)
+
+
+def _coerce_strings(obj) -> None:
+    """Environment variables arrive as strings: convert int/float/bool fields.
+    Raises EngineError naming the field when a value does not parse."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, str) and f.type in ("int", "bool", "float"):
+            try:
+                if f.type == "bool":
+                    v = v.strip().lower() in ("1", "true", "yes", "on")
+                elif f.name == "kv_cache_memory":
+                    v = _parse_bytes(v)
+                else:
+                    v = int(v) if f.type == "int" else float(v)
+            except ValueError:
+                raise EngineError(f"{f.name}: expected {f.type}, got {v!r}") from None
+            setattr(obj, f.name, v)
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine replica.
@@ -73,28 +101,15 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int = 0
 
+    ENV_PREFIX = "KVMESH_"
+
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
         """Defaults, then ``KVMESH_*`` variables, then ``overrides`` (None values ignored)."""
-        kw = {}
-        for f in fields(cls):
-            env = os.environ.get(f"KVMESH_{f.name.upper()}")
-            if env is not None:
-                kw[f.name] = env
-        kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kw)
+        return _from_env(cls, cls.ENV_PREFIX, overrides)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, str) and f.type in ("int", "bool", "float"):
-                if f.type == "bool":
-                    v = v.strip().lower() in ("1", "true", "yes", "on")
-                elif f.name == "kv_cache_memory":
-                    v = _parse_bytes(v)
-                else:
-                    v = int(v) if f.type == "int" else float(v)
-                setattr(self, f.name, v)
+        _coerce_strings(self)
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = _parse_bytes(self.kv_cache_memory)
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -118,4 +133,110 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
     def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class SchedulerConfig:
+    """Settings of the scheduler service (``kvmesh scheduler``). Environment: ``KVMESH_SCHEDULER_<FIELD>``.
+    The engine settings of its replicas are an :class:`EngineConfig` (``KVMESH_<FIELD>``).
+
+    Attributes:
+        host, port: where the gRPC service listens (port 0 = any free port).
+        replicas: model replicas, each one engine loop with its own KV cache.
+        pp: pipeline-parallel stages per replica (Ray actors).
+        pp_layers: decoder layers per stage, comma-separated (``"20,10"``); empty = even split.
+        executor: ``ray`` (stages are Ray actors) or ``local`` (the model in this process; pp must be 1).
+        ray_address: an existing Ray cluster (``auto``, ``ray://host:10001``); empty = start a local one.
+        stage_num_cpus: CPUs each stage actor reserves in Ray.
+        max_queued_requests: waiting requests per replica before RESOURCE_EXHAUSTED.
+        stats_interval: seconds between replica stats snapshots (0 = off).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50061
+    replicas: int = 1
+    pp: int = 1
+    pp_layers: str = ""
+    executor: str = "ray"
+    ray_address: str = ""
+    stage_num_cpus: float = 1.0
+    max_queued_requests: int = 1024
+
+    ENV_PREFIX = "KVMESH_SCHEDULER_"
+
+    @classmethod
+    def from_env(cls, **overrides) -> "SchedulerConfig":
+        return _from_env(cls, cls.ENV_PREFIX, overrides)
+
+    def __post_init__(self) -> None:
+        _coerce_strings(self)
+        if self.replicas < 1:
+            raise EngineError(f"replicas must be >= 1, got {self.replicas}")
+        if self.pp < 1:
+            raise EngineError(f"pp must be >= 1, got {self.pp}")
+        if self.executor not in ("ray", "local"):
+            raise EngineError(f"executor must be ray or local, got {self.executor!r}")
+        if self.executor == "local" and self.pp != 1:
+            raise EngineError("the local executor runs the whole model in one process: use --pp 1 or --executor ray")
+        if self.stage_num_cpus < 0:
+            raise EngineError(f"stage_num_cpus must be >= 0, got {self.stage_num_cpus}")
+        if self.max_queued_requests < 1:
+            raise EngineError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        self.layer_split()
+
+    def layer_split(self) -> list[int] | None:
+        """``pp_layers`` as a list of ``pp`` positive ints, or None for an even split."""
+        if not self.pp_layers:
+            return None
+        try:
+            split = [int(x) for x in self.pp_layers.split(",")]
+        except ValueError:
+            raise EngineError(f"pp_layers must be comma-separated integers, got {self.pp_layers!r}") from None
+        if len(split) != self.pp or min(split) < 1:
+            raise EngineError(f"pp_layers needs {self.pp} positive layer counts, got {self.pp_layers!r}")
+        return split
+
+    def replace(self, **kw) -> "SchedulerConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class GatewayConfig:
+    """Settings of the public gateway (``kvmesh gateway``). Environment: ``KVMESH_GATEWAY_<FIELD>``.
+
+    Attributes:
+        host, port: where the public gRPC service listens (port 0 = any free port).
+        scheduler_address: ``host:port`` of the scheduler service.
+        max_tokens_cap: server-wide cap on ``max_tokens`` (tokens); larger requests are clamped.
+        default_max_tokens: ``max_tokens`` when a request leaves it unset (tokens).
+        default_timeout: deadline of a request that sets none (seconds).
+        max_timeout: longest deadline a request may ask for (seconds).
+        connect_timeout: how long to wait for the scheduler at start-up (seconds).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    scheduler_address: str = "127.0.0.1:50061"
+    max_tokens_cap: int = 4096
+    default_max_tokens: int = 256
+    default_timeout: float = 300.0
+    max_timeout: float = 3600.0
+    connect_timeout: float = 120.0
+
+    ENV_PREFIX = "KVMESH_GATEWAY_"
+
+    @classmethod
+    def from_env(cls, **overrides) -> "GatewayConfig":
+        return _from_env(cls, cls.ENV_PREFIX, overrides)
+
+    def __post_init__(self) -> None:
+        _coerce_strings(self)
+        if self.max_tokens_cap < 1 or not 1 <= self.default_max_tokens:
+            raise EngineError("max_tokens_cap and default_max_tokens must be >= 1")
+        if not 0 < self.default_timeout <= self.max_timeout:
+            raise EngineError(f"default_timeout must be in (0, max_timeout={self.max_timeout}], "
+                              f"got {self.default_timeout}")
+
+    def replace(self, **kw) -> "GatewayConfig":
         return dataclasses.replace(self, **kw)
