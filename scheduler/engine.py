@@ -72,12 +72,20 @@ class LLMEngine:
     Thread-safety: ``add_request``, ``abort_request`` and ``finish_request`` may be called
     from other threads while ``step()`` runs; the model executes outside the lock.
 
+    Args:
+        cfg: engine settings.
+        executor: an Executor to use as is (tests share one between engines).
+        executor_factory: ``(cfg, model_dir) -> Executor``, called once the settings are
+            resolved (e.g. a Ray pipeline, :func:`workers.executor.create_executor`);
+            default: the model in this process.
+        kv_event_sink: receives the block manager's KV events.
+        num_blocks: KV pool size for the default executor (None: from ``cfg.kv_cache_memory``).
     Raises:
         EngineError: unknown model, unservable checkpoint, bad settings.
     """
 
-    def __init__(self, cfg: EngineConfig, *, executor=None, kv_event_sink: KVEventSink | None = None,
-                 num_blocks: int | None = None):
+    def __init__(self, cfg: EngineConfig, *, executor=None, executor_factory=None,
+                 kv_event_sink: KVEventSink | None = None, num_blocks: int | None = None):
         from workers.registry import resolve_model   # a known name is pulled on first use
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
@@ -91,6 +99,8 @@ class LLMEngine:
                               f"max_position_embeddings {mcfg.max_position_embeddings}")
         self.cfg = cfg = cfg.replace(max_model_len=cfg.max_model_len or limit)
         self.model_config = mcfg
+        if executor is None and executor_factory is not None:
+            executor = executor_factory(cfg, str(self.model_dir))
         if executor is None:
             from workers.executor import InProcessExecutor
             executor = InProcessExecutor(cfg, str(self.model_dir), num_blocks)

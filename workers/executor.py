@@ -39,3 +39,20 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         self.runner = None
+
+
+def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executor:
+    """The executor of one replica, as the scheduler service's settings say.
+
+    Args:
+        cfg: the replica's resolved :class:`kvmesh.config.EngineConfig`.
+        model_dir: checkpoint directory.
+        sched_cfg: :class:`kvmesh.config.SchedulerConfig` (``executor``, ``pp``, ``pp_layers``,
+            ``ray_address``, ``stage_num_cpus``).
+        replica: index of the replica (names its Ray actors).
+    Raises:
+        EngineError: bad pipeline settings, or the model cannot be loaded.
+    """
+    if sched_cfg.executor == "local":
+        return InProcessExecutor(cfg, model_dir)
+    raise NotImplementedError("Ray pipeline executor: in progress")
