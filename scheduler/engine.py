@@ -14,6 +14,7 @@ import json
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from kvstore.events import KVEventSink
 from kvstore.hashing import seed_hash
 from scheduler.block_manager import BlockManager, BlockStats
 from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -117,7 +118,7 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._emitted: dict[str, int] = {}
         self._finished_out: list[EngineOutput] = []
-        self._in_flight: set[str] = set()       # ids of the requests the running step computes
+        self._in_flight: set[str] = set()       # ids of the requests in submitted micro-batches
         self._deferred: dict[str, tuple[FinishReason, int | str | None]] = {}
         self.num_steps = 0
 
@@ -181,27 +182,42 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model once, apply the results. Returns the outputs of requests
         that produced tokens or finished in this step (including aborts since the last step)."""
+        step = self.submit_step()
+        if step is None:
+            return self.take_finished()
+        return self.complete_step(step)
+
+    @property
+    def max_inflight(self) -> int:
+        """Micro-batches that may be in flight at once: the executor's pipeline depth under
+        continuous batching, else 1."""
+        return getattr(self.executor, "max_inflight", 1) if self.cfg.policy == "continuous" else 1
+
+    def submit_step(self) -> "InFlightStep | None":
+        """Schedule a micro-batch of the requests not already in flight and start it on the
+        executor. None when there is nothing to run."""
         with self.lock:
-            sched = self.scheduler.schedule()
-            self._in_flight = {s.req.request_id for s in sched.seqs}
-        if sched.empty:
-            with self.lock:
-                out, self._finished_out = self._finished_out, []
-                self.block_manager.take_events()
-            return out
+            sched = self.scheduler.schedule(busy=self._in_flight)
+            if sched.empty:
+                return None
+            ids = {s.req.request_id for s in sched.seqs}
+            self._in_flight |= ids
         try:
-            result = self.executor.execute(sched)
+            handle = self.executor.submit(sched)
+        except BaseException:
+            self._settle(ids)
+            raise
+        return InFlightStep(sched, ids, handle)
+
+    def complete_step(self, step: "InFlightStep") -> list[EngineOutput]:
+        """Wait for a submitted micro-batch and apply its results (in submission order)."""
+        try:
+            result = step.handle.result()
         finally:
-            with self.lock:
-                self._in_flight = set()
-                deferred, self._deferred = self._deferred, {}
-                for rid, (reason, stop_reason) in deferred.items():   # finished during the step
-                    req = self.scheduler.requests.get(rid)
-                    if req is not None:
-                        self._finish_now(req, reason, stop_reason)
+            self._settle(step.request_ids)
         with self.lock:
             self.num_steps += 1
-            changed = self.scheduler.update(sched, result.sampled, result.logprobs)
+            changed = self.scheduler.update(step.sched, result.sampled, result.logprobs)
             outputs, self._finished_out = self._finished_out, []
             outputs += [self._output(r) for r in changed]
             done = [o.request_id for o in outputs if o.finished]
@@ -209,6 +225,24 @@ class LLMEngine:
         if done:
             self.executor.free_requests(done)
         return outputs
+
+    def take_finished(self) -> list[EngineOutput]:
+        """Outputs of requests ended outside a step (aborts) since the last call."""
+        with self.lock:
+            out, self._finished_out = self._finished_out, []
+            self.block_manager.take_events()
+        return out
+
+    def _settle(self, request_ids: set[str]) -> None:
+        """A micro-batch is back: its requests leave the in-flight set, and the ones ended
+        while it ran (deferred aborts and finishes) end now."""
+        with self.lock:
+            self._in_flight -= request_ids
+            for rid in request_ids & self._deferred.keys():
+                reason, stop_reason = self._deferred.pop(rid)
+                req = self.scheduler.requests.get(rid)
+                if req is not None:
+                    self._finish_now(req, reason, stop_reason)
 
     def _output(self, req: Request) -> EngineOutput:
         start = self._emitted.get(req.request_id, 0)
@@ -224,6 +258,15 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+@dataclass
+class InFlightStep:
+    """A micro-batch submitted to the executor and not yet applied."""
+
+    sched: SchedulerOutput
+    request_ids: set[str]
+    handle: object          # has .result() -> ModelRunnerOutput
 
 
 class AsyncEngine:
@@ -287,13 +330,23 @@ class AsyncEngine:
                     self._queues.pop(o.request_id, None)
 
     def _run(self) -> None:
+        """Keep up to ``engine.max_inflight`` micro-batches in flight (pipeline stages busy),
+        applying each one's results as it returns, in order."""
+        inflight: deque[InFlightStep] = deque()
         try:
             while not self._stop:
-                if not self.engine.has_work():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                outputs = self.engine.step()
+                while len(inflight) < self.engine.max_inflight:
+                    step = self.engine.submit_step()
+                    if step is None:
+                        break
+                    inflight.append(step)
+                if inflight:
+                    outputs = self.engine.complete_step(inflight.popleft())
+                else:
+                    outputs = self.engine.take_finished()
+                    if not outputs:       # idle, or waiting requests that cannot start yet
+                        self._wake.wait(0.005 if self.engine.has_work() else 0.5)
+                        self._wake.clear()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # surface to every waiting caller

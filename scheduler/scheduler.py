@@ -104,7 +104,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+        """The next step. ``busy``: ids of running requests whose previous micro-batch is still
+        in flight (pipeline parallelism); they are neither scheduled nor preempted."""
         if self.policy == "static":
             return self._schedule_static()
         out = SchedulerOutput()
@@ -117,9 +119,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.request_id in busy:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.bm.allocate(req, n):
-                victim = self.running.pop()
+                victim = next(r for r in reversed(self.running) if r.request_id not in busy)
+                self.running.remove(victim)      # the most recently admitted idle request
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
                 if victim is req:

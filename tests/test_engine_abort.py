@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from scheduler.request import FinishReason, RequestStatus
+from workers.executor import Completed
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,9 @@ class AbortDuringExecute:
             for rid in self.ids:
                 assert self.engine_ref[0].abort_request(rid)
         return self.inner.execute(out)
+
+    def submit(self, out):
+        return Completed(self.execute(out))
 
     def free_requests(self, ids):
         self.inner.free_requests(ids)

@@ -10,6 +10,7 @@ import pytest
 import pytest_asyncio
 
 from scheduler.request import EngineError, SamplingParams
+from workers.executor import Completed
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -154,6 +155,9 @@ class SlowStartExecutor:
         time.sleep(self.delay)
         return self.inner.execute(out)
 
+    def submit(self, out):
+        return Completed(self.execute(out))
+
     def free_requests(self, ids):
         self.inner.free_requests(ids)
 
@@ -204,6 +208,9 @@ class FailingExecutor:
         if self.calls == self.fail_at:
             raise RuntimeError("device lost")
         return self.inner.execute(out)
+
+    def submit(self, out):
+        return Completed(self.execute(out))
 
     def free_requests(self, ids):
         self.inner.free_requests(ids)

@@ -220,3 +220,35 @@ def test_naive_recomputes_everything_one_at_a_time():
         [("a", 0, 5, True)], [("a", 0, 6, True)], [("a", 0, 7, True)],
         [("b", 0, 4, True)], [("b", 0, 5, True)]]
     assert a.output_token_ids == [7, 7, 7]
+
+
+# ---------------------------------------------------------------------------------------------
+# micro-batches in flight (pipeline parallelism)
+
+def test_busy_requests_are_skipped_and_two_micro_batches_interleave():
+    s = make(max_num_batched_tokens=64)
+    a, b = add(s, "a", 8), add(s, "b", 8, start=100)
+    first = s.schedule()                                   # both prefills
+    assert {q.req.request_id for q in first.seqs} == {"a", "b"}
+    s.update(first, {"a": 7, "b": 7})
+    mb1 = s.schedule(busy={"b"})                           # b still in flight elsewhere
+    assert plan(mb1) == [("a", 8, 1, True)]
+    mb2 = s.schedule(busy={"a"})
+    assert plan(mb2) == [("b", 8, 1, True)]
+    assert s.schedule(busy={"a", "b"}).empty               # nothing idle: an empty micro-batch
+    s.update(mb1, {"a": 7})
+    s.update(mb2, {"b": 7})
+    assert a.num_output_tokens == b.num_output_tokens == 2
+
+
+def test_preemption_never_takes_a_busy_request():
+    s = make(num_blocks=6, max_num_batched_tokens=64)    # 24 token slots
+    a = add(s, "a", 12, max_tokens=12)
+    b = add(s, "b", 12, max_tokens=12, start=100)
+    out = s.schedule()
+    s.update(out, {"a": 7, "b": 7})                        # 12 prompt tokens each: 3 + 3 blocks, pool full
+    # a's next token needs a 4th block; b (admitted last) would be the victim, but it is busy
+    mb = s.schedule(busy={"b"})
+    assert mb.empty and mb.preempted == ["a"]              # a preempts itself rather than b
+    assert b.status == RequestStatus.RUNNING and b.block_table
+    assert a.status == RequestStatus.PREEMPTED and not a.block_table

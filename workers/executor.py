@@ -1,44 +1,180 @@
 """Executors: how the engine loop reaches the model. The engine only calls this interface.
 
-``InProcessExecutor`` runs the model runner in the engine's own process (tests, offline
-``LLM``); a Ray pipeline executor (one actor per stage) implements the same methods.
+``submit(out)`` starts one model step (a micro-batch) and returns a handle whose
+``result()`` waits for its :class:`ModelRunnerOutput`; up to ``max_inflight`` steps may be
+in flight at once (pipeline parallelism: one micro-batch per stage, as vLLM's PP).
+
+- :class:`InProcessExecutor`: the whole model in the engine's own process (tests, offline
+  ``LLM``); a step completes inside ``submit``.
+- :class:`RayPipelineExecutor`: one Ray actor per pipeline stage (:mod:`workers.stage`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
+from scheduler.request import EngineError
 from scheduler.scheduler import SchedulerOutput
-from workers.model_runner import ModelRunner, ModelRunnerOutput
+from workers.model_runner import ModelRunner, ModelRunnerOutput, StepInput
+
+
+class StepHandle(Protocol):
+    def result(self) -> ModelRunnerOutput: ...
 
 
 class Executor(Protocol):
     num_blocks: int
     kv_cache_bytes: int
+    max_inflight: int
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+    def submit(self, out: SchedulerOutput) -> StepHandle: ...
 
     def free_requests(self, request_ids: list[str]) -> None: ...
 
     def shutdown(self) -> None: ...
 
 
+class Completed:
+    """The handle of a step that already ran."""
+
+    def __init__(self, output: ModelRunnerOutput):
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class InProcessExecutor:
-    """The whole model in this process."""
+    """The whole model in this process; one step at a time."""
+
+    max_inflight = 1
 
     def __init__(self, cfg, model_dir: str, num_blocks: int | None = None):
         self.runner = ModelRunner(cfg, model_dir, num_blocks)
+        self.block_size = cfg.block_size
         self.num_blocks = self.runner.num_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(out)
+        return self.runner.execute(StepInput.from_scheduler_output(out, self.block_size))
+
+    def submit(self, out: SchedulerOutput) -> Completed:
+        return Completed(self.execute(out))
 
     def free_requests(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)
 
     def shutdown(self) -> None:
         self.runner = None
+
+
+def split_layers(num_layers: int, pp: int, split: list[int] | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` decoder-layer ranges of ``pp`` stages: ``split`` (layers per stage)
+    or an even split, earlier stages taking the remainder. Raises EngineError."""
+    if split is None:
+        if pp > num_layers:
+            raise EngineError(f"pp={pp} stages for a model of {num_layers} layers")
+        split = [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
+    if len(split) != pp or sum(split) != num_layers or min(split) < 1:
+        raise EngineError(f"pp_layers {split} must be {pp} positive counts summing to the model's {num_layers} layers")
+    bounds, start = [], 0
+    for n in split:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
+    """Connect to Ray: the cluster at ``address``, or a local instance started here with no
+    dashboard, no usage stats and logs under Ray's temp dir. Idempotent."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")          # a local cluster needs no token
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+
+
+class RayHandle:
+    def __init__(self, ref):
+        self.ref = ref
+
+    def result(self) -> ModelRunnerOutput:
+        import ray
+        return ray.get(self.ref)
+
+
+class RayPipelineExecutor:
+    """A replica's model as ``pp`` Ray actors, one per pipeline stage.
+
+    ``submit`` puts the step input in Ray's object store once and chains the stages'
+    ``execute`` calls by ObjectRef: stage k+1 receives stage k's hidden states (``[T,
+    hidden_size]``) straight from Ray, without the engine loop waiting in between (small
+    results travel inline through the owner, large ones through the object store). Each
+    actor runs its calls in submission order, so with ``pp`` micro-batches in flight every
+    stage has work. The last stage samples.
+
+    Raises:
+        EngineError: a bad layer split, or a stage fails to load the model.
+    """
+
+    def __init__(self, cfg, model_dir: str, pp: int, layer_split: list[int] | None = None,
+                 stage_num_cpus: float = 1.0, replica: int = 0):
+        import ray
+        from workers.loader import load_config
+        from workers.stage import PipelineStage
+        from workers.kv_cache import budget_bytes, bytes_per_block, kv_dtype
+
+        m = load_config(model_dir)
+        bounds = split_layers(m.num_layers, pp, layer_split)
+        per_block = bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim,
+                                    kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
+        self.num_blocks = budget_bytes(cfg.kv_cache_memory, _device(cfg.device)) // per_block
+        if self.num_blocks < 1:
+            raise EngineError(f"KV cache budget holds no block of {per_block} bytes; raise --kv-cache-memory")
+        self.block_size = cfg.block_size
+        self.max_inflight = pp
+        cfg = cfg.replace(num_threads=cfg.num_threads or max(1, round(stage_num_cpus)))
+        actor = ray.remote(PipelineStage).options(num_cpus=stage_num_cpus, max_concurrency=1)
+        self.stages = [actor.remote(cfg, model_dir, start, end, self.num_blocks, i)
+                       for i, (start, end) in enumerate(bounds)]
+        try:
+            infos = ray.get([s.info.remote() for s in self.stages])
+        except ray.exceptions.RayError as e:
+            self.shutdown()
+            lines = str(e).strip().splitlines()     # the traceback's last line names the error
+            raise EngineError(f"replica {replica}: a pipeline stage failed to start: "
+                              f"{lines[-1] if lines else e!r}") from None
+        self.kv_cache_bytes = sum(i["kv_cache_bytes"] for i in infos)
+        self.layer_bounds = bounds
+
+    def submit(self, out: SchedulerOutput) -> RayHandle:
+        import ray
+        step = ray.put(StepInput.from_scheduler_output(out, self.block_size))
+        ref = None
+        for stage in self.stages:
+            ref = stage.execute.remote(step, ref)
+        return RayHandle(ref)
+
+    def free_requests(self, request_ids: list[str]) -> None:
+        self.stages[-1].free_requests.remote(request_ids)   # per-request state lives on the sampler
+
+    def shutdown(self) -> None:
+        import ray
+        for s in self.stages:
+            ray.kill(s)
+        self.stages = []
+
+
+def _device(name: str):
+    import torch
+    return torch.device(name)
 
 
 def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executor:
@@ -49,10 +185,13 @@ def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executo
         model_dir: checkpoint directory.
         sched_cfg: :class:`kvmesh.config.SchedulerConfig` (``executor``, ``pp``, ``pp_layers``,
             ``ray_address``, ``stage_num_cpus``).
-        replica: index of the replica (names its Ray actors).
+        replica: index of the replica.
     Raises:
         EngineError: bad pipeline settings, or the model cannot be loaded.
     """
     if sched_cfg.executor == "local":
         return InProcessExecutor(cfg, model_dir)
-    raise NotImplementedError("Ray pipeline executor: in progress")
+    need = sched_cfg.replicas * sched_cfg.pp * sched_cfg.stage_num_cpus
+    ensure_ray(sched_cfg.ray_address, num_cpus=max(os.cpu_count() or 1, need))
+    return RayPipelineExecutor(cfg, model_dir, sched_cfg.pp, sched_cfg.layer_split(),
+                               sched_cfg.stage_num_cpus, replica)

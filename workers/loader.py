@@ -68,6 +68,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
     try:
         model.load_weights(_iter_tensors(_safetensors_files(model_dir)))
+    except EngineError:
+        raise
     except ValueError as e:
         raise EngineError(f"{model_dir}: {e}") from None
     model.finalize(dtype)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.config import EngineConfig
+from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index
@@ -23,27 +24,80 @@ CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
 
 
 @dataclass
+class SeqInput:
+    """One sequence of a step, as the workers see it (no scheduler state: it crosses process
+    boundaries to pipeline stages). Token ids are Python ints; positions count from 0.
+
+    ``token_ids`` are the tokens at positions ``[start, start + len(token_ids))``;
+    ``block_table`` lists the KV blocks covering positions ``[0, start + len(token_ids))``.
+    The sampling fields are set only when ``sample`` (the chunk ends at the last token);
+    ``prompt_token_ids`` / ``output_token_ids`` only when a penalty needs the history.
+    """
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams | None = None
+    num_output_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+
+@dataclass
+class StepInput:
+    """What one model step computes: the scheduled sequences (any order)."""
+
+    seqs: list[SeqInput]
+
+    @classmethod
+    def from_scheduler_output(cls, out: SchedulerOutput, block_size: int) -> "StepInput":
+        seqs = []
+        for s in out.seqs:
+            req, end = s.req, s.start + s.num_new_tokens
+            seq = SeqInput(req.request_id, s.start, req.tokens(s.start, end),
+                           req.block_table[: -(-end // block_size)], s.sample)
+            if s.sample:
+                sp = seq.params = req.sampling_params
+                seq.num_output_tokens, seq.eos_token_ids = req.num_output_tokens, req.eos_token_ids
+                if sp.repetition_penalty != 1.0:
+                    seq.prompt_token_ids = req.prompt_token_ids
+                if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+                    seq.output_token_ids = req.output_token_ids
+            seqs.append(seq)
+        return cls(seqs)
+
+
+@dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int]                       # request id -> new token id
     logprobs: dict[str, dict[int, float]] | None  # request id -> {token id: logprob}
 
 
 class ModelRunner:
-    """Holds the model weights, the KV cache and the sampler of one process.
+    """Holds the model weights (all layers, or one pipeline stage's), their KV cache and, on
+    the last stage, the sampler.
 
     Args:
         cfg: engine settings (model path, dtypes, block size, KV memory budget, device).
         model_dir: resolved checkpoint directory.
-        num_blocks: size of the KV pool; None sizes it from ``cfg.kv_cache_memory``.
+        num_blocks: size of the KV pool; None sizes it from ``cfg.kv_cache_memory``. The
+            pool is counted in blocks of the whole model, so every stage of a pipeline
+            gets the same number of blocks (and the same block ids) from one budget.
+        start_layer, end_layer: the decoder layers this runner holds (default: all).
     Raises:
         EngineError: the checkpoint cannot be served, or the KV budget holds no block.
     """
 
-    def __init__(self, cfg: EngineConfig, model_dir: str, num_blocks: int | None = None):
+    def __init__(self, cfg: EngineConfig, model_dir: str, num_blocks: int | None = None,
+                 start_layer: int = 0, end_layer: int | None = None):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
-        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, max_positions=cfg.max_model_len)
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, max_positions=cfg.max_model_len,
+                                start_layer=start_layer, end_layer=end_layer)
         m = self.model.cfg
         self.vocab_size = m.vocab_size
         self.block_size = cfg.block_size
@@ -56,16 +110,17 @@ class ModelRunner:
             raise EngineError(f"KV cache budget {budget_bytes(cfg.kv_cache_memory, self.device)} bytes "
                               f"holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.num_blocks = num_blocks
-        self.kv_cache_bytes = num_blocks * per_block
+        stage_layers = len(self.model.layers)
+        self.kv_cache_bytes = num_blocks * per_block * stage_layers // m.num_layers
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, cfg.block_size,
                                            m.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
     # ---- input preparation -----------------------------------------------------------
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, step: StepInput):
         bs = self.block_size
-        seqs = sorted(out.seqs, key=lambda s: s.num_new_tokens != 1)     # decodes first (stable)
+        seqs = sorted(step.seqs, key=lambda s: len(s.token_ids) != 1)     # decodes first (stable)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -74,10 +129,9 @@ class ModelRunner:
         decode_tables, decode_lens = [], []
         prefills: list[PrefillChunk] = []
         for s in seqs:
-            req, start, n = s.req, s.start, s.num_new_tokens
-            bt = req.block_table
+            start, n, bt = s.start, len(s.token_ids), s.block_table
             q_start = len(ids)
-            ids += req.tokens(start, start + n)
+            ids += s.token_ids
             pos += range(start, start + n)
             slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
             if n == 1:
@@ -151,46 +205,51 @@ class ModelRunner:
                 lens[r] -= len(shared) * bs
         return out
 
-    def _generator(self, req) -> torch.Generator | None:
-        seed = req.sampling_params.seed
+    def _generator(self, s: SeqInput) -> torch.Generator | None:
+        seed = s.params.seed
         if seed is None:
             return None
-        g = self.generators.get(req.request_id)
+        g = self.generators.get(s.request_id)
         if g is None:
-            g = self.generators[req.request_id] = make_generator(seed, self.device)
+            g = self.generators[s.request_id] = make_generator(seed, self.device)
         return g
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: K/V of every scheduled token into the cache, one token sampled per
-        sequence whose chunk ends at its last token."""
-        input_ids, positions, md, sample_idx, sample_seqs = self._prepare(out)
-        hidden = self.model(input_ids, positions, md, self.kv_caches)
+    def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> ModelRunnerOutput | torch.Tensor:
+        """Run one step through this runner's layers: K/V of every scheduled token into the
+        cache. The first stage takes token ids from ``step``; later stages take ``hidden``
+        (``[T, hidden_size]``, the previous stage's output, tokens in ``_prepare``'s order).
+        A stage that is not the last returns its hidden states; the last samples one token
+        per sequence whose chunk ends at its last token and returns a ModelRunnerOutput."""
+        input_ids, positions, md, sample_idx, sample_seqs = self._prepare(step)
+        hidden = self.model(input_ids if hidden is None else hidden, positions, md, self.kv_caches)
+        if not self.model.is_last:
+            return hidden
         if not sample_idx:
             return ModelRunnerOutput({}, None)
         logits = self.model.compute_logits(hidden[sample_idx])
-        reqs = [s.req for s in sample_seqs]
-        self._suppress_stops(logits, reqs)
-        smd = SamplingMetadata.build([r.sampling_params for r in reqs],
-                                     [r.prompt_token_ids for r in reqs], [r.output_token_ids for r in reqs],
-                                     [self._generator(r) for r in reqs], self.vocab_size, self.device)
+        self._suppress_stops(logits, sample_seqs)
+        smd = SamplingMetadata.build([s.params for s in sample_seqs],
+                                     [s.prompt_token_ids or [] for s in sample_seqs],
+                                     [s.output_token_ids or [] for s in sample_seqs],
+                                     [self._generator(s) for s in sample_seqs], self.vocab_size, self.device)
         so = self.sampler(logits, smd)
         tokens = so.token_ids.tolist()
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+        sampled = {s.request_id: t for s, t in zip(sample_seqs, tokens)}
         logprobs = None
         if so.logprobs is not None:
-            logprobs = {r.request_id: lp for r, lp in zip(reqs, so.logprobs) if r.sampling_params.logprobs is not None}
+            logprobs = {s.request_id: lp for s, lp in zip(sample_seqs, so.logprobs) if s.params.logprobs is not None}
         return ModelRunnerOutput(sampled, logprobs)
 
     @staticmethod
-    def _suppress_stops(logits: torch.Tensor, reqs) -> None:
+    def _suppress_stops(logits: torch.Tensor, seqs: list[SeqInput]) -> None:
         """``min_tokens``: while a request has fewer output tokens, its EOS and stop token ids
         cannot be sampled (their logits become -inf), as in vLLM."""
-        for row, r in enumerate(reqs):
-            sp = r.sampling_params
-            if r.num_output_tokens < sp.min_tokens:
-                ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(r.eos_token_ids))
+        for row, s in enumerate(seqs):
+            sp = s.params
+            if s.num_output_tokens < sp.min_tokens:
+                ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(s.eos_token_ids))
                 if ids:
                     logits[row, ids] = float("-inf")
 
