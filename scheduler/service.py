@@ -1,0 +1,278 @@
+"""The scheduler gRPC service (``kvmesh.v1.SchedulerService``): token ids in, token ids out.
+
+One process holds ``replicas`` engine loops (:class:`scheduler.engine.AsyncEngine`), each with
+its own KV cache and executor (in-process model, or a Ray pipeline of stage actors). The
+:class:`scheduler.router.Router` picks the replica of each new request. The server also
+speaks standard gRPC health checking (SERVING only once every replica has loaded) and
+server reflection.
+
+Errors are gRPC statuses: INVALID_ARGUMENT (a request the engine cannot serve: bad sampling
+value, empty or too long prompt, token id outside the vocabulary), ALREADY_EXISTS (request id
+in flight), RESOURCE_EXHAUSTED (the chosen replica's waiting queue is full), UNAVAILABLE
+(loading, shutting down, or no healthy replica). Cancelling a ``Submit`` call aborts its
+request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
+from scheduler.request import EngineError, FinishReason, SamplingParams
+from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router
+from workers.kv_cache import kv_dtype
+
+log = logging.getLogger("kvmesh.scheduler")
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+_FINISH = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams, *, default_max_tokens: int = 16) -> SamplingParams:
+    """Engine sampling parameters from the proto message. Unset optional fields take the
+    engine's defaults; unset ``max_tokens`` takes ``default_max_tokens`` (tokens).
+    Raises EngineError naming the first bad field."""
+    kw = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    kw.setdefault("max_tokens", default_max_tokens)
+    return SamplingParams(min_tokens=msg.min_tokens, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+                          ignore_eos=msg.ignore_eos, **kw)
+
+
+def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitResponse:
+    """One stream message. The last (``finished``) carries reason, usage and timings (seconds;
+    0 where an event never happened, e.g. the ttft of a request aborted before its first token)."""
+    msg = scheduler_pb2.SubmitResponse(
+        request_id=rid, token_ids=o.new_token_ids, replica=replica,
+        logprobs=[common_pb2.TokenLogprobs(logprobs=lp) for lp in o.new_logprobs])
+    if o.finished:
+        end = o.finished_time or time.monotonic()
+        first_tok = o.first_token_time
+        msg.finished = True
+        msg.finish_reason = _FINISH.get(o.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+        msg.stop_reason = "" if o.stop_reason is None else str(o.stop_reason)
+        msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_output_tokens,
+                                            cached_prompt_tokens=o.num_cached_tokens))
+        msg.timings.CopyFrom(common_pb2.Timings(
+            queue_time=(o.first_scheduled_time or end) - o.arrival_time,
+            ttft=first_tok - o.arrival_time if first_tok else 0.0,
+            decode_time=end - first_tok if first_tok else 0.0,
+            e2e_latency=end - o.arrival_time))
+    return msg
+
+
+class Replica:
+    """One engine loop and its executor. Reads engine state under ``engine.lock``."""
+
+    def __init__(self, index: int, engine: LLMEngine):
+        self.index, self.engine = index, engine
+        self.aengine = AsyncEngine(engine)
+
+    @property
+    def healthy(self) -> bool:
+        return self.aengine.errored is None
+
+    def num_waiting(self) -> int:
+        with self.engine.lock:
+            return len(self.engine.scheduler.waiting)
+
+    def load(self) -> ReplicaLoad:
+        with self.engine.lock:
+            s = self.engine.scheduler
+            return ReplicaLoad(self.index, self.healthy,
+                               sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                               sum(r.num_tokens for r in s.running))
+
+    def stats(self) -> scheduler_pb2.ReplicaStats:
+        with self.engine.lock:
+            s, load, b = self.engine.scheduler, self.load(), self.engine.stats()
+            return scheduler_pb2.ReplicaStats(
+                replica=self.index, healthy=self.healthy, num_waiting=len(s.waiting), num_running=len(s.running),
+                num_waiting_tokens=load.waiting_tokens, num_running_tokens=load.running_tokens,
+                num_blocks=b.num_blocks, num_used_blocks=b.used, num_cached_blocks=b.cached,
+                num_steps=self.engine.num_steps, num_preemptions=s.num_preemptions,
+                prefix_cache_queries=b.prefix_cache_queries, prefix_cache_hits=b.prefix_cache_hits)
+
+    async def shutdown(self) -> None:
+        await self.aengine.shutdown()
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """The servicer. ``replicas`` is empty until they have loaded."""
+
+    def __init__(self, sched_cfg: SchedulerConfig, engine_cfg: EngineConfig):
+        self.sched_cfg, self.engine_cfg = sched_cfg, engine_cfg
+        self.replicas: list[Replica] = []
+        self.router = Router()
+        self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
+        self.stopping = False
+
+    async def _check_available(self, context) -> None:
+        """Abort the call with UNAVAILABLE while loading or shutting down."""
+        if self.stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down; retry on another one")
+        if not self.replicas:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler is still loading its "
+                                f"{self.sched_cfg.replicas} replica(s); retry when its health check says SERVING")
+
+    async def Submit(self, request, context):
+        """Stream the request's new token ids (an empty ``request_id`` gets a generated one).
+        Status codes: see the module docstring."""
+        await self._check_available(context)
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = sampling_params_from_proto(request.sampling)
+        except EngineError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        if rid in self.requests:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        try:
+            replica = self.replicas[self.router.pick([r.load() for r in self.replicas], request.session_id)]
+        except NoHealthyReplicaError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if replica.num_waiting() >= self.sched_cfg.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"replica {replica.index} has {self.sched_cfg.max_queued_requests} requests waiting "
+                                "(max_queued_requests); retry later with backoff")
+        # No await between the pick above and the first __anext__ below (which adds the request
+        # to the engine): concurrent Submits see each other's load.
+        self.requests[rid] = replica
+        stream = replica.aengine.generate(rid, list(request.prompt_token_ids), params)
+        try:
+            async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
+                async for out in stream:
+                    if out.new_token_ids or out.finished:
+                        await context.write(_response(rid, replica.index, out))
+        except EngineError as e:
+            if not replica.healthy:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {replica.index} failed: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.requests.pop(rid, None)
+
+    async def Abort(self, request, context):
+        """Abort an in-flight request; its stream ends with FINISH_REASON_ABORT."""
+        replica = self.requests.get(request.request_id)
+        found = replica is not None and replica.aengine.abort(request.request_id)
+        return scheduler_pb2.SchedulerAbortResponse(found=found)
+
+    async def GetModelInfo(self, request, context):
+        await self._check_available(context)
+        eng = self.replicas[0].engine
+        kv = kv_dtype(eng.cfg.kv_cache_dtype, eng.cfg.torch_dtype)
+        return scheduler_pb2.GetModelInfoResponse(
+            name=self.engine_cfg.model, max_model_len=eng.cfg.max_model_len, vocab_size=eng.model_config.vocab_size,
+            dtype=str(eng.cfg.torch_dtype).removeprefix("torch."), kv_cache_dtype=str(kv).removeprefix("torch."),
+            block_size=eng.cfg.block_size, eos_token_ids=eng.eos_token_ids, num_replicas=len(self.replicas),
+            pipeline_parallel_size=self.sched_cfg.pp)
+
+    async def GetStats(self, request, context):
+        """Per-replica stats; empty while the replicas load."""
+        return scheduler_pb2.GetStatsResponse(replicas=[r.stats() for r in self.replicas])
+
+    def abort_all(self) -> int:
+        """Abort every in-flight request (their streams end with FINISH_REASON_ABORT)."""
+        return sum(replica.aengine.abort(rid) for rid, replica in list(self.requests.items()))
+
+
+class SchedulerServer:
+    """A running scheduler service. ``port`` is the bound port, ``address`` is ``host:port``."""
+
+    def __init__(self, server: grpc.aio.Server, service: SchedulerService, health_servicer, host: str, port: int):
+        self.server, self.service, self.health = server, service, health_servicer
+        self.host, self.port, self.address = host, port, f"{host}:{port}"
+        self._load_task: asyncio.Task | None = None
+        self._stopped = False
+
+    async def _load(self) -> None:
+        sc, ec = self.service.sched_cfg, self.service.engine_cfg
+
+        def build(i: int) -> LLMEngine:
+            from workers.executor import create_executor
+            return LLMEngine(ec, executor_factory=lambda cfg, model_dir: create_executor(cfg, model_dir, sc, i))
+
+        t0 = time.monotonic()
+        log.info("loading %d replica(s) of %s (executor %s, pp %d)", sc.replicas, ec.model, sc.executor, sc.pp)
+        # the first replica alone (its executor may start Ray), then the others concurrently
+        built = await asyncio.gather(asyncio.to_thread(build, 0), return_exceptions=True)
+        if not isinstance(built[0], BaseException):
+            built += await asyncio.gather(*(asyncio.to_thread(build, i) for i in range(1, sc.replicas)),
+                                          return_exceptions=True)
+        failed = [e for e in built if isinstance(e, BaseException)]
+        if failed or self.service.stopping:
+            for e in built:
+                if isinstance(e, LLMEngine):
+                    await asyncio.to_thread(e.shutdown)
+            if failed:
+                log.error("loading replicas failed: %s", failed[0])
+                raise failed[0]
+            return
+        self.service.replicas = [Replica(i, e) for i, e in enumerate(built)]
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, _SERVING)
+        log.info("scheduler serving on %s: %d replica(s) loaded in %.1f s", self.address, sc.replicas,
+                 time.monotonic() - t0)
+
+    async def wait_ready(self) -> None:
+        """Wait until every replica has loaded. Raises what loading raised (EngineError: bad
+        model or settings)."""
+        await asyncio.shield(self._load_task)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Go NOT_SERVING, abort in-flight requests, stop the server (handlers get ``grace``
+        seconds to send their final message), then shut the engines and executors down."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.service.stopping = True
+        await self.health.enter_graceful_shutdown()
+        with contextlib.suppress(BaseException):
+            await self._load_task          # an engine thread cannot be interrupted mid-load
+        n = self.service.abort_all()
+        if n:
+            log.info("aborted %d in-flight request(s)", n)
+        await self.server.stop(grace)
+        for r in self.service.replicas:
+            await r.shutdown()
+
+
+async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) -> SchedulerServer:
+    """Start the scheduler service on ``sched_cfg.host:port`` (port 0 = a free port) and begin
+    loading the replicas in the background; health is NOT_SERVING until they have loaded
+    (``await server.wait_ready()``). Raises EngineError if the address cannot be bound."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])   # a port in use is an error, not shared
+    service = SchedulerService(sched_cfg, engine_cfg)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, _NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    addr = f"{sched_cfg.host}:{sched_cfg.port}"
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
+        await server.stop(None)
+        raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
+                          "(0 = any free port)") from None
+    await server.start()
+    srv = SchedulerServer(server, service, health_servicer, sched_cfg.host, port)
+    srv._load_task = asyncio.create_task(srv._load())
+    return srv
