@@ -1,0 +1,566 @@
+"""The public gateway: ``kvmesh.v1.LLMService`` over gRPC, in front of the scheduler service.
+
+One request: validate → tokenize (the model's tokenizer and chat template) → ``Submit`` the token
+ids to the scheduler → turn the streamed token ids into UTF-8-safe text deltas with
+:class:`gateway.detokenizer.IncrementalDetokenizer` (stop strings are matched here) → stream
+``GenerateResponse`` messages to the client, the last one with ``finished`` set.
+
+Rules a client sees:
+
+* Every bad request ends with INVALID_ARGUMENT and a message naming the field (``prompt``,
+  ``prompt_token_ids``, ``messages[1].role``, ``model``, ``sampling: temperature ...``,
+  ``max_tokens``, ``timeout``, ``request_id``); a request whose bytes do not parse (e.g. a
+  string field holding invalid UTF-8) too, naming the field where it can be found.
+* ``max_tokens`` (tokens): unset → ``min(default_max_tokens, max_tokens_cap, room)`` where room =
+  ``max_model_len - prompt tokens``; set above ``max_tokens_cap`` → clamped to the cap. A set
+  value (after clamping) with ``prompt + max_tokens > max_model_len`` is INVALID_ARGUMENT, as
+  is a prompt with no room for one output token. The value used is sent back in the trailing
+  metadata ``kvmesh-max-tokens``; the final message's ``usage.completion_tokens`` shows what
+  was generated.
+* Streaming: one message per scheduler message, carrying its token ids (and logprobs when
+  asked) and the text that became safe to emit (possibly ""). The final message carries the
+  last delta (flushed text included), ``finish_reason``, ``stop_reason``, ``usage`` and
+  ``timings`` (the scheduler's; for a stop-string finish the gateway's own clock, Submit sent
+  → now, since the scheduler never finished the request).
+* A stop string ends the upstream call at once (the scheduler aborts the request and frees its
+  KV blocks); the final message has FINISH_REASON_STOP and ``stop_reason`` = the string.
+* Deadline (seconds): the request's ``timeout`` (default ``default_timeout``, at most
+  ``max_timeout``), also bounded by the client's own gRPC deadline. It is the deadline of the
+  upstream ``Submit`` call; when it passes the call is cancelled (the scheduler aborts) and the
+  RPC ends with DEADLINE_EXCEEDED.
+* Client cancel/disconnect: grpc cancels the handler; the upstream call is cancelled in a
+  ``finally``, so the scheduler aborts the request at its next step.
+* ``Abort(request_id)``: a request of this gateway has its upstream call cancelled and its
+  stream ends with FINISH_REASON_ABORT; an id this gateway does not know is forwarded to the
+  scheduler's Abort.
+* Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
+  ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
+  UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
+  UNAVAILABLE too); a bug in the gateway is INTERNAL. The server keeps serving after any of them.
+
+Health (``grpc.health.v1``): "" and ``kvmesh.v1.LLMService`` are SERVING once the scheduler
+answered and the tokenizer is loaded, NOT_SERVING while the connection to the scheduler is
+failing and after :meth:`GatewayServer.stop`. Server reflection lists the LLMService, health
+and reflection services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.detokenizer import IncrementalDetokenizer
+from kvmesh.config import GatewayConfig
+from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.request import EngineError, SamplingParams
+
+log = logging.getLogger("kvmesh.gateway")
+
+SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
+ROLES = ("system", "user", "assistant")
+_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+_Code = grpc.StatusCode
+# Failures grpc-core reports for a connection (not statuses a scheduler sends itself).
+_CONNECTION_ERRORS = ("failed to connect", "connections to all backends failing", "socket closed",
+                      "connection reset", "connection refused", "broken pipe", "goaway", "endpoint closing")
+# Reconnect quickly to a restarted scheduler (grpc's default backoff grows to 120 s).
+_ABORT_TIMEOUT = 10.0      # seconds for a forwarded Abort
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 5000)]
+
+
+class _Status(Exception):
+    """End the RPC with this gRPC status code and message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _invalid(message: str) -> _Status:
+    return _Status(_Code.INVALID_ARGUMENT, message)
+
+
+# ---- request bytes that do not parse -----------------------------------------------------------
+
+@dataclass
+class _Undecodable:
+    """What the lenient deserializer hands the servicer instead of a message it cannot parse."""
+
+    message: str
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = data[i]
+        value |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not b & 0x80:
+            return value, i
+
+
+def _bad_utf8_field(data: bytes, desc, prefix: str = "") -> str | None:
+    """Path (``sampling.stop[0]``) of the first string field of ``data`` that is not valid UTF-8,
+    walking the protobuf wire format along ``desc``; None if there is none (or the bytes are not
+    well-formed wire format)."""
+    counts: dict[int, int] = {}
+    i = 0
+    try:
+        while i < len(data):
+            key, i = _varint(data, i)
+            number, wire = key >> 3, key & 7
+            if wire == 0:
+                _, i = _varint(data, i)
+            elif wire in (1, 5):
+                i += 8 if wire == 1 else 4
+            elif wire == 2:
+                n, i = _varint(data, i)
+                chunk, i = data[i:i + n], i + n
+                field = desc.fields_by_number.get(number)
+                if field is None:
+                    continue
+                name = prefix + field.name
+                if field.is_repeated:
+                    counts[number] = counts.get(number, 0) + 1
+                    name += f"[{counts[number] - 1}]"
+                if field.type == field.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == field.TYPE_MESSAGE:
+                    found = _bad_utf8_field(chunk, field.message_type, name + ".")
+                    if found:
+                        return found
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _lenient(cls):
+    """A request deserializer that returns :class:`_Undecodable` instead of raising, so that a
+    request grpc cannot parse ends as INVALID_ARGUMENT (grpc's own answer would be UNKNOWN)."""
+
+    def deserialize(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            field = _bad_utf8_field(data, cls.DESCRIPTOR)
+            if field:
+                return _Undecodable(f"{field}: not valid UTF-8 (string fields must be UTF-8)")
+            return _Undecodable(f"request is not a valid {cls.DESCRIPTOR.full_name}: {e}")
+
+    return deserialize
+
+
+# ---- the servicer -------------------------------------------------------------------------------
+
+def _rpc(method):
+    """Map what an RPC method raises to a status: _Status as is, EngineError → INVALID_ARGUMENT,
+    any other exception → INTERNAL (logged). Also rejects unparsable requests and RPCs that arrive
+    before the gateway is ready."""
+
+    @functools.wraps(method)
+    async def wrapper(self: "LLMServicer", request, context: grpc.aio.ServicerContext):
+        try:
+            if isinstance(request, _Undecodable):
+                raise _invalid(request.message)
+            if self.info is None:
+                raise _Status(_Code.UNAVAILABLE, f"the gateway is starting: waiting for the scheduler at "
+                                                 f"{self.cfg.scheduler_address}")
+            return await method(self, request, context)
+        except _Status as e:
+            await context.abort(e.code, e.message)
+        except EngineError as e:
+            await context.abort(_Code.INVALID_ARGUMENT, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", method.__name__)
+            await context.abort(_Code.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
+
+    return wrapper
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request streaming through this gateway."""
+
+    call: grpc.aio.UnaryStreamCall
+    aborted: bool = False     # set by the Abort RPC
+
+
+class LLMServicer:
+    """``kvmesh.v1.LLMService``. ``info`` (the scheduler's GetModelInfo) and ``text`` (tokenizer
+    front end) are None until :func:`serve_gateway` has reached the scheduler."""
+
+    def __init__(self, cfg: GatewayConfig, channel: grpc.aio.Channel):
+        self.cfg, self.channel = cfg, channel
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        self.info: scheduler_pb2.GetModelInfoResponse | None = None
+        self.text = None                      # kvmesh.llm._TextFront with the model's tokenizer
+        self.model_names: set[str] = set()
+        self.live: dict[str, _Live] = {}
+
+    def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
+        from kvmesh.llm import _TextFront
+        from workers.registry import canonical_name
+        text = _TextFront()
+        text.tokenizer = tokenizer
+        self.text, self.info = text, info
+        self.model_names = {info.name} | ({canonical_name(info.name)} - {None})
+
+    # ---- RPCs ------------------------------------------------------------------------------
+    @_rpc
+    async def Generate(self, request: llm_pb2.GenerateRequest, context) -> None:
+        self._check_model(request.model)
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            _, prompt_ids = self.text.encode_prompt(request.prompt)     # EngineError "prompt is empty"
+        elif kind == "prompt_token_ids":
+            prompt_ids = self._check_ids(list(request.prompt_token_ids.ids))
+        else:
+            raise _invalid("prompt: a prompt or prompt_token_ids is required")
+        await self._stream(request, prompt_ids, context)
+
+    @_rpc
+    async def Chat(self, request: llm_pb2.ChatRequest, context) -> None:
+        self._check_model(request.model)
+        await self._stream(request, self._encode_chat(request.messages), context)
+
+    @_rpc
+    async def Abort(self, request: llm_pb2.AbortRequest, context) -> llm_pb2.AbortResponse:
+        rid = request.request_id
+        if not rid:
+            raise _invalid("request_id: required")
+        live = self.live.get(rid)
+        if live is not None:
+            live.aborted = True
+            live.call.cancel()
+            return llm_pb2.AbortResponse(found=True)
+        try:
+            r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid), timeout=_ABORT_TIMEOUT)
+        except grpc.aio.AioRpcError as e:
+            raise self._upstream_status(e) from None
+        return llm_pb2.AbortResponse(found=r.found)
+
+    @_rpc
+    async def ListModels(self, request, context) -> llm_pb2.ListModelsResponse:
+        i = self.info
+        return llm_pb2.ListModelsResponse(models=[llm_pb2.ModelInfo(
+            name=i.name, max_model_len=i.max_model_len, vocab_size=i.vocab_size, dtype=i.dtype)])
+
+    @_rpc
+    async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
+        self._check_model(request.model)
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            _, ids = self.text.encode_prompt(request.prompt)
+        elif kind == "chat":
+            ids = self._encode_chat(request.chat.messages)
+        else:
+            raise _invalid("prompt: a prompt or chat is required")
+        return llm_pb2.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.info.max_model_len)
+
+    # ---- validation ------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model and model not in self.model_names:
+            raise _invalid(f"model: unknown model {model!r}; this gateway serves {self.info.name!r}")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise _invalid("prompt_token_ids: empty")
+        bad = next((t for t in ids if t >= self.info.vocab_size), None)
+        if bad is not None:
+            raise _invalid(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.info.vocab_size})")
+        return ids
+
+    def _encode_chat(self, messages) -> list[int]:
+        """Chat messages → prompt token ids with the model's chat template."""
+        if not messages:
+            raise _invalid("messages: at least one message is required")
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise _invalid(f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(ROLES)})")
+        return self.text.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+
+    def _sampling(self, msg: common_pb2.SamplingParams, n_prompt: int
+                  ) -> tuple[common_pb2.SamplingParams, SamplingParams]:
+        """Apply the max_tokens rules (module docstring) and validate. Returns the message to
+        forward (max_tokens set, stop strings removed: they are the gateway's) and the engine
+        params (with the stop strings)."""
+        from scheduler.service import sampling_params_from_proto
+        limit = self.info.max_model_len
+        room = limit - n_prompt
+        if room < 1:
+            raise _invalid(f"prompt: {n_prompt} tokens leave no room for output within max_model_len {limit}")
+        fwd = common_pb2.SamplingParams()
+        fwd.CopyFrom(msg)
+        if fwd.HasField("max_tokens"):
+            fwd.max_tokens = min(fwd.max_tokens, self.cfg.max_tokens_cap)
+            if fwd.max_tokens > room:
+                raise _invalid(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({fwd.max_tokens}) "
+                               f"exceeds max_model_len {limit}")
+        else:
+            fwd.max_tokens = min(self.cfg.default_max_tokens, self.cfg.max_tokens_cap, room)
+        try:
+            params = sampling_params_from_proto(fwd)
+        except EngineError as e:
+            raise _invalid(f"sampling: {e}") from None
+        fwd.ClearField("stop")
+        return fwd, params
+
+    def _timeout(self, request, context) -> float:
+        """The request's deadline in seconds (module docstring)."""
+        if request.HasField("timeout"):
+            t = request.timeout.seconds + request.timeout.nanos / 1e9
+            if t <= 0:
+                raise _invalid(f"timeout: must be > 0 seconds, got {t:g}")
+            if t > self.cfg.max_timeout:
+                raise _invalid(f"timeout: {t:g} s exceeds the gateway's max_timeout of {self.cfg.max_timeout:g} s")
+        else:
+            t = self.cfg.default_timeout
+        left = context.time_remaining()
+        return t if left is None else min(t, left)
+
+    # ---- streaming -------------------------------------------------------------------------
+    async def _stream(self, request, prompt_ids: list[int], context: grpc.aio.ServicerContext) -> None:
+        """Submit one validated request upstream and stream its messages to ``context``."""
+        rid = request.request_id or uuid.uuid4().hex
+        fwd, params = self._sampling(request.sampling, len(prompt_ids))
+        timeout = self._timeout(request, context)
+        if rid in self.live:
+            raise _invalid(f"request_id: {rid!r} is already in flight")
+        context.set_trailing_metadata((("kvmesh-max-tokens", str(fwd.max_tokens)),))
+        detok = IncrementalDetokenizer(self.text.tokenizer, prompt_ids, stop=params.stop,
+                                       skip_special_tokens=params.skip_special_tokens)
+        t0 = time.monotonic()
+        t_first = None
+        call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                                            sampling=fwd, session_id=request.session_id),
+                                timeout=timeout)
+        live = self.live[rid] = _Live(call)
+        try:
+            try:
+                async for up in call:
+                    t_first = t_first or (time.monotonic() if up.token_ids else None)
+                    delta = detok.add_tokens(up.token_ids)
+                    out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=up.token_ids)
+                    if params.logprobs is not None:
+                        out.logprobs.extend(up.logprobs)
+                    if delta.stop_string is not None:       # end upstream now (finally), report STOP
+                        _finish(out, common_pb2.FINISH_REASON_STOP, delta.stop_string,
+                                _usage(up, prompt_ids, detok), _timings(up, t0, t_first))
+                    elif up.finished:
+                        out.text += detok.flush()
+                        if detok.stop_string is not None:   # matched in the flushed tail
+                            _finish(out, common_pb2.FINISH_REASON_STOP, detok.stop_string, up.usage, up.timings)
+                        else:
+                            _finish(out, up.finish_reason, up.stop_reason, up.usage, up.timings)
+                    if out.token_ids or out.text or out.finished:
+                        await context.write(out)
+                    if out.finished:
+                        return
+            except asyncio.CancelledError:
+                # the Abort RPC cancelled the upstream call (not grpc cancelling this handler)
+                if not live.aborted or asyncio.current_task().cancelling():
+                    raise
+                out = llm_pb2.GenerateResponse(request_id=rid, text=detok.flush())
+                _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(None, prompt_ids, detok),
+                        _timings(None, t0, t_first))
+                await context.write(out)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == _Code.DEADLINE_EXCEEDED:
+                    raise _Status(_Code.DEADLINE_EXCEEDED, f"request {rid}: deadline of {timeout:.3g} s exceeded "
+                                                           "(the request was aborted)") from None
+                raise self._upstream_status(e) from None
+            raise _Status(_Code.UNAVAILABLE, f"the scheduler at {self.cfg.scheduler_address} ended request "
+                                             f"{rid} without a final message")
+        finally:
+            call.cancel()              # no-op when it finished; else the scheduler aborts the request
+            if self.live.get(rid) is live:
+                del self.live[rid]
+
+    def _upstream_status(self, e: grpc.aio.AioRpcError) -> _Status:
+        """The status to answer for a failed scheduler call: the scheduler's own status as is,
+        UNAVAILABLE 'scheduler at ADDR unreachable: ...' for a connection failure, UNAVAILABLE for
+        a call the scheduler cancelled (it was shutting down: retry elsewhere)."""
+        details = e.details() or e.code().name
+        if e.code() == _Code.UNAVAILABLE and (
+                any(s in details.lower() for s in _CONNECTION_ERRORS)
+                or self.channel.get_state() != grpc.ChannelConnectivity.READY):
+            return _Status(_Code.UNAVAILABLE, f"scheduler at {self.cfg.scheduler_address} unreachable: {details}")
+        if e.code() == _Code.CANCELLED:    # the scheduler dropped the call (we cancel ours differently)
+            return _Status(_Code.UNAVAILABLE, f"scheduler at {self.cfg.scheduler_address} cancelled the "
+                                              f"request: {details}")
+        return _Status(e.code(), details)
+
+    def cancel_all(self) -> None:
+        """Cancel every upstream call (server shutdown)."""
+        for live in list(self.live.values()):
+            live.call.cancel()
+
+
+def _finish(out: llm_pb2.GenerateResponse, reason: int, stop_reason: str,
+            usage: common_pb2.Usage, timings: common_pb2.Timings) -> None:
+    out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
+    out.usage.CopyFrom(usage)
+    out.timings.CopyFrom(timings)
+
+
+def _usage(up, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
+    """Usage of a request the gateway ended (stop string, Abort): tokens it received."""
+    cached = up.usage.cached_prompt_tokens if up is not None and up.HasField("usage") else 0
+    return common_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=detok.num_output_tokens,
+                            cached_prompt_tokens=cached)
+
+
+def _timings(up, t0: float, t_first: float | None) -> common_pb2.Timings:
+    """Timings (seconds) of a request the gateway ended, on its own clock from Submit; the
+    scheduler's queue time and ttft when its message carried them."""
+    now = time.monotonic()
+    if up is not None and up.HasField("timings"):
+        queue, ttft = up.timings.queue_time, up.timings.ttft
+    else:
+        queue, ttft = 0.0, (t_first - t0 if t_first else 0.0)
+    return common_pb2.Timings(queue_time=queue, ttft=ttft, decode_time=now - t_first if t_first else 0.0,
+                              e2e_latency=now - t0)
+
+
+# ---- server ---------------------------------------------------------------------------------------
+
+def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
+    """Register like the generated ``add_LLMServiceServicer_to_server``, with lenient deserializers."""
+    methods = {"Generate": (grpc.unary_stream_rpc_method_handler, llm_pb2.GenerateRequest, llm_pb2.GenerateResponse),
+               "Chat": (grpc.unary_stream_rpc_method_handler, llm_pb2.ChatRequest, llm_pb2.GenerateResponse),
+               "Abort": (grpc.unary_unary_rpc_method_handler, llm_pb2.AbortRequest, llm_pb2.AbortResponse),
+               "ListModels": (grpc.unary_unary_rpc_method_handler, llm_pb2.ListModelsRequest,
+                              llm_pb2.ListModelsResponse),
+               "Tokenize": (grpc.unary_unary_rpc_method_handler, llm_pb2.TokenizeRequest, llm_pb2.TokenizeResponse)}
+    handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req),
+                           response_serializer=resp.SerializeToString)
+                for name, (make, req, resp) in methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class GatewayServer:
+    """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``."""
+
+    def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int):
+        self.server, self.servicer, self.health = server, servicer, health_servicer
+        self.host, self.port, self.address = host, port, f"{host}:{port}"
+        self._watch_task: asyncio.Task | None = None
+        self._stopped = False
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _watch_scheduler(self) -> None:
+        """Keep a connection to the scheduler and mirror it in health: NOT_SERVING while the
+        channel is failing, SERVING again once it is ready."""
+        channel, C = self.servicer.channel, grpc.ChannelConnectivity
+        while True:
+            state = channel.get_state(try_to_connect=True)
+            if state == C.READY:
+                await self._set_health(_SERVING)
+            elif state in (C.TRANSIENT_FAILURE, C.SHUTDOWN):
+                await self._set_health(_NOT_SERVING)
+            await channel.wait_for_state_change(state)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Go NOT_SERVING, refuse new RPCs, give in-flight streams ``grace`` seconds (None = wait
+        for them), cancel those still running (their upstream calls are cancelled, so the
+        scheduler aborts them), close the channel to the scheduler. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        await self.server.stop(grace)
+        self.servicer.cancel_all()
+        await self.servicer.channel.close()
+
+
+async def _wait_for_scheduler(stub, cfg: GatewayConfig) -> scheduler_pb2.GetModelInfoResponse:
+    """GetModelInfo, retried until it succeeds or ``cfg.connect_timeout`` seconds pass.
+    Raises EngineError naming the address and the last error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.connect_timeout
+    last = "no answer"
+    while (left := deadline - loop.time()) > 0:
+        try:
+            return await stub.GetModelInfo(scheduler_pb2.GetModelInfoRequest(), timeout=min(left, 10.0))
+        except grpc.aio.AioRpcError as e:
+            last = f"{e.code().name}: {e.details()}"
+            if e.code() not in (_Code.UNAVAILABLE, _Code.DEADLINE_EXCEEDED):
+                raise EngineError(f"scheduler at {cfg.scheduler_address} answered GetModelInfo with {last}") from None
+        await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
+    raise EngineError(f"scheduler at {cfg.scheduler_address} unreachable after {cfg.connect_timeout:g} s: {last}")
+
+
+async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
+    """Start the gateway on ``cfg.host:cfg.port`` (port 0 = a free port) and return once it serves.
+
+    The port is bound first (health NOT_SERVING, RPCs UNAVAILABLE meanwhile); then the scheduler
+    at ``cfg.scheduler_address`` is awaited (GetModelInfo, up to ``cfg.connect_timeout`` seconds),
+    the served model's tokenizer is loaded (``workers.registry.resolve_model`` of the scheduler's
+    model name: a known name, pulled if missing, or a directory that must exist here too), and
+    health turns SERVING.
+
+    Raises:
+        EngineError: the address cannot be bound; the scheduler is unreachable within
+            ``connect_timeout``; the model's tokenizer cannot be found. The server is stopped.
+    """
+    from kvmesh.llm import _load_tokenizer
+    from workers.registry import resolve_model
+
+    # so_reuseport=0: a second server on a port in use fails instead of sharing it
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    channel = grpc.aio.insecure_channel(cfg.scheduler_address, options=_CHANNEL_OPTIONS)
+    servicer = LLMServicer(cfg, channel)
+    _add_servicer(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    addr = f"{cfg.host}:{cfg.port}"
+    try:
+        port = server.add_insecure_port(addr)
+    except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
+        await channel.close()
+        raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
+                          "(0 = any free port)") from None
+    gw = GatewayServer(server, servicer, health_servicer, cfg.host, port)
+    await gw._set_health(_NOT_SERVING)
+    await server.start()
+    try:
+        info = await _wait_for_scheduler(servicer.stub, cfg)
+        tokenizer = await asyncio.to_thread(lambda: _load_tokenizer(resolve_model(info.name)))
+    except BaseException:
+        await gw.stop(0)
+        raise
+    servicer.set_model(info, tokenizer)
+    await gw._set_health(_SERVING)
+    gw._watch_task = asyncio.create_task(gw._watch_scheduler())
+    log.info("gateway serving %s on %s (scheduler %s)", info.name, gw.address, cfg.scheduler_address)
+    return gw
