@@ -2,12 +2,20 @@
 
     kvmesh models list                  known models, pulled or not, and where
     kvmesh models pull NAME...          fetch and convert pinned weights (see workers.registry)
-    kvmesh generate --prompt TEXT       stream one completion (``--chat`` applies the chat template)
-    kvmesh demo                         a two-turn PolicyDesk chat with TTFT, tokens/s, prefix-cache hits
+    kvmesh generate --prompt TEXT       stream one completion (``--chat`` applies the chat template);
+                                        in this process, or through a gateway with ``--server ADDR``
+    kvmesh chat --server ADDR           interactive multi-turn chat through a gateway (stdin lines)
+    kvmesh serve                        the mesh in one process: scheduler + gateway (kvmesh/serve.py)
+    kvmesh scheduler | gateway          one service alone (compose, Kubernetes)
+    kvmesh demo                         the mesh in-process and a two-turn PolicyDesk chat through it,
+                                        with TTFT, tokens/s, prefix-cache hits
 
-Engine settings are the fields of :class:`kvmesh.config.EngineConfig`; every one has a flag
-(:data:`ENGINE_FLAGS`) and a ``KVMESH_<FIELD>`` environment variable (a flag wins). Bad arguments
-and :class:`EngineError` print ``kvmesh: error: <message>`` on stderr and exit 2.
+Settings are one dataclass per service in :mod:`kvmesh.config`; every field has a flag
+(:data:`ENGINE_FLAGS`, :data:`SCHEDULER_FLAGS`, :data:`GATEWAY_FLAGS`) and an environment variable
+(``KVMESH_<FIELD>``, ``KVMESH_SCHEDULER_<FIELD>``, ``KVMESH_GATEWAY_<FIELD>``; a flag wins). Bad
+arguments and :class:`EngineError` print ``kvmesh: error: <message>`` on stderr and exit 2; so
+does a request the server refuses (INVALID_ARGUMENT ...). Other server errors (unreachable,
+overloaded) print the same way and exit 1.
 
 Importing this module stays light (no torch): the engine loads only when a command needs it.
 """
@@ -79,6 +87,93 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {field: getattr(args, field) for _, field, _ in ENGINE_FLAGS}
 
 
+# ---- service settings --------------------------------------------------------------------------
+
+def _port(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535] (0 = any free port), got {v!r}")
+    return n
+
+
+# (flag, SchedulerConfig field, add_argument keywords). One row per SchedulerConfig field.
+SCHEDULER_FLAGS: list[tuple[str, str, dict]] = [
+    ("--host", "host", dict(metavar="ADDR", help="listen address (127.0.0.1; 0.0.0.0 = every interface)")),
+    ("--port", "port", dict(type=_port, metavar="PORT", help="listen port (50061; 0 = any free port)")),
+    ("--replicas", "replicas", dict(type=int, metavar="N", help="model replicas, each with its own KV cache (1)")),
+    ("--pp", "pp", dict(type=int, metavar="N", help="pipeline-parallel stages per replica (1)")),
+    ("--pp-layers", "pp_layers", dict(metavar="N,N,...", help="decoder layers per stage (default: even split)")),
+    ("--executor", "executor", dict(choices=("ray", "local"),
+                                    help="ray: stages are Ray actors; local: the model in this process, pp 1 (ray)")),
+    ("--ray-address", "ray_address", dict(metavar="ADDR", help="existing Ray cluster (auto, ray://host:10001); "
+                                                               "default: start a local one")),
+    ("--stage-num-cpus", "stage_num_cpus", dict(type=float, metavar="N", help="CPUs each stage actor reserves (1)")),
+    ("--max-queued-requests", "max_queued_requests", dict(type=int, metavar="N",
+                                                          help="waiting requests per replica before "
+                                                               "RESOURCE_EXHAUSTED (1024)")),
+]
+
+# (flag, GatewayConfig field, add_argument keywords). One row per GatewayConfig field.
+GATEWAY_FLAGS: list[tuple[str, str, dict]] = [
+    ("--host", "host", dict(metavar="ADDR", help="listen address (127.0.0.1; 0.0.0.0 = every interface)")),
+    ("--port", "port", dict(type=_port, metavar="PORT", help="listen port (50051; 0 = any free port)")),
+    ("--scheduler-address", "scheduler_address", dict(metavar="HOST:PORT",
+                                                      help="the scheduler service (127.0.0.1:50061)")),
+    ("--max-tokens-cap", "max_tokens_cap", dict(type=int, metavar="N",
+                                                help="larger max_tokens are clamped to N (4096)")),
+    ("--default-max-tokens", "default_max_tokens", dict(type=int, metavar="N",
+                                                        help="max_tokens of a request that sets none (256)")),
+    ("--default-timeout", "default_timeout", dict(type=float, metavar="S",
+                                                  help="deadline of a request that sets none (300 s)")),
+    ("--max-timeout", "max_timeout", dict(type=float, metavar="S", help="longest deadline a request may ask (3600 s)")),
+    ("--connect-timeout", "connect_timeout", dict(type=float, metavar="S",
+                                                  help="how long to wait for the scheduler at start-up (120 s)")),
+]
+
+
+def add_scheduler_args(p: argparse.ArgumentParser, *, listen: str | None = "--") -> None:
+    """One flag per SchedulerConfig field (dest ``scheduler_<field>``); unset flags stay None so
+    ``KVMESH_SCHEDULER_*`` variables apply. ``listen`` prefixes the host/port flags: ``"--"``
+    (``kvmesh scheduler``), ``"--scheduler-"`` (``serve``, where ``--port`` is the gateway's), or
+    None for none (``demo`` picks free ports)."""
+    g = p.add_argument_group("scheduler settings", "Each flag also reads KVMESH_SCHEDULER_<FIELD> "
+                                                   "(e.g. KVMESH_SCHEDULER_PP); a flag wins.")
+    for flag, field, kw in SCHEDULER_FLAGS:
+        if field in ("host", "port"):
+            if listen is None:
+                continue
+            flag = listen + field
+            if listen != "--":
+                kw = dict(kw, help="the scheduler's " + kw["help"])
+        g.add_argument(flag, dest=f"scheduler_{field}", default=None, **kw)
+
+
+def scheduler_kwargs(args: argparse.Namespace) -> dict:
+    return {field: getattr(args, f"scheduler_{field}", None) for _, field, _ in SCHEDULER_FLAGS}
+
+
+def add_gateway_args(p: argparse.ArgumentParser, *, in_mesh: bool = False) -> None:
+    """One flag per GatewayConfig field (dest ``gateway_<field>``); unset flags stay None so
+    ``KVMESH_GATEWAY_*`` variables apply. ``in_mesh``: no ``--scheduler-address`` (the mesh's own)."""
+    g = p.add_argument_group("gateway settings", "Each flag also reads KVMESH_GATEWAY_<FIELD> "
+                                                 "(e.g. KVMESH_GATEWAY_PORT); a flag wins.")
+    for flag, field, kw in GATEWAY_FLAGS:
+        if not (in_mesh and field == "scheduler_address"):
+            g.add_argument(flag, dest=f"gateway_{field}", default=None, **kw)
+
+
+def gateway_kwargs(args: argparse.Namespace) -> dict:
+    return {field: getattr(args, f"gateway_{field}", None) for _, field, _ in GATEWAY_FLAGS}
+
+
+def add_grace_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--grace", type=float, default=5.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish (5)")
+
+
 # ---- streaming and reporting -------------------------------------------------------------------
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int, temperature: float | None = None) -> None:
@@ -129,6 +224,96 @@ def summary(ro) -> str:
             f"output {n_out} tokens, TTFT {ttft} s, decode {decode} tokens/s, finish {c.finish_reason}")
 
 
+# ---- through a gateway -------------------------------------------------------------------------
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags as ``kvmesh.v1.SamplingParams`` keywords: only those given (the
+    server's defaults apply to the rest), validated here first (EngineError)."""
+    sampling_params(args)
+    kw = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                                        "max_tokens") if getattr(args, k) is not None}
+    if args.stop:
+        kw["stop"] = args.stop
+    if args.ignore_eos:
+        kw["ignore_eos"] = True
+    return kw
+
+
+def stream_responses(out, responses):
+    """Write the text deltas of a GenerateResponse stream to ``out`` as they arrive (then a
+    newline unless the text ends with one); returns the whole text and the final response."""
+    final, parts = None, []
+    for r in responses:
+        if r.text:
+            out.write(r.text)
+            out.flush()
+            parts.append(r.text)
+        if r.finished:
+            final = r
+    text = "".join(parts)
+    if not text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    if final is None:
+        raise EngineError("the server ended the stream without a final message")
+    return text, final
+
+
+def response_summary(final) -> str:
+    """:func:`summary` of a final GenerateResponse: its usage and the scheduler's timings."""
+    from kvmesh.client import finish_reason_name
+
+    u, t = final.usage, final.timings
+    n_out = u.completion_tokens
+    ttft = f"{t.ttft:.3f}" if final.HasField("timings") else "-"
+    decode = f"{(n_out - 1) / t.decode_time:.1f}" if n_out > 1 and t.decode_time > 0 else "-"
+    return (f"prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} from prefix cache), "
+            f"output {n_out} tokens, TTFT {ttft} s, decode {decode} tokens/s, finish {finish_reason_name(final)}")
+
+
+# StatusCodes that mean "this request is refused" (exit 2, like a bad argument); others exit 1.
+_REFUSED = ("INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
+
+
+def rpc_error(e, address: str) -> int:
+    """Print a grpc.RpcError as ``kvmesh: error: ...``; return the exit code."""
+    code = e.code()
+    name = code.name if code is not None else "UNKNOWN"
+    if name == "UNAVAILABLE":
+        print(f"kvmesh: error: cannot reach the kvmesh server at {address}: {e.details()}", file=sys.stderr)
+    else:
+        print(f"kvmesh: error: {e.details()} ({name})", file=sys.stderr)
+    return 2 if name in _REFUSED else 1
+
+
+class ServerUnavailable(Exception):
+    """The gateway did not become ready in time (``kvmesh: error: ...``, exit 1)."""
+
+
+def connect(address: str, wait: float):
+    """A :class:`kvmesh.client.Client` of the gateway at ``address``, once it is ready;
+    raises ServerUnavailable after ``wait`` seconds."""
+    from kvmesh.client import Client
+
+    client = Client(address)
+    try:
+        client.wait_ready(timeout=wait)
+    except BaseException as e:
+        client.close()
+        if isinstance(e, TimeoutError):
+            raise ServerUnavailable(str(e)) from None
+        raise
+    return client
+
+
+def add_server_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--server", required=required, metavar="HOST:PORT",
+                   help="a kvmesh gateway (`kvmesh serve` / `kvmesh gateway`)"
+                        + ("" if required else "; default: run the engine in this process"))
+    p.add_argument("--wait", type=float, default=10.0, metavar="S",
+                   help="how long to wait for the server to be ready (10 s)")
+
+
 # ---- commands ----------------------------------------------------------------------------------
 
 def cmd_models_list(args: argparse.Namespace) -> int:
@@ -155,7 +340,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)          # bad values fail before the model loads
     if args.system is not None and not args.chat:
         raise EngineError("--system needs --chat")
+    if args.server is not None:
+        given = [flag for flag, field, _ in ENGINE_FLAGS if field != "model" and getattr(args, field) is not None]
+        if given:
+            raise EngineError(f"{', '.join(given)}: engine settings are the server's, not for --server")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.server is not None:
+        return _generate_remote(args, prompt)
     return asyncio.run(_generate(args, prompt, params))
 
 
@@ -174,7 +365,133 @@ async def _generate(args: argparse.Namespace, prompt: str, params: SamplingParam
     return 0
 
 
+def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
+    """``generate --server``: the Generate RPC (Chat with ``--chat``) of a gateway."""
+    import grpc
+
+    kw = sampling_kwargs(args)
+    try:
+        with connect(args.server, args.wait) as client:
+            if args.chat:
+                system = [{"role": "system", "content": args.system}] if args.system else []
+                call = client.chat(system + [{"role": "user", "content": prompt}], model=args.model or "", **kw)
+            else:
+                call = client.generate(prompt, model=args.model or "", **kw)
+            _, final = stream_responses(sys.stdout, call)
+    except grpc.RpcError as e:
+        return rpc_error(e, args.server)
+    print(response_summary(final), file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Multi-turn chat through a gateway's Chat RPC: each stdin line is a user turn (a prompt
+    on a terminal); the whole conversation goes with every turn, under one session id."""
+    import grpc
+    from kvmesh.client import new_session_id
+
+    kw = sampling_kwargs(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    session = args.session_id or new_session_id()
+    try:
+        client = connect(args.server, args.wait)
+    except grpc.RpcError as e:
+        return rpc_error(e, args.server)
+    rc, n = 0, 0
+    history = list(system)
+    with client:
+        if interactive:
+            try:
+                import readline  # noqa: F401  (line editing for input())
+            except ImportError:
+                pass
+            print(f"kvmesh: chat with {args.server} (session {session}); /reset starts over, Ctrl-D ends",
+                  file=sys.stderr, flush=True)
+        while True:
+            try:
+                line = input("> ") if interactive else sys.stdin.readline()
+            except EOFError:
+                break
+            if not line:                    # EOF of a pipe
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/reset":
+                history = list(system)
+                print("kvmesh: conversation reset", file=sys.stderr, flush=True)
+                continue
+            if text in ("/quit", "/exit"):
+                break
+            history.append({"role": "user", "content": text})
+            call = None
+            try:
+                call = client.chat(history, model=args.model or "", session_id=session, **kw)
+                answer, final = stream_responses(sys.stdout, call)
+            except grpc.RpcError as e:
+                history.pop()
+                rc = rpc_error(e, args.server)
+                if rc != 2 or not interactive:
+                    return rc
+                continue
+            except KeyboardInterrupt:       # stop this answer (the request is aborted), keep chatting
+                if call is not None:
+                    call.cancel()
+                history.pop()
+                if not interactive:
+                    raise
+                print("\nkvmesh: answer interrupted", file=sys.stderr, flush=True)
+                continue
+            history.append({"role": "assistant", "content": answer})
+            n += 1
+            print(f"turn {n}: {response_summary(final)}", file=sys.stderr, flush=True)
+    return rc
+
+
+def _service_configs(args: argparse.Namespace, **sched_overrides):
+    """(EngineConfig, SchedulerConfig, GatewayConfig) from the flags and the environment."""
+    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+
+    return (EngineConfig.from_env(**engine_kwargs(args)),
+            SchedulerConfig.from_env(**dict(scheduler_kwargs(args), **sched_overrides)),
+            GatewayConfig.from_env(**gateway_kwargs(args)))
+
+
+def _run_services(coro) -> int:
+    try:
+        return asyncio.run(coro)
+    except (OSError, RuntimeError) as e:       # e.g. a port in use
+        print(f"kvmesh: error: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvmesh import serve
+
+    engine_cfg, sched_cfg, gw_cfg = _service_configs(args)
+    return _run_services(serve.run_services(lambda mesh: serve.start_mesh(mesh, sched_cfg, engine_cfg, gw_cfg),
+                                            grace=args.grace))
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from kvmesh import serve
+
+    engine_cfg, sched_cfg, _ = _service_configs(args)
+    return _run_services(serve.run_services(lambda mesh: serve.start_scheduler(mesh, sched_cfg, engine_cfg),
+                                            grace=args.grace))
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from kvmesh import serve
+    from kvmesh.config import GatewayConfig
+
+    gw_cfg = GatewayConfig.from_env(**gateway_kwargs(args))
+    return _run_services(serve.run_services(lambda mesh: serve.start_gateway(mesh, gw_cfg), grace=args.grace))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    import grpc
     from bench import policydesk
 
     question = next((q for q in policydesk.questions() if q["id"] == args.question), None)
@@ -184,37 +501,63 @@ def cmd_demo(args: argparse.Namespace) -> int:
     follow_up = next(c["turns"][0] for c in policydesk.chats() if c["policy"] == question["policy"])
     turns = [(question["question"], question["reference_answer"]),
              (follow_up["user"], follow_up["reference_answer"])]
-    params = sampling_params(args)
+    kw = sampling_kwargs(args)
     system = policydesk.system_message(question["policy"])
-    return asyncio.run(_demo(args, question["policy"], system, turns, params))
+    # The mesh on free loopback ports; the other scheduler and gateway settings from flags / env.
+    engine_cfg, sched_cfg, gw_cfg = _service_configs(args, host="127.0.0.1", port=0)
+    gw_cfg = gw_cfg.replace(host="127.0.0.1", port=0)
+    try:
+        return _run_services(_demo(engine_cfg, sched_cfg, gw_cfg, question["policy"], system, turns, kw))
+    except grpc.RpcError as e:
+        return rpc_error(e, "the demo's gateway")
 
 
-async def _demo(args: argparse.Namespace, policy: str, system: str, turns: list[tuple[str, str]],
-                params: SamplingParams) -> int:
-    from kvmesh.llm import AsyncLLM
+async def _demo(engine_cfg, sched_cfg, gw_cfg, policy: str, system: str, turns: list[tuple[str, str]],
+                kw: dict) -> int:
+    from kvmesh import serve
+    from kvmesh.client import Client
+
+    serve.announce(f"starting the mesh: {engine_cfg.model}, {sched_cfg.executor} executor, pp {sched_cfg.pp}, "
+                   f"{sched_cfg.replicas} replica(s) ...")
+    t0 = time.monotonic()
+
+    async def chat(mesh) -> int:
+        client = Client(mesh.gateway_address)
+        try:
+            return await asyncio.to_thread(_demo_chat, client, mesh, time.monotonic() - t0, engine_cfg, sched_cfg,
+                                           policy, system, turns, kw)
+        finally:
+            client.close()          # on Ctrl-C: cancels the stream in flight, so the thread ends
+
+    return await serve.run_services(lambda mesh: serve.start_mesh(mesh, sched_cfg, engine_cfg, gw_cfg),
+                                    work=chat, grace=1.0)
+
+
+def _demo_chat(client, mesh, startup: float, engine_cfg, sched_cfg, policy: str, system: str,
+               turns: list[tuple[str, str]], kw: dict) -> int:
+    """The demo's conversation (in a thread, while the loop serves the mesh)."""
+    from kvmesh.client import new_session_id
 
     out = sys.stdout
-    print(f"kvmesh: loading {args.model} ...", file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    llm = AsyncLLM(**engine_kwargs(args))
-    cfg = llm.engine.engine.cfg
-    out.write(f"PolicyDesk demo: {args.model} ({cfg.torch_dtype}, {cfg.device}), loaded in "
-              f"{time.monotonic() - t0:.1f} s\nsystem: PolicyDesk prompt + policy '{policy}'\n")
+    client.wait_ready(timeout=60)
+    info = client.list_models()[0]
+    out.write(f"PolicyDesk demo: {info.name} ({info.dtype}, {engine_cfg.device}), mesh up in {startup:.1f} s: "
+              f"gateway {mesh.gateway_address} -> scheduler {mesh.scheduler_address} "
+              f"({sched_cfg.executor} executor, pp {sched_cfg.pp})\n"
+              f"system: PolicyDesk prompt + policy '{policy}'\n")
+    session = new_session_id()
     messages = [{"role": "system", "content": system}]
-    try:
-        for n, (user, reference) in enumerate(turns, 1):
-            messages.append({"role": "user", "content": user})
-            out.write(f"\n[turn {n}] user: {user}\n[turn {n}] assistant: ")
-            ro = await stream_to(out, llm, llm.encode_chat(messages), params)
-            messages.append({"role": "assistant", "content": ro.outputs[0].text})
-            out.write(f"  (reference answer: {reference})\n  {summary(ro)}\n")
-            if n > 1:
-                m = ro.metrics
-                out.write(f"  prefix cache: turn {n} reused {m.num_cached_tokens} of its "
-                          f"{len(ro.prompt_token_ids)} prompt tokens from the earlier turns\n")
-            out.flush()
-    finally:
-        await llm.shutdown()
+    for n, (user, reference) in enumerate(turns, 1):
+        messages.append({"role": "user", "content": user})
+        out.write(f"\n[turn {n}] user: {user}\n[turn {n}] assistant: ")
+        answer, final = stream_responses(out, client.chat(messages, session_id=session, **kw))
+        messages.append({"role": "assistant", "content": answer})
+        out.write(f"  (reference answer: {reference})\n  {response_summary(final)}\n")
+        if n > 1:
+            u = final.usage
+            out.write(f"  prefix cache: turn {n} reused {u.cached_prompt_tokens} of its "
+                      f"{u.prompt_tokens} prompt tokens from the earlier turns\n")
+        out.flush()
     return 0
 
 
@@ -235,20 +578,65 @@ def register_commands(sub) -> None:
 
     p = sub.add_parser("generate", help="stream one completion to the terminal",
                        description="Stream a completion to stdout; a summary line (tokens, TTFT, "
-                                   "decode tokens/s, finish reason) goes to stderr.")
+                                   "decode tokens/s, finish reason) goes to stderr. With --server, "
+                                   "through a kvmesh gateway; otherwise the engine runs in this process.")
     p.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
+    add_server_arg(p, required=False)
     add_sampling_args(p, max_tokens=256)
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("demo", help="a two-turn PolicyDesk chat: streamed answers, TTFT, tokens/s, prefix-cache hits",
-                       description="Ask a PolicyDesk question (bench/data/policydesk) with the policy in the "
-                                   "system message, then a follow-up turn that reuses the cached prefix.")
+    p = sub.add_parser("chat", help="multi-turn chat through a kvmesh gateway",
+                       description="Chat through a gateway's Chat RPC: each line of stdin is a user turn "
+                                   "(a pipe works too; EOF ends), answers stream to stdout, one summary "
+                                   "line per turn (tokens, prefix-cache hits, TTFT, tokens/s) goes to stderr. "
+                                   "The whole conversation is sent each turn under one session id, so "
+                                   "earlier turns come from the prefix cache. /reset starts over.")
+    add_server_arg(p, required=True)
+    p.add_argument("--system", metavar="TEXT", help="system message")
+    p.add_argument("--model", metavar="NAME", help="model name (default: the served model)")
+    p.add_argument("--session-id", metavar="ID", help="session id (default: a new random one)")
+    add_sampling_args(p, max_tokens=256)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="the mesh in one process: scheduler + gateway",
+                       description="Start the scheduler service (its replicas, Ray stage actors) and the "
+                                   "public gateway in one process. Prints `kvmesh: <service> listening on "
+                                   "HOST:PORT` on stderr for each; SIGINT/SIGTERM stops them (exit 0).")
+    add_grace_arg(p)
+    add_gateway_args(p, in_mesh=True)
+    add_scheduler_args(p, listen="--scheduler-")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("scheduler", help="the scheduler service alone",
+                       description="The internal scheduler service (kvmesh.v1.SchedulerService): replicas "
+                                   "of the model, their engine loops and executors. Settings from flags or "
+                                   "KVMESH_SCHEDULER_* / KVMESH_* variables.")
+    add_grace_arg(p)
+    add_scheduler_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_scheduler)
+
+    p = sub.add_parser("gateway", help="the public gateway alone",
+                       description="The public gRPC service (kvmesh.v1.LLMService) in front of a scheduler "
+                                   "(--scheduler-address). Settings from flags or KVMESH_GATEWAY_* variables.")
+    add_grace_arg(p)
+    add_gateway_args(p)
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("demo", help="a two-turn PolicyDesk chat through an in-process mesh: streamed answers, "
+                                    "TTFT, tokens/s, prefix-cache hits",
+                       description="Start the mesh (scheduler with Ray stage workers, gateway) in this "
+                                   "process on free ports, ask a PolicyDesk question (bench/data/policydesk) "
+                                   "with the policy in the system message through the gateway's Chat RPC, "
+                                   "then a follow-up turn in the same session that reuses the cached prefix.")
     p.add_argument("--question", default=DEMO_QUESTION, metavar="ID",
                    help=f"question id from questions.jsonl ({DEMO_QUESTION})")
     add_sampling_args(p, max_tokens=160, temperature=0.0)
+    add_scheduler_args(p, listen=None)
     add_engine_args(p, default_model=DEMO_MODEL)
     p.set_defaults(func=cmd_demo)
 
@@ -287,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 2
+    except ServerUnavailable as e:
+        print(f"kvmesh: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nkvmesh: interrupted", file=sys.stderr)
         return 130

@@ -150,7 +150,6 @@ class SchedulerConfig:
         ray_address: an existing Ray cluster (``auto``, ``ray://host:10001``); empty = start a local one.
         stage_num_cpus: CPUs each stage actor reserves in Ray.
         max_queued_requests: waiting requests per replica before RESOURCE_EXHAUSTED.
-        stats_interval: seconds between replica stats snapshots (0 = off).
     """
 
     host: str = "127.0.0.1"

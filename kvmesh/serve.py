@@ -1,0 +1,167 @@
+"""Run kvmesh's gRPC services in this process, on one asyncio loop.
+
+    kvmesh scheduler   the scheduler service alone (its replicas' engines, Ray stage actors)
+    kvmesh gateway     the public gateway alone, pointed at a scheduler's address
+    kvmesh serve       the mesh: a scheduler, then a gateway pointed at it
+    kvmesh demo        the mesh on free ports while a client talks to it
+
+Each service prints one line on stderr, flushed, once it accepts requests::
+
+    kvmesh: scheduler listening on 127.0.0.1:50061
+    kvmesh: gateway listening on 127.0.0.1:50051
+
+(with the bound port when the configured one is 0). SIGINT or SIGTERM stops the services in
+reverse order of start, each given ``grace`` seconds for in-flight requests: the gateway first
+(its streams end), then the scheduler (aborts what is left, frees KV blocks, shuts its
+executors down), then the Ray runtime the executors started here (a cluster joined with
+``--ray-address`` is only disconnected from). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+
+def announce(message: str) -> None:
+    print(f"kvmesh: {message}", file=sys.stderr, flush=True)
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def connect_address(host: str, port: int) -> str:
+    """Where a local client reaches a service bound to ``host`` (a wildcard → loopback)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "::1"
+    return host_port(host, port)
+
+
+@dataclass
+class Mesh:
+    """The services this process runs, in order of start: ``(name, server, listen address)``.
+    ``scheduler``/``gateway`` are the server objects of :mod:`scheduler.service` and
+    :mod:`gateway.server`, or None when not (yet) started."""
+
+    services: list[tuple[str, object, str]] = field(default_factory=list)
+    gateway_address: str | None = None       # where a client reaches the gateway
+    scheduler_address: str | None = None     # where the gateway reaches the scheduler
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)   # set by SIGINT/SIGTERM
+
+    def _get(self, name: str):
+        return next((s for n, s, _ in self.services if n == name), None)
+
+    @property
+    def scheduler(self):
+        return self._get("scheduler")
+
+    @property
+    def gateway(self):
+        return self._get("gateway")
+
+    async def stop(self, grace: float) -> None:
+        """Stop the services in reverse order of start (gateway before scheduler)."""
+        while self.services:
+            name, server, _ = self.services.pop()
+            try:
+                await server.stop(grace)
+            except Exception as e:                       # keep stopping the others
+                announce(f"error stopping the {name}: {e!r}")
+            else:
+                announce(f"{name} stopped")
+
+
+async def start_scheduler(mesh: Mesh, sched_cfg, engine_cfg) -> None:
+    from scheduler.service import serve_scheduler
+
+    server = await serve_scheduler(sched_cfg, engine_cfg)
+    listen = host_port(sched_cfg.host, server.port)
+    mesh.services.append(("scheduler", server, listen))
+    ready = server.wait_ready()
+    if inspect.isawaitable(ready):
+        await ready
+    mesh.scheduler_address = connect_address(sched_cfg.host, server.port)
+    announce(f"scheduler listening on {listen}")
+
+
+async def start_gateway(mesh: Mesh, gw_cfg) -> None:
+    from gateway.server import serve_gateway
+
+    server = await serve_gateway(gw_cfg)
+    listen = host_port(gw_cfg.host, server.port)
+    mesh.services.append(("gateway", server, listen))
+    mesh.gateway_address = connect_address(gw_cfg.host, server.port)
+    announce(f"gateway listening on {listen}")
+
+
+async def start_mesh(mesh: Mesh, sched_cfg, engine_cfg, gw_cfg) -> None:
+    """Start a scheduler, then a gateway pointed at it (``gw_cfg.scheduler_address`` is
+    replaced by the scheduler's bound address)."""
+    await start_scheduler(mesh, sched_cfg, engine_cfg)
+    if not mesh.stopping.is_set():              # a signal while the scheduler loaded: stop here
+        await start_gateway(mesh, gw_cfg.replace(scheduler_address=mesh.scheduler_address))
+
+
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+async def run_services(start: Callable[[Mesh], Awaitable[None]], *, grace: float,
+                       work: Callable[[Mesh], Awaitable[int]] | None = None) -> int:
+    """Start services with ``start(mesh)``, then either serve until SIGINT/SIGTERM (returns 0)
+    or, with ``work``, run ``work(mesh)`` and return its result (130 when a signal cancels it).
+    The services stop in every case, including a failed start (the exception propagates).
+    A signal during start-up lets the current step finish, then shuts down."""
+    loop = asyncio.get_running_loop()
+    mesh = Mesh()
+    stopping = mesh.stopping
+    caught: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        if caught:
+            announce(f"{signal.Signals(sig).name} again: exiting now")
+            os._exit(130 if sig == signal.SIGINT else 143)
+        caught.append(sig)
+        stopping.set()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    rc = 0
+    ray_was_up = _ray_initialized()
+    try:
+        await start(mesh)
+        if work is None:
+            await stopping.wait()
+        elif not stopping.is_set():
+            task = asyncio.ensure_future(work(mesh))
+            waiter = asyncio.ensure_future(stopping.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if task.done():
+                rc = task.result()
+            else:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if caught:
+            announce(f"{signal.Signals(caught[0]).name}: shutting down")
+            if work is not None:
+                rc = 130
+    finally:
+        await mesh.stop(grace)
+        if not ray_was_up and _ray_initialized():     # a local Ray our executors started (or joined)
+            import ray
+            await asyncio.to_thread(ray.shutdown)
+            announce("ray stopped")
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    return rc

@@ -1,0 +1,366 @@
+"""The mesh from the command line: ``kvmesh serve`` as a real subprocess (scheduler + gateway in
+one process, executor "local", real SmolLM2 weights), ``kvmesh generate --server`` and
+``kvmesh chat --server`` against it, the Python client (kvmesh/client.py), SIGTERM/SIGINT
+shutdown, and the flags' errors. A ``--executor ray`` case runs when the Ray pipeline executor
+is present.
+
+One server serves the module (``served``); its last test stops it with SIGTERM."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvmesh import cli
+from kvmesh.config import GatewayConfig, SchedulerConfig
+
+MODEL = "smollm2-135m-instruct"
+KVMESH = Path(sys.executable).with_name("kvmesh")
+LISTEN = re.compile(r"^kvmesh: (scheduler|gateway) listening on (\S+):(\d+)$")
+SUMMARY = r"prompt (\d+) tokens \((\d+) from prefix cache\), output (\d+) tokens, TTFT [\d.]+ s, " \
+          r"decode [\d.-]+ tokens/s, finish (\w+)"
+SYSTEM = ("You are a helpful assistant for a travel agency. Answer the traveller's questions in one or "
+          "two short sentences, politely and precisely.")
+
+
+def mesh_env(**extra) -> dict:
+    env = dict(os.environ, KVMESH_DTYPE="float32", KVMESH_NUM_THREADS="1", KVMESH_KV_CACHE_MEMORY="64MiB",
+               KVMESH_MAX_MODEL_LEN="1024", PYTHONUNBUFFERED="1")
+    for k in [k for k in env if k.startswith(("KVMESH_SCHEDULER_", "KVMESH_GATEWAY_"))]:
+        del env[k]
+    env.update(extra)
+    return env
+
+
+class Served:
+    """A ``kvmesh serve|scheduler|gateway`` subprocess; stderr lines are collected as they come."""
+
+    def __init__(self, argv: list[str], env: dict):
+        self.proc = subprocess.Popen([str(KVMESH), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.addresses: dict[str, tuple[str, int]] = {}
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_listening(self, services=("scheduler", "gateway"), timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while set(services) - set(self.addresses):
+            try:
+                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"not listening after {timeout} s:\n{self.stderr}") from None
+            if line is None:
+                raise AssertionError(f"exited with {self.proc.wait()} before listening:\n{self.stderr}")
+            if m := LISTEN.match(line):
+                self.addresses[m.group(1)] = (m.group(2), int(m.group(3)))
+
+    def address(self, service: str = "gateway") -> str:
+        host, port = self.addresses[service]
+        return f"{host}:{port}"
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> tuple[int, float]:
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        return rc, time.monotonic() - t0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def kvmesh(*argv: str, input: str | None = None, timeout: float = 300, env: dict | None = None):
+    return subprocess.run([str(KVMESH), *argv], input=input, capture_output=True, text=True, timeout=timeout,
+                          env=env or mesh_env())
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir):
+    srv = Served(["serve", "--executor", "local", "--model", MODEL, "--port", "0", "--scheduler-port", "0",
+                  "--grace", "1"], mesh_env())
+    try:
+        t0 = time.monotonic()
+        srv.wait_listening()
+        srv.startup_s = time.monotonic() - t0
+        yield srv
+    finally:
+        srv.kill()
+
+
+# ---- bad arguments (no model loads) ------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--pp", "0"], "kvmesh: error: pp must be >= 1, got 0"),
+    (["serve", "--executor", "local", "--pp", "2"], "the local executor runs the whole model in one process"),
+    (["serve", "--executor", "mpi"], "argument --executor: invalid choice: 'mpi'"),
+    (["serve", "--port", "http"], "argument --port: expected a port number"),
+    (["serve", "--scheduler-port", "70000"], "argument --scheduler-port: expected a port number"),
+    (["serve", "--pp", "2", "--pp-layers", "10"], "pp_layers needs 2 positive layer counts"),
+    (["serve", "--scheduler-address", "x:1"], "unrecognized arguments: --scheduler-address"),
+    (["scheduler", "--replicas", "0"], "replicas must be >= 1"),
+    (["gateway", "--default-timeout", "0"], "default_timeout must be in (0, max_timeout"),
+    (["generate", "--server", "127.0.0.1:1", "--prompt", "hi", "--dtype", "float32"],
+     "--dtype: engine settings are the server's"),
+    (["chat", "--server", "127.0.0.1:1", "--temperature", "-1"], "temperature must be >= 0"),
+    (["chat"], "the following arguments are required: --server"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys, monkeypatch):
+    for k in [k for k in os.environ if k.startswith(("KVMESH_SCHEDULER_", "KVMESH_GATEWAY_"))]:
+        monkeypatch.delenv(k)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "error: " in err and "Traceback" not in err
+
+
+def test_serve_bad_flag_console_script():
+    p = kvmesh("serve", "--pp", "0", timeout=120)
+    assert p.returncode == 2
+    assert p.stderr == "kvmesh: error: pp must be >= 1, got 0\n"
+
+
+def test_no_server_exits_1(capsys):
+    with socket.socket() as s:                # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli.main(["chat", "--server", f"127.0.0.1:{port}", "--wait", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert f"kvmesh: error: kvmesh server at 127.0.0.1:{port} not ready after 0.5 s" in err
+
+
+def test_every_service_setting_has_a_flag(monkeypatch):
+    assert {f for _, f, _ in cli.SCHEDULER_FLAGS} == {f.name for f in dataclasses.fields(SchedulerConfig)}
+    assert {f for _, f, _ in cli.GATEWAY_FLAGS} == {f.name for f in dataclasses.fields(GatewayConfig)}
+    monkeypatch.setenv("KVMESH_SCHEDULER_REPLICAS", "3")      # env applies where no flag is given
+    monkeypatch.setenv("KVMESH_SCHEDULER_PP", "4")            # a flag beats the env
+    monkeypatch.setenv("KVMESH_GATEWAY_MAX_TIMEOUT", "99")
+    monkeypatch.setenv("KVMESH_GATEWAY_PORT", "1234")
+    args = cli.build_parser().parse_args([
+        "serve", "--host", "0.0.0.0", "--port", "0", "--max-tokens-cap", "100", "--default-max-tokens", "10",
+        "--default-timeout", "5", "--connect-timeout", "7", "--scheduler-host", "10.0.0.1",
+        "--scheduler-port", "0", "--pp", "2", "--pp-layers", "20,10", "--executor", "ray",
+        "--ray-address", "auto", "--stage-num-cpus", "0.5", "--max-queued-requests", "8"])
+    engine, sched, gw = cli._service_configs(args)
+    assert sched == SchedulerConfig(host="10.0.0.1", port=0, replicas=3, pp=2, pp_layers="20,10", executor="ray",
+                                    ray_address="auto", stage_num_cpus=0.5, max_queued_requests=8)
+    assert gw == GatewayConfig(host="0.0.0.0", port=0, max_tokens_cap=100, default_max_tokens=10,
+                               default_timeout=5.0, max_timeout=99.0, connect_timeout=7.0)
+    args = cli.build_parser().parse_args(["gateway", "--scheduler-address", "sched:50061", "--default-timeout", "9"])
+    assert GatewayConfig.from_env(**cli.gateway_kwargs(args)).port == 1234
+    assert cli.gateway_kwargs(args)["scheduler_address"] == "sched:50061"
+    args = cli.build_parser().parse_args(["scheduler", "--port", "0", "--model", "m"])
+    assert cli.scheduler_kwargs(args)["port"] == 0 and cli.engine_kwargs(args)["model"] == "m"
+
+
+# ---- the served mesh ---------------------------------------------------------------------------
+
+def test_serve_prints_where_it_listens(served):
+    listening = [l for l in served.lines if LISTEN.match(l)]
+    assert [LISTEN.match(l).group(1) for l in listening] == ["scheduler", "gateway"], served.stderr
+    for service in ("scheduler", "gateway"):
+        host, port = served.addresses[service]
+        assert host == "127.0.0.1" and port > 0 and port_open(host, port)
+    print(f"serve: listening after {served.startup_s:.1f} s")
+
+
+def test_generate_server_streams_offline_text(served):
+    argv = ["--prompt", "The capital of France is", "--max-tokens", "24", "--temperature", "0"]
+    offline = kvmesh("generate", "--model", MODEL, *argv)
+    remote = kvmesh("generate", "--server", served.address(), *argv)
+    assert offline.returncode == 0 and remote.returncode == 0, offline.stderr + remote.stderr
+    assert remote.stdout == offline.stdout and "Paris" in remote.stdout
+    s_off = re.search(SUMMARY, offline.stderr).groups()
+    s_rem = re.search(SUMMARY, remote.stderr).groups()
+    assert s_rem[0] == s_off[0] and s_rem[2:] == s_off[2:] == ("24", "length"), remote.stderr
+
+    chat = ["--chat", "--system", SYSTEM, "--prompt", "Is a passport needed to fly from Paris to Rome?",
+            "--max-tokens", "16", "--temperature", "0"]
+    offline = kvmesh("generate", "--model", MODEL, *chat)
+    remote = kvmesh("generate", "--server", served.address(), *chat)
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == offline.stdout
+    assert re.search(SUMMARY, remote.stderr).group(1) == re.search(SUMMARY, offline.stderr).group(1)
+
+
+def test_chat_two_piped_turns_reuse_the_prefix(served):
+    p = kvmesh("chat", "--server", served.address(), "--system", SYSTEM, "--temperature", "0",
+               "--max-tokens", "24", input="Which documents do I need to travel to Japan?\n\n"
+                                           "And how long can I stay there without a visa?\n")
+    assert p.returncode == 0, p.stderr
+    turns = re.findall(r"^turn (\d): " + SUMMARY + "$", p.stderr, re.M)
+    assert [t[0] for t in turns] == ["1", "2"], p.stderr
+    (_, p1, c1, n1, _), (_, p2, c2, n2, _) = [t for t in turns]
+    p1, c1, p2, c2 = int(p1), int(c1), int(p2), int(c2)
+    assert int(n1) > 0 and int(n2) > 0 and p.stdout.strip()
+    assert p2 > p1 + int(n1)                   # turn 2 carries turn 1's question and answer
+    assert c2 >= p1 // 16 * 16 > 0             # ... and its prompt comes from the prefix cache
+
+
+def test_chat_reset_and_errors_keep_the_session(served):
+    long_line = "word " * 2000                 # longer than max_model_len: refused, the chat goes on
+    p = kvmesh("chat", "--server", served.address(), "--temperature", "0", "--max-tokens", "4",
+               input=f"Hello!\n/reset\nHello!\n{long_line}\n")
+    assert p.returncode == 2, p.stderr
+    assert "kvmesh: conversation reset" in p.stderr
+    turns = re.findall(r"^turn (\d): " + SUMMARY + "$", p.stderr, re.M)
+    assert len(turns) == 2 and turns[0][1] == turns[1][1]      # after /reset: the same prompt again
+    assert int(turns[1][2]) > 0                                  # same session, cached
+    assert "kvmesh: error: " in p.stderr and "(INVALID_ARGUMENT)" in p.stderr
+
+
+def test_client(served):
+    from kvmesh.client import Client, collect, finish_reason_name
+
+    with Client(served.address()) as c:
+        c.wait_ready(timeout=10)
+        (info,) = c.list_models()
+        assert info.name == MODEL and info.max_model_len == 1024
+        tok = c.tokenize("The capital of France is")
+        assert tok.count == len(tok.token_ids) == 5
+        text, final = collect(c.generate(token_ids=list(tok.token_ids), temperature=0, max_tokens=6))
+        assert "Paris" in text and finish_reason_name(final) == "length"
+        assert final.usage.prompt_tokens == 5 and final.usage.completion_tokens == 6
+        chat_ids = c.tokenize(messages=[{"role": "user", "content": "Hi"}]).token_ids
+        text, final = collect(c.chat([("user", "Hi")], temperature=0, max_tokens=4, session_id="s"))
+        assert final.usage.prompt_tokens == len(chat_ids)
+        assert c.abort("no-such-request") is False
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.generate("hi", temperature=-1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sigterm_stops_in_flight_streams_and_exits_0(served):
+    """Last test of the served mesh: SIGTERM with a stream in flight."""
+    from kvmesh.client import Client
+
+    got: list = []
+    first = threading.Event()
+
+    def stream():
+        with Client(served.address()) as c:
+            try:
+                for r in c.generate("Once upon a time", temperature=0, max_tokens=900, ignore_eos=True):
+                    first.set()
+                    got.append(r)
+            except grpc.RpcError as e:
+                got.append(e)
+            first.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert first.wait(60)
+    rc, took = served.stop(signal.SIGTERM)
+    t.join(10)
+    assert rc == 0, served.stderr
+    assert took < 20, f"SIGTERM took {took:.1f} s"
+    assert not t.is_alive()
+    last = got[-1]                              # the stream ended: aborted, cancelled or cut off
+    assert isinstance(last, grpc.RpcError) or (last.finished and last.usage.completion_tokens < 900)
+    lines = served.lines
+    assert lines.index("kvmesh: SIGTERM: shutting down") < lines.index("kvmesh: gateway stopped") \
+        < lines.index("kvmesh: scheduler stopped"), served.stderr
+    for host, port in served.addresses.values():
+        assert not port_open(host, port)
+    print(f"serve: SIGTERM -> exit 0 in {took:.1f} s")
+
+
+# ---- services alone, and the demo --------------------------------------------------------------
+
+def test_scheduler_and_gateway_alone_sigint(smollm2_dir):
+    """``kvmesh scheduler`` and ``kvmesh gateway`` as separate processes (settings from the
+    environment, like compose / Kubernetes); SIGINT stops each with exit 0."""
+    sched = Served(["scheduler", "--model", MODEL], mesh_env(KVMESH_SCHEDULER_PORT="0",
+                                                             KVMESH_SCHEDULER_EXECUTOR="local"))
+    gw = None
+    try:
+        sched.wait_listening(["scheduler"])
+        gw = Served(["gateway", "--port", "0"], mesh_env(KVMESH_GATEWAY_SCHEDULER_ADDRESS=sched.address("scheduler")))
+        gw.wait_listening(["gateway"], timeout=120)
+        p = kvmesh("generate", "--server", gw.address(), "--prompt", "The capital of France is",
+                   "--max-tokens", "4", "--temperature", "0")
+        assert p.returncode == 0 and "Paris" in p.stdout, p.stderr
+        assert gw.stop(signal.SIGINT)[0] == 0 and "kvmesh: gateway stopped" in gw.lines
+        assert sched.stop(signal.SIGINT)[0] == 0 and "kvmesh: scheduler stopped" in sched.lines
+    finally:
+        sched.kill()
+        if gw is not None:
+            gw.kill()
+
+
+def _ray_executor_available() -> bool:
+    try:
+        from workers import executor
+    except Exception:
+        return False
+    return hasattr(executor, "RayPipelineExecutor")
+
+
+def test_demo_through_the_mesh(smollm2_dir):
+    p = kvmesh("demo", "--model", MODEL, "--executor", "local", "--max-tokens", "8", "--max-model-len", "2048",
+               "--kv-cache-memory", "256MiB", timeout=600)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "[turn 1] user: If I drive my own car" in out and "[turn 2] assistant: " in out
+    assert re.search(r"gateway 127\.0\.0\.1:\d+ -> scheduler 127\.0\.0\.1:\d+ \(local executor, pp 1\)", out)
+    assert len(re.findall(r"TTFT [\d.]+ s, decode [\d.-]+ tokens/s", out)) == 2
+    first = int(re.search(r"prompt (\d+) tokens \(0 from prefix cache\)", out).group(1))
+    assert first > 1000
+    reused, total = map(int, re.search(r"prefix cache: turn 2 reused (\d+) of its (\d+) prompt tokens", out).groups())
+    assert first - 16 <= reused < total
+    assert "kvmesh: gateway stopped" in p.stderr and "kvmesh: scheduler stopped" in p.stderr
+
+
+@pytest.mark.skipif(not _ray_executor_available(), reason="the Ray pipeline executor is not there yet")
+def test_serve_ray_pipeline_two_stages(smollm2_dir):
+    """The default executor (ray): two pipeline stages as Ray actors in a local Ray started by
+    kvmesh; greedy output equals the offline engine's; SIGTERM shuts Ray down, exit 0."""
+    env = mesh_env(RAY_AUTH_MODE="disabled")
+    srv = Served(["serve", "--model", MODEL, "--pp", "2", "--stage-num-cpus", "0.5", "--port", "0",
+                  "--scheduler-port", "0", "--grace", "1"], env)
+    try:
+        srv.wait_listening(timeout=300)
+        argv = ["--prompt", "The capital of France is", "--max-tokens", "12", "--temperature", "0"]
+        remote = kvmesh("generate", "--server", srv.address(), *argv, env=env)
+        offline = kvmesh("generate", "--model", MODEL, *argv)
+        assert remote.returncode == 0, remote.stderr
+        assert remote.stdout == offline.stdout
+        p = kvmesh("chat", "--server", srv.address(), "--system", SYSTEM, "--temperature", "0", "--max-tokens", "8",
+                   input="Do I need a visa for Japan?\nAnd for Korea?\n", env=env)
+        assert p.returncode == 0, p.stderr
+        (c2,) = re.findall(r"^turn 2: prompt \d+ tokens \((\d+) from prefix cache\)", p.stderr, re.M)
+        assert int(c2) > 0
+        rc, took = srv.stop(signal.SIGTERM, timeout=120)
+        assert rc == 0, srv.stderr
+        assert srv.lines[-2:] == ["kvmesh: scheduler stopped", "kvmesh: ray stopped"], srv.stderr
+        print(f"serve --pp 2 (ray): SIGTERM -> exit 0 in {took:.1f} s")
+    finally:
+        srv.kill()
