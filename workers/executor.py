@@ -94,6 +94,8 @@ def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")          # a local cluster needs no token
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's abseil failure-signal handler would re-raise SIGTERM past our graceful shutdown
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
