@@ -73,6 +73,18 @@ class BlockManager:
         cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
         return BlockStats(self.num_blocks, self.num_blocks - free, cached, free, self.queries, self.hits)
 
+    def cached_block_hashes(self) -> list[int]:
+        """Hashes of every block in the prefix cache (in use or free-but-cached), for a
+        prefix-index resync. The KV events emitted so far describe the same set, except
+        that after :meth:`reset_prefix_cache` the blocks still in use stay listed here (they
+        are still reusable) while ``AllBlocksCleared`` made the index forget them.
+
+        Not thread-safe: the publisher thread calls it while the engine thread steps, so the
+        caller must hold the engine lock (``LLMEngine.lock``), under which the engine also
+        forwards events (``take_events``).
+        """
+        return list(self.cached)
+
     # ---- prefix cache ----------------------------------------------------------------
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
         """Extend ``req.block_hashes`` to cover every full block of its first ``num_tokens``."""
