@@ -28,6 +28,7 @@ import sys
 import time
 
 from scheduler.request import EngineError, SamplingParams
+from scheduler.router import ROUTING_POLICIES
 from scheduler.scheduler import POLICIES
 
 DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -114,6 +115,23 @@ SCHEDULER_FLAGS: list[tuple[str, str, dict]] = [
     ("--max-queued-requests", "max_queued_requests", dict(type=int, metavar="N",
                                                           help="waiting requests per replica before "
                                                                "RESOURCE_EXHAUSTED (1024)")),
+    ("--routing", "routing", dict(choices=ROUTING_POLICIES,
+                                  help="replica selection: prefix (cached prefix vs load), load (least loaded), "
+                                       "round_robin, random (prefix)")),
+    ("--redis-url", "redis_url", dict(metavar="URL", help="Redis prefix index shared by schedulers "
+                                                          "(redis://host:6379/0; env KVMESH_REDIS_URL); "
+                                                          "default: an in-process index")),
+    ("--index-prefix", "index_prefix", dict(metavar="PREFIX", help="Redis key prefix of the index (kvmesh)")),
+    ("--index-timeout", "index_timeout", dict(type=float, metavar="S", help="longest Redis call before routing "
+                                                                            "by load (0.005 s)")),
+    ("--prefix-weight", "prefix_weight", dict(type=float, metavar="W", help="score of a fully cached prompt (1.0)")),
+    ("--load-weight", "load_weight", dict(type=float, metavar="W", help="score cost of a replica whose load "
+                                                                        "fills its KV pool (1.0)")),
+    ("--provisional-ttl", "provisional_ttl", dict(type=float, metavar="S",
+                                                  help="how long a routed prompt counts as cached on its replica "
+                                                       "before its KV events arrive (2 s)")),
+    ("--scheduler-id", "scheduler_id", dict(metavar="ID", help="name in the index; replicas are ID/0, ID/1 ... "
+                                                               "(default: hostname-random)")),
 ]
 
 # (flag, GatewayConfig field, add_argument keywords). One row per GatewayConfig field.
@@ -140,7 +158,8 @@ def add_scheduler_args(p: argparse.ArgumentParser, *, listen: str | None = "--")
     (``kvmesh scheduler``), ``"--scheduler-"`` (``serve``, where ``--port`` is the gateway's), or
     None for none (``demo`` picks free ports)."""
     g = p.add_argument_group("scheduler settings", "Each flag also reads KVMESH_SCHEDULER_<FIELD> "
-                                                   "(e.g. KVMESH_SCHEDULER_PP); a flag wins.")
+                                                   "(e.g. KVMESH_SCHEDULER_PP; --redis-url reads KVMESH_REDIS_URL); "
+                                                   "a flag wins.")
     for flag, field, kw in SCHEDULER_FLAGS:
         if field in ("host", "port"):
             if listen is None:

@@ -1,6 +1,8 @@
 """Settings: one typed object per service, from flags and ``KVMESH_*`` environment variables.
 
-Precedence: explicit argument > ``KVMESH_<FIELD>`` environment variable > default.
+Precedence: explicit argument > ``KVMESH_<FIELD>`` environment variable > default. A class may
+name another variable for a field in ``ENV_OVERRIDES`` (:func:`env_var`): SchedulerConfig's
+``redis_url`` reads ``KVMESH_REDIS_URL``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from scheduler.request import EngineError
+from scheduler.router import ROUTING_POLICIES
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -41,11 +44,17 @@ def _parse_bytes(v: str | float | int) -> float:
 def _from_env(cls, prefix: str, overrides: dict):
     kw = {}
     for f in fields(cls):
-        env = os.environ.get(f"{prefix}{f.name.upper()}")
+        env = os.environ.get(env_var(cls, f.name, prefix))
         if env is not None:
             kw[f.name] = env
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**kw)
+
+
+def env_var(cls, field: str, prefix: str | None = None) -> str:
+    """The environment variable of a settings field: ``<ENV_PREFIX><FIELD>``, unless the class
+    names another one in ``ENV_OVERRIDES`` (e.g. ``KVMESH_REDIS_URL``)."""
+    return getattr(cls, "ENV_OVERRIDES", {}).get(field) or f"{prefix or cls.ENV_PREFIX}{field.upper()}"
 
 
 def _coerce_strings(obj) -> None:
@@ -150,6 +159,20 @@ class SchedulerConfig:
         ray_address: an existing Ray cluster (``auto``, ``ray://host:10001``); empty = start a local one.
         stage_num_cpus: CPUs each stage actor reserves in Ray.
         max_queued_requests: waiting requests per replica before RESOURCE_EXHAUSTED.
+        routing: replica selection (:mod:`scheduler.router`): ``prefix`` (cached prefix
+            blocks weighed against load), ``load`` (least loaded), ``round_robin``, ``random``.
+        redis_url: the shared prefix index (``redis://host:6379/0``); empty = an in-process
+            index (this scheduler's replicas only). Environment: ``KVMESH_REDIS_URL`` (not
+            ``KVMESH_SCHEDULER_REDIS_URL``).
+        index_prefix: Redis key prefix of the index (schedulers sharing one index use the same).
+        index_timeout: longest wait for one Redis call (seconds); slower or down = route by load.
+        prefix_weight: score of a prompt fully cached on a replica (score =
+            prefix_weight x cached blocks / prompt blocks - load_weight x load / KV pool tokens).
+        load_weight: score cost of a replica whose waiting + running tokens fill its KV pool.
+        provisional_ttl: how long the router assumes a replica holds a prompt it was just sent,
+            before the replica's own KV events say so (seconds).
+        scheduler_id: this scheduler's name in the index; its replicas are ``<scheduler_id>/<i>``.
+            Empty = ``<hostname>-<random>``, new at every start.
     """
 
     host: str = "127.0.0.1"
@@ -161,8 +184,17 @@ class SchedulerConfig:
     ray_address: str = ""
     stage_num_cpus: float = 1.0
     max_queued_requests: int = 1024
+    routing: str = "prefix"
+    redis_url: str = ""
+    index_prefix: str = "kvmesh"
+    index_timeout: float = 0.005
+    prefix_weight: float = 1.0
+    load_weight: float = 1.0
+    provisional_ttl: float = 2.0
+    scheduler_id: str = ""
 
     ENV_PREFIX = "KVMESH_SCHEDULER_"
+    ENV_OVERRIDES = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
 
     @classmethod
     def from_env(cls, **overrides) -> "SchedulerConfig":
@@ -182,6 +214,16 @@ class SchedulerConfig:
             raise EngineError(f"stage_num_cpus must be >= 0, got {self.stage_num_cpus}")
         if self.max_queued_requests < 1:
             raise EngineError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.routing not in ROUTING_POLICIES:
+            raise EngineError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise EngineError(f"redis_url must be redis://host:port/db (or rediss://, unix://), got {self.redis_url!r}")
+        if self.index_timeout <= 0 or self.provisional_ttl < 0:
+            raise EngineError("index_timeout must be > 0 and provisional_ttl >= 0 (seconds)")
+        if self.prefix_weight < 0 or self.load_weight < 0:
+            raise EngineError("prefix_weight and load_weight must be >= 0")
+        if "/" in self.scheduler_id:
+            raise EngineError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
         self.layer_split()
 
     def layer_split(self) -> list[int] | None:

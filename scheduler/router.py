@@ -1,13 +1,42 @@
 """Replica selection: which replica of the scheduler serves a new request.
 
-For now the least-loaded healthy replica, load being the tokens it still has to process:
-tokens waiting to be prefilled plus the tokens of its running sequences. A prefix-cache
-term (a Redis prefix index keyed by ``session_id`` and block hashes) comes next.
+Policies (``SchedulerConfig.routing``):
+
+- ``prefix``: the replica that already holds the longest prefix of the prompt in its KV cache,
+  weighed against load. The prompt's full blocks are hashed exactly as the replicas' block
+  managers hash them (:func:`kvstore.hashing.hash_blocks`, same seed), the prefix index
+  (:mod:`kvstore.index`, fed by the replicas' KV events) says how many leading blocks each
+  replica holds, and each healthy replica gets the score::
+
+      prefix_weight * cached_blocks / prompt_blocks  -  load_weight * load_tokens / pool_tokens
+
+  Highest score wins; ties go to the lower load, then to the replica that last served the
+  request's ``session_id`` (a tie-breaker only: the hashes decide), then to the lowest index.
+  Right after routing, the router records in-process that the replica will hold the prompt's
+  blocks (for ``provisional_ttl`` seconds), so a burst sharing a prefix lands together before
+  that replica's KV events reach the index. An index that is down or slow
+  (:class:`kvstore.index.IndexUnavailable`) never fails a request: it is routed by load and
+  counted in ``fallbacks``.
+- ``load``: the least-loaded healthy replica (ties: lowest index).
+- ``round_robin``, ``random`` (seeded): baselines for ``bench/routing.py``.
+
+Load is the tokens a replica still has to process: tokens waiting to be prefilled plus the
+tokens of its running sequences.
 """
 
 from __future__ import annotations
 
+import random
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from kvstore.hashing import hash_blocks
+from kvstore.index import IndexUnavailable
+
+ROUTING_POLICIES = ("prefix", "load", "round_robin", "random")
+MAX_SESSIONS = 100_000      # session affinities kept (least recently routed dropped first)
 
 
 class NoHealthyReplicaError(RuntimeError):
@@ -22,21 +51,68 @@ class ReplicaLoad:
     healthy: bool
     waiting_tokens: int = 0     # prompt (or recompute) tokens still to prefill in the waiting queue
     running_tokens: int = 0     # prompt + output tokens of the running sequences
+    pool_tokens: int = 0        # KV pool size (blocks x block size); 0 = unknown
 
     @property
     def load(self) -> int:
         return self.waiting_tokens + self.running_tokens
 
 
-class Router:
-    """Picks the healthy replica with the least load; ties go to the lowest index."""
+@dataclass
+class RouterStats:
+    """Counters since start. ``prefix_hits``: requests sent to a replica that held (or was
+    just sent) at least one block of the prompt; ``fallbacks``: requests routed by load
+    because the index was unavailable."""
 
-    def pick(self, loads: list[ReplicaLoad], session_id: str = "") -> int:
+    routed: int = 0
+    prefix_hits: int = 0
+    matched_blocks: int = 0     # sum over routed requests of the chosen replica's matched blocks
+    fallbacks: int = 0
+
+
+class Router:
+    """Picks the replica of each new request; one per scheduler service. Not thread-safe:
+    call it from one thread (the service's event loop).
+
+    Args:
+        policy: one of :data:`ROUTING_POLICIES`.
+        index: a :class:`kvstore.index.PrefixIndex` (``prefix`` only).
+        replica_ids: the index's name of each replica, by replica index (``prefix`` only).
+        hash_seed, block_size: the replicas' block-hash seed and tokens per block (``prefix`` only).
+        prefix_weight, load_weight: score weights (see the module docstring).
+        provisional_ttl: seconds a routed prompt counts as held by its replica.
+        clock: monotonic seconds (tests pass a fake one).
+        seed: seed of the ``random`` policy.
+    Raises:
+        ValueError: unknown policy, or ``prefix`` without an index, replica ids or block size.
+    """
+
+    def __init__(self, policy: str = "load", index=None, *, replica_ids: Sequence[str] = (), hash_seed: int = 0,
+                 block_size: int = 0, prefix_weight: float = 1.0, load_weight: float = 1.0,
+                 provisional_ttl: float = 2.0, clock: Callable[[], float] = time.monotonic, seed: int = 0):
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        if policy == "prefix" and (index is None or not replica_ids or block_size < 1):
+            raise ValueError("prefix routing needs an index, the replica ids and the block size")
+        self.policy, self.index = policy, index
+        self.replica_of = {rid: i for i, rid in enumerate(replica_ids)}
+        self.hash_seed, self.block_size = hash_seed, block_size
+        self.prefix_weight, self.load_weight = prefix_weight, load_weight
+        self.provisional_ttl, self.clock = provisional_ttl, clock
+        self.stats = RouterStats()
+        self._rng = random.Random(seed)
+        self._next = 0                                            # round robin
+        self._sessions: OrderedDict[str, int] = OrderedDict()     # session id -> replica it last served
+        self._provisional: dict[int, dict[int, float]] = {}       # replica -> block hash -> expiry
+        self._expiries: deque[tuple[float, int, list[int]]] = deque()
+
+    def pick(self, loads: list[ReplicaLoad], session_id: str = "", prompt_token_ids: Sequence[int] = ()) -> int:
         """Index of the replica for a new request.
 
         Args:
             loads: one entry per replica.
-            session_id: the caller's session (unused until the prefix index exists).
+            session_id: the caller's conversation (tie-breaker of ``prefix``); "" = none.
+            prompt_token_ids: the prompt (``prefix`` hashes its full blocks).
         Raises:
             NoHealthyReplicaError: no replica is healthy.
         """
@@ -44,4 +120,68 @@ class Router:
         if not healthy:
             raise NoHealthyReplicaError(f"no healthy replica (0 of {len(loads)} up): "
                                         "check the scheduler log for the engine error and restart it")
-        return min(healthy, key=lambda r: (r.load, r.index)).index
+        matched = 0
+        if self.policy == "round_robin":
+            ids = sorted(r.index for r in healthy)
+            choice = next((i for i in ids if i >= self._next), ids[0])
+            self._next = choice + 1
+        elif self.policy == "random":
+            choice = self._rng.choice(healthy).index
+        elif self.policy == "prefix":
+            choice, matched = self._pick_prefix(healthy, session_id, prompt_token_ids)
+        else:
+            choice = min(healthy, key=lambda r: (r.load, r.index)).index
+        self.stats.routed += 1
+        self.stats.prefix_hits += matched > 0
+        self.stats.matched_blocks += matched
+        if session_id:
+            self._sessions[session_id] = choice
+            self._sessions.move_to_end(session_id)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+        return choice
+
+    # ---- prefix ------------------------------------------------------------------------
+    def _pick_prefix(self, healthy: list[ReplicaLoad], session_id: str, prompt: Sequence[int]) -> tuple[int, int]:
+        """(replica, blocks of the prompt it holds) by score; by load when the index fails."""
+        hashes = hash_blocks(self.hash_seed, prompt, self.block_size) if len(prompt) >= self.block_size else []
+        now = self.clock()
+        self._expire(now)
+        held: dict[int, int] = {}
+        if hashes:
+            try:
+                found = self.index.match(hashes)
+            except IndexUnavailable:
+                self.stats.fallbacks += 1
+                return min(healthy, key=lambda r: (r.load, r.index)).index, 0
+            held = {self.replica_of[rid]: n for rid, n in found.items() if rid in self.replica_of}
+            for r, prov in self._provisional.items():
+                n = next((k for k, h in enumerate(hashes) if prov.get(h, 0.0) <= now), len(hashes))
+                held[r] = max(held.get(r, 0), n)
+        max_load = max(max(r.load for r in healthy), 1)
+        affine = self._sessions.get(session_id) if session_id else None
+
+        def key(r: ReplicaLoad):
+            cached = held.get(r.index, 0) / len(hashes) if hashes else 0.0
+            score = self.prefix_weight * cached - self.load_weight * r.load / (r.pool_tokens or max_load)
+            return (-score, r.load, r.index != affine, r.index)
+
+        best = min(healthy, key=key)
+        if hashes and self.provisional_ttl > 0:
+            self._remember(best.index, hashes, now + self.provisional_ttl)
+        return best.index, held.get(best.index, 0)
+
+    def _remember(self, replica: int, hashes: list[int], expiry: float) -> None:
+        prov = self._provisional.setdefault(replica, {})
+        for h in hashes:
+            prov[h] = expiry
+        self._expiries.append((expiry, replica, hashes))
+
+    def _expire(self, now: float) -> None:
+        """Drop provisional entries whose time is up (oldest first)."""
+        while self._expiries and self._expiries[0][0] <= now:
+            expiry, replica, hashes = self._expiries.popleft()
+            prov = self._provisional[replica]
+            for h in hashes:
+                if prov.get(h, now + 1) <= now:
+                    del prov[h]

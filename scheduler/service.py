@@ -2,9 +2,13 @@
 
 One process holds ``replicas`` engine loops (:class:`scheduler.engine.AsyncEngine`), each with
 its own KV cache and executor (in-process model, or a Ray pipeline of stage actors). The
-:class:`scheduler.router.Router` picks the replica of each new request. The server also
-speaks standard gRPC health checking (SERVING only once every replica has loaded) and
-server reflection.
+:class:`scheduler.router.Router` picks the replica of each new request. With ``routing=prefix``
+each replica publishes its KV events (:class:`kvstore.publisher.KVEventPublisher`) to a prefix
+index (:mod:`kvstore.index`: in-process, or Redis at ``redis_url``) under the name
+``<scheduler_id>/<replica>``, and the router asks that index which replica holds a prompt's
+prefix; a replica whose engine loop died leaves the index, and so do all of them at shutdown.
+The server also speaks standard gRPC health checking (SERVING only once every replica has
+loaded) and server reflection.
 
 Errors are gRPC statuses: INVALID_ARGUMENT (a request the engine cannot serve: bad sampling
 value, empty or too long prompt, token id outside the vocabulary), ALREADY_EXISTS (request id
@@ -18,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,9 +33,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.config import EngineConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from kvstore.index import open_index
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
 from scheduler.request import EngineError, FinishReason, SamplingParams
-from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router
+from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
 from workers.kv_cache import kv_dtype
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -74,12 +81,23 @@ def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitRe
     return msg
 
 
-class Replica:
-    """One engine loop and its executor. Reads engine state under ``engine.lock``."""
+def _redacted(url: str) -> str:
+    """``url`` without its password (for stats and logs)."""
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    return u._replace(netloc=f"{u.username or ''}:***@{u.hostname}" + (f":{u.port}" if u.port else "")).geturl()
 
-    def __init__(self, index: int, engine: LLMEngine):
-        self.index, self.engine = index, engine
+
+class Replica:
+    """One engine loop and its executor. Reads engine state under ``engine.lock``.
+    ``replica_id`` is its name in the prefix index; ``publisher`` sends its KV events there
+    (None: not published)."""
+
+    def __init__(self, index: int, engine: LLMEngine, replica_id: str = ""):
+        self.index, self.engine, self.replica_id = index, engine, replica_id or str(index)
         self.aengine = AsyncEngine(engine)
+        self.publisher = None
 
     @property
     def healthy(self) -> bool:
@@ -91,20 +109,45 @@ class Replica:
 
     def load(self) -> ReplicaLoad:
         with self.engine.lock:
-            s = self.engine.scheduler
+            s, bm = self.engine.scheduler, self.engine.block_manager
             return ReplicaLoad(self.index, self.healthy,
                                sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                               sum(r.num_tokens for r in s.running))
+                               sum(r.num_tokens for r in s.running), bm.num_blocks * bm.block_size)
+
+    def start_publishing(self, index) -> None:
+        """Publish this replica's KV events to ``index``: a snapshot of its cached blocks, then
+        every event, with heartbeats. Attached under the engine lock, so no event is missed."""
+        from kvstore.publisher import KVEventPublisher
+
+        def snapshot() -> list[int]:
+            with self.engine.lock:
+                return self.engine.block_manager.cached_block_hashes()
+
+        with self.engine.lock:
+            self.publisher = KVEventPublisher(index, self.replica_id, snapshot)
+            self.engine.block_manager.sink = self.publisher
+
+    def stop_publishing(self) -> None:
+        """Stop publishing; the publisher removes the replica's entries from the index (blocks
+        until its thread has ended, a fraction of a second). Idempotent."""
+        with self.engine.lock:
+            pub, self.publisher = self.publisher, None
+            self.engine.block_manager.sink = None
+        if pub is not None:
+            pub.close()
 
     def stats(self) -> scheduler_pb2.ReplicaStats:
         with self.engine.lock:
             s, load, b = self.engine.scheduler, self.load(), self.engine.stats()
+            pub = self.publisher
             return scheduler_pb2.ReplicaStats(
                 replica=self.index, healthy=self.healthy, num_waiting=len(s.waiting), num_running=len(s.running),
                 num_waiting_tokens=load.waiting_tokens, num_running_tokens=load.running_tokens,
                 num_blocks=b.num_blocks, num_used_blocks=b.used, num_cached_blocks=b.cached,
                 num_steps=self.engine.num_steps, num_preemptions=s.num_preemptions,
-                prefix_cache_queries=b.prefix_cache_queries, prefix_cache_hits=b.prefix_cache_hits)
+                prefix_cache_queries=b.prefix_cache_queries, prefix_cache_hits=b.prefix_cache_hits,
+                replica_id=self.replica_id, indexed=pub is not None,
+                index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0)
 
     async def shutdown(self) -> None:
         await self.aengine.shutdown()
@@ -112,14 +155,48 @@ class Replica:
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
-    """The servicer. ``replicas`` is empty until they have loaded."""
+    """The servicer. ``replicas`` is empty (and ``router`` None) until they have loaded;
+    ``index`` is None unless ``routing`` is ``prefix``."""
 
     def __init__(self, sched_cfg: SchedulerConfig, engine_cfg: EngineConfig):
         self.sched_cfg, self.engine_cfg = sched_cfg, engine_cfg
+        self.scheduler_id = sched_cfg.scheduler_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        # RedisIndex connects lazily: a Redis that is down shows as routing fallbacks, not an error
+        self.index = (open_index(sched_cfg.redis_url, sched_cfg.index_prefix, sched_cfg.index_timeout)
+                      if sched_cfg.routing == "prefix" else None)
         self.replicas: list[Replica] = []
-        self.router = Router()
+        self.router: Router | None = None
         self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
         self.stopping = False
+
+    def start(self, engines: list[LLMEngine]) -> None:
+        """Serve with these loaded engines: their replicas, publishers and the router."""
+        sc = self.sched_cfg
+        replicas = [Replica(i, e, f"{self.scheduler_id}/{i}") for i, e in enumerate(engines)]
+        bm = engines[0].block_manager
+        self.router = Router(sc.routing, self.index, replica_ids=[r.replica_id for r in replicas],
+                             hash_seed=bm.hash_seed, block_size=bm.block_size, prefix_weight=sc.prefix_weight,
+                             load_weight=sc.load_weight, provisional_ttl=sc.provisional_ttl)
+        self.replicas = replicas
+        if self.index is not None:
+            for r in replicas:
+                r.start_publishing(self.index)
+
+    async def retire_dead(self) -> None:
+        """Take replicas whose engine loop died out of the prefix index."""
+        for r in self.replicas:
+            if r.publisher is not None and not r.healthy:
+                log.warning("replica %s is down (%r): removing it from the prefix index", r.replica_id,
+                            r.aengine.errored)
+                await asyncio.to_thread(r.stop_publishing)
+
+    async def close_index(self) -> None:
+        """Stop every publisher (their replicas leave the index) and close the index."""
+        for r in self.replicas:
+            await asyncio.to_thread(r.stop_publishing)
+        close = getattr(self.index, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
     async def _check_available(self, context) -> None:
         """Abort the call with UNAVAILABLE while loading or shutting down."""
@@ -133,6 +210,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         """Stream the request's new token ids (an empty ``request_id`` gets a generated one).
         Status codes: see the module docstring."""
         await self._check_available(context)
+        await self.retire_dead()
         rid = request.request_id or uuid.uuid4().hex
         try:
             params = sampling_params_from_proto(request.sampling)
@@ -140,8 +218,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
         if rid in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        prompt = list(request.prompt_token_ids)
         try:
-            replica = self.replicas[self.router.pick([r.load() for r in self.replicas], request.session_id)]
+            replica = self.replicas[self.router.pick([r.load() for r in self.replicas], request.session_id, prompt)]
         except NoHealthyReplicaError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if replica.num_waiting() >= self.sched_cfg.max_queued_requests:
@@ -151,7 +230,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         # No await between the pick above and the first __anext__ below (which adds the request
         # to the engine): concurrent Submits see each other's load.
         self.requests[rid] = replica
-        stream = replica.aengine.generate(rid, list(request.prompt_token_ids), params)
+        stream = replica.aengine.generate(rid, prompt, params)
         try:
             async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
                 async for out in stream:
@@ -181,8 +260,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             pipeline_parallel_size=self.sched_cfg.pp)
 
     async def GetStats(self, request, context):
-        """Per-replica stats; empty while the replicas load."""
-        return scheduler_pb2.GetStatsResponse(replicas=[r.stats() for r in self.replicas])
+        """Per-replica and routing stats; no replicas while they load."""
+        await self.retire_dead()
+        st = self.router.stats if self.router else RouterStats()
+        index = "" if self.index is None else _redacted(self.sched_cfg.redis_url) or "memory"
+        return scheduler_pb2.GetStatsResponse(
+            replicas=[r.stats() for r in self.replicas], routing=self.sched_cfg.routing,
+            scheduler_id=self.scheduler_id, index=index, routed_requests=st.routed, prefix_routed=st.prefix_hits,
+            prefix_routed_blocks=st.matched_blocks, routing_fallbacks=st.fallbacks)
 
     def abort_all(self) -> int:
         """Abort every in-flight request (their streams end with FINISH_REASON_ABORT)."""
@@ -213,6 +298,15 @@ class SchedulerServer:
             built += await asyncio.gather(*(asyncio.to_thread(build, i) for i in range(1, sc.replicas)),
                                           return_exceptions=True)
         failed = [e for e in built if isinstance(e, BaseException)]
+        if not failed and not self.service.stopping:
+            try:
+                self.service.start(built)
+            except Exception as e:          # a publisher that cannot start
+                failed = [e]
+                await self.service.close_index()
+                for r in self.service.replicas:
+                    await r.aengine.shutdown()
+                self.service.replicas = []
         if failed or self.service.stopping:
             for e in built:
                 if isinstance(e, LLMEngine):
@@ -221,7 +315,6 @@ class SchedulerServer:
                 log.error("loading replicas failed: %s", failed[0])
                 raise failed[0]
             return
-        self.service.replicas = [Replica(i, e) for i, e in enumerate(built)]
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         log.info("scheduler serving on %s: %d replica(s) loaded in %.1f s", self.address, sc.replicas,
@@ -249,6 +342,7 @@ class SchedulerServer:
         if n:
             log.info("aborted %d in-flight request(s)", n)
         await self.server.stop(grace)
+        await self.service.close_index()
         for r in self.service.replicas:
             await r.shutdown()
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,9 +237,9 @@ def service_containers(subcommand: str) -> list[Container]:
 
 
 def config_field(var: str) -> tuple[type, str] | None:
-    """The (config class, field) that environment variable ``var`` sets, or None."""
-    hits = [(cls, f.name) for cls in CONFIGS for f in dataclasses.fields(cls)
-            if var == cls.ENV_PREFIX + f.name.upper()]
+    """The (config class, field) that environment variable ``var`` sets (``<ENV_PREFIX><FIELD>``,
+    or the class's ``ENV_OVERRIDES`` name, e.g. KVMESH_REDIS_URL), or None."""
+    hits = [(cls, f.name) for cls in CONFIGS for f in dataclasses.fields(cls) if var == env_var(cls, f.name)]
     assert len(hits) <= 1, f"{var} is ambiguous: {hits}"
     return hits[0] if hits else None
 
@@ -498,9 +498,9 @@ def test_scheduler_points_at_the_ray_client_server():
 def test_redis_and_otlp_addresses():
     services = compose()["services"]
     for c in all_containers():
-        if "REDIS_URL" in c.env:
-            url = urlsplit(c.env["REDIS_URL"])
-            assert url.scheme == "redis" and url.port == REDIS_PORT, c.env["REDIS_URL"]
+        if "KVMESH_REDIS_URL" in c.env:
+            url = urlsplit(c.env["KVMESH_REDIS_URL"])
+            assert url.scheme == "redis" and url.port == REDIS_PORT, c.env["KVMESH_REDIS_URL"]
             if c.where.startswith("compose"):
                 assert services[url.hostname]["image"].startswith("redis:")
             else:
@@ -510,7 +510,8 @@ def test_redis_and_otlp_addresses():
             url = urlsplit(c.env["OTEL_EXPORTER_OTLP_ENDPOINT"])
             assert c.where.startswith("compose") and url.port == OTLP_GRPC_PORT
             assert services[url.hostname]["image"].startswith("jaegertracing/all-in-one:")
-    assert "REDIS_URL" in next(c for c in service_containers("scheduler") if c.where.startswith("compose")).env
+    for c in service_containers("scheduler"):
+        assert settings(c)[SchedulerConfig].redis_url == c.env["KVMESH_REDIS_URL"], c.where
 
 
 # ---- images and commands -------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "healthy", "num_waiting", "num_running", "num_waiting_tokens", "num_running_tokens", "num_blocks", "num_used_blocks", "num_cached_blocks", "num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("replica", "healthy", "num_waiting", "num_running", "num_waiting_tokens", "num_running_tokens", "num_blocks", "num_used_blocks", "num_cached_blocks", "num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "replica_id", "indexed", "index_resyncs", "index_failures")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,10 @@ class ReplicaStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_FIELD_NUMBER: _ClassVar[int]
+    INDEX_RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FAILURES_FIELD_NUMBER: _ClassVar[int]
     replica: int
     healthy: bool
     num_waiting: int
@@ -111,10 +115,28 @@ class ReplicaStats(_message.Message):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, replica: _Optional[int] = ..., healthy: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    replica_id: str
+    indexed: bool
+    index_resyncs: int
+    index_failures: int
+    def __init__(self, replica: _Optional[int] = ..., healthy: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., replica_id: _Optional[str] = ..., indexed: _Optional[bool] = ..., index_resyncs: _Optional[int] = ..., index_failures: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "routing", "scheduler_id", "index", "routed_requests", "prefix_routed", "prefix_routed_blocks", "routing_fallbacks")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ROUTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+    routing: str
+    scheduler_id: str
+    index: str
+    routed_requests: int
+    prefix_routed: int
+    prefix_routed_blocks: int
+    routing_fallbacks: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., routing: _Optional[str] = ..., scheduler_id: _Optional[str] = ..., index: _Optional[str] = ..., routed_requests: _Optional[int] = ..., prefix_routed: _Optional[int] = ..., prefix_routed_blocks: _Optional[int] = ..., routing_fallbacks: _Optional[int] = ...) -> None: ...
