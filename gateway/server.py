@@ -227,8 +227,8 @@ class LLMServicer:
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> None:
         self._check_model(request.model)
         kind = request.WhichOneof("input")
-        if kind == "prompt":
-            _, prompt_ids = self.text.encode_prompt(request.prompt)     # EngineError "prompt is empty"
+        if kind == "prompt":      # tokenized off the event loop: a huge prompt must not stall other streams
+            _, prompt_ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)  # EngineError if empty
         elif kind == "prompt_token_ids":
             prompt_ids = self._check_ids(list(request.prompt_token_ids.ids))
         else:
@@ -238,7 +238,7 @@ class LLMServicer:
     @_rpc
     async def Chat(self, request: llm_pb2.ChatRequest, context) -> None:
         self._check_model(request.model)
-        await self._stream(request, self._encode_chat(request.messages), context)
+        await self._stream(request, await asyncio.to_thread(self._encode_chat, request.messages), context)
 
     @_rpc
     async def Abort(self, request: llm_pb2.AbortRequest, context) -> llm_pb2.AbortResponse:
@@ -267,9 +267,9 @@ class LLMServicer:
         self._check_model(request.model)
         kind = request.WhichOneof("input")
         if kind == "prompt":
-            _, ids = self.text.encode_prompt(request.prompt)
+            _, ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)
         elif kind == "chat":
-            ids = self._encode_chat(request.chat.messages)
+            ids = await asyncio.to_thread(self._encode_chat, request.chat.messages)
         else:
             raise _invalid("prompt: a prompt or chat is required")
         return llm_pb2.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.info.max_model_len)
@@ -309,10 +309,12 @@ class LLMServicer:
         fwd = common_pb2.SamplingParams()
         fwd.CopyFrom(msg)
         if fwd.HasField("max_tokens"):
-            fwd.max_tokens = min(fwd.max_tokens, self.cfg.max_tokens_cap)
+            asked = fwd.max_tokens
+            fwd.max_tokens = min(asked, self.cfg.max_tokens_cap)
             if fwd.max_tokens > room:
-                raise _invalid(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({fwd.max_tokens}) "
-                               f"exceeds max_model_len {limit}")
+                capped = f", capped to {fwd.max_tokens}" if asked > fwd.max_tokens else ""
+                raise _invalid(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({asked}{capped}) "
+                               f"exceeds max_model_len {limit}; at most {room} tokens fit")
         else:
             fwd.max_tokens = min(self.cfg.default_max_tokens, self.cfg.max_tokens_cap, room)
         try:

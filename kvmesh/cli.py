@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 
@@ -679,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (2 for a bad argument or an EngineError)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Ray starts its processes with fork+exec: grpc's fork handlers are not needed and only log
+    # "skipping fork() handlers" lines (read when grpc is first imported, hence here)
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     if argv[:2] == ["bench", "engine"]:
         from bench.engine_offline import main as bench_engine
         try:

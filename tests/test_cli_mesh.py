@@ -344,8 +344,9 @@ def test_serve_ray_pipeline_two_stages(smollm2_dir):
     """The default executor (ray): two pipeline stages as Ray actors in a local Ray started by
     kvmesh; greedy output equals the offline engine's; SIGTERM shuts Ray down, exit 0."""
     env = mesh_env(RAY_AUTH_MODE="disabled")
+    env.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)      # kvmesh must set it itself
     srv = Served(["serve", "--model", MODEL, "--pp", "2", "--stage-num-cpus", "0.5", "--port", "0",
-                  "--scheduler-port", "0", "--grace", "1"], env)
+                  "--scheduler-port", "0", "--grace", "4"], env)
     try:
         srv.wait_listening(timeout=300)
         argv = ["--prompt", "The capital of France is", "--max-tokens", "12", "--temperature", "0"]
@@ -358,9 +359,29 @@ def test_serve_ray_pipeline_two_stages(smollm2_dir):
         assert p.returncode == 0, p.stderr
         (c2,) = re.findall(r"^turn 2: prompt \d+ tokens \((\d+) from prefix cache\)", p.stderr, re.M)
         assert int(c2) > 0
+        # SIGTERM with a stream in flight: the whole grace period (4 s) passes without Ray's
+        # signal handler aborting the process (it would, ~3 s after the signal)
+        from kvmesh.client import Client
+        first, got = threading.Event(), []
+
+        def stream():
+            with Client(srv.address()) as c:
+                try:
+                    for r in c.generate("Once upon a time", temperature=0, max_tokens=400, ignore_eos=True):
+                        first.set()
+                        got.append(r)
+                except grpc.RpcError as e:
+                    got.append(e)
+                first.set()
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        assert first.wait(60)
         rc, took = srv.stop(signal.SIGTERM, timeout=120)
+        t.join(10)
         assert rc == 0, srv.stderr
+        assert "SIGTERM received" not in srv.stderr, srv.stderr
         assert srv.lines[-2:] == ["kvmesh: scheduler stopped", "kvmesh: ray stopped"], srv.stderr
-        print(f"serve --pp 2 (ray): SIGTERM -> exit 0 in {took:.1f} s")
+        print(f"serve --pp 2 (ray): SIGTERM with a stream in flight -> exit 0 in {took:.1f} s")
     finally:
         srv.kill()

@@ -88,14 +88,17 @@ def split_layers(num_layers: int, pp: int, split: list[int] | None = None) -> li
 def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
     """Connect to Ray: the cluster at ``address``, or a local instance started here with no
     dashboard, no usage stats and logs under Ray's temp dir. Idempotent."""
+    # Ray reads these when it is imported, so they are set first.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's abseil failure-signal handler turns SIGTERM into an abort ~3 s later, cutting the
+    # graceful shutdown of `kvmesh serve` short.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    if not address:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")      # a local instance needs no token
     import ray
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")          # a local cluster needs no token
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray's abseil failure-signal handler would re-raise SIGTERM past our graceful shutdown
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
