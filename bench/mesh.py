@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench.engine_offline import percentile, policydesk_conversations
+from bench.served import served
 
 
 def _summary(system: str, concurrency: int, wall: float, per_req: list[dict]) -> dict:
@@ -133,27 +133,9 @@ async def _mesh_passes(address: str, args, label: str) -> list[dict]:
 
 def run_mesh(args, pp: int) -> list[dict]:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", KVMESH_NUM_THREADS=str(max(1, args.threads // pp)))
-    cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--model", args.model, "--pp", str(pp),
-           "--port", "0", "--scheduler-port", "0"]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline, seen = time.time() + 300, []
-        for line in proc.stderr:                       # wait for "gateway listening on ..."
-            seen.append(line)
-            if "gateway listening on " in line:
-                address = line.split("gateway listening on ")[1].strip()
-                break
-            if time.time() > deadline:
-                raise RuntimeError("kvmesh serve did not start")
-        else:
-            raise RuntimeError(f"kvmesh serve exited with {proc.wait()}:\n{''.join(seen[-30:])}")
+    cmd = ["serve", "--model", args.model, "--pp", str(pp), "--port", "0", "--scheduler-port", "0"]
+    with served(cmd, env, "gateway") as address:
         return asyncio.run(_mesh_passes(address, args, f"mesh pp={pp}"))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def table(rows: list[dict]) -> str:

@@ -38,19 +38,16 @@ import asyncio
 import json
 import os
 import random
-import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench import policydesk
 from bench.engine_offline import percentile
+from bench.served import served
 
-LISTEN = re.compile(r"kvmesh: scheduler listening on (\S+)")
 MARK_BEGIN, MARK_END = "<!-- bench:routing begin -->", "<!-- bench:routing end -->"
 
 
@@ -145,29 +142,14 @@ def run_config(name: str, routing: str, replicas: int, blocks: int, per_block: i
     env = dict(os.environ, KVMESH_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     for k in [k for k in env if k.startswith("KVMESH_SCHEDULER_") or k == "KVMESH_REDIS_URL"]:
         del env[k]
-    cmd = [sys.executable, "-m", "kvmesh.cli", "scheduler", "--executor", "local", "--port", "0",
+    cmd = ["scheduler", "--executor", "local", "--port", "0",
            "--replicas", str(replicas), "--routing", routing, "--model", args.model, "--dtype", args.dtype,
            "--kv-cache-memory", str(blocks * per_block), "--max-model-len", str(args.max_model_len)]
     if args.redis_url and routing == "prefix":
         cmd += ["--redis-url", args.redis_url, "--index-prefix", f"kvmesh-bench-{os.getpid()}-{name}"]
     print(f"running {name}: {replicas} replica(s) x {blocks} blocks, routing {routing} ...", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    try:
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if m := LISTEN.search(line):
-                address = m.group(1)
-                break
-        else:
-            raise RuntimeError(f"kvmesh scheduler exited with {proc.wait()}:\n{''.join(seen[-30:])}")
+    with served(cmd, env, "scheduler") as address:
         wall, rows, stats = asyncio.run(run_sessions(address, tok, chats, args))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     ttft = [r["ttft"] for r in rows]
     warm = [r["ttft"] for r in rows if r["turn"] > 0] or ttft
     prompt, cached = sum(r["prompt_tokens"] for r in rows), sum(r["cached_tokens"] for r in rows)

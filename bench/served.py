@@ -1,0 +1,39 @@
+"""A kvmesh service (``kvmesh serve`` / ``scheduler`` / ``gateway``) as a subprocess of a
+benchmark: started, waited for until it prints where it listens, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+LISTEN = re.compile(r"kvmesh: (\w+) listening on (\S+)")
+
+
+@contextlib.contextmanager
+def served(args: list[str], env: dict, service: str) -> Iterator[str]:
+    """Run ``python -m kvmesh.cli ARGS`` and yield the address ``service`` (``gateway`` or
+    ``scheduler``) listens on. Raises RuntimeError with the last lines of stderr when the
+    process exits first."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *args], env=env, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            m = LISTEN.search(line)
+            if m and m.group(1) == service:
+                address = m.group(2)
+                break
+        else:
+            raise RuntimeError(f"kvmesh {args[0]} exited with {proc.wait()}:\n{''.join(seen[-30:])}")
+        yield address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
