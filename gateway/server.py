@@ -56,10 +56,12 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry import trace
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.detokenizer import IncrementalDetokenizer
+from kvmesh import telemetry
 from kvmesh.config import GatewayConfig
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.request import EngineError, SamplingParams
@@ -174,6 +176,7 @@ def _rpc(method):
 
     @functools.wraps(method)
     async def wrapper(self: "LLMServicer", request, context: grpc.aio.ServicerContext):
+        code = "OK"                 # the final status, for kvmesh:gateway_requests_total
         try:
             if isinstance(request, _Undecodable):
                 raise _invalid(request.message)
@@ -182,14 +185,24 @@ def _rpc(method):
                                                  f"{self.cfg.scheduler_address}")
             return await method(self, request, context)
         except _Status as e:
+            code = e.code.name
             await context.abort(e.code, e.message)
         except EngineError as e:
+            code = "INVALID_ARGUMENT"
             await context.abort(_Code.INVALID_ARGUMENT, str(e))
         except grpc.aio.AbortError:
+            code = getattr(context.code(), "name", "UNKNOWN")
+            raise
+        except asyncio.CancelledError:      # the client cancelled or went away
+            code = "CANCELLED"
             raise
         except Exception as e:
+            code = "INTERNAL"
             log.exception("%s failed", method.__name__)
             await context.abort(_Code.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
+        finally:
+            if method.__name__ in ("Generate", "Chat"):
+                self.metrics.request_done(method.__name__, code)
 
     return wrapper
 
@@ -213,6 +226,9 @@ class LLMServicer:
         self.text = None                      # kvmesh.llm._TextFront with the model's tokenizer
         self.model_names: set[str] = set()
         self.live: dict[str, _Live] = {}
+        self.tracer = telemetry.setup_tracing(telemetry.GATEWAY)    # no-op unless OTEL_TRACES_EXPORTER is set
+        from kvmesh.metrics import GatewayMetrics
+        self.metrics = GatewayMetrics(self)
 
     def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
         from kvmesh.llm import _TextFront
@@ -225,20 +241,31 @@ class LLMServicer:
     # ---- RPCs ------------------------------------------------------------------------------
     @_rpc
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> None:
-        self._check_model(request.model)
-        kind = request.WhichOneof("input")
-        if kind == "prompt":      # tokenized off the event loop: a huge prompt must not stall other streams
-            _, prompt_ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)  # EngineError if empty
-        elif kind == "prompt_token_ids":
-            prompt_ids = self._check_ids(list(request.prompt_token_ids.ids))
-        else:
-            raise _invalid("prompt: a prompt or prompt_token_ids is required")
-        await self._stream(request, prompt_ids, context)
+        with self._span("generate", "text_completion", request, context):
+            self._check_model(request.model)
+            kind = request.WhichOneof("input")
+            if kind == "prompt":      # tokenized off the event loop: a huge prompt must not stall other streams
+                _, prompt_ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)  # EngineError if empty
+            elif kind == "prompt_token_ids":
+                prompt_ids = self._check_ids(list(request.prompt_token_ids.ids))
+            else:
+                raise _invalid("prompt: a prompt or prompt_token_ids is required")
+            await self._stream(request, prompt_ids, context)
 
     @_rpc
     async def Chat(self, request: llm_pb2.ChatRequest, context) -> None:
-        self._check_model(request.model)
-        await self._stream(request, await asyncio.to_thread(self._encode_chat, request.messages), context)
+        with self._span("chat", "chat", request, context):
+            self._check_model(request.model)
+            await self._stream(request, await asyncio.to_thread(self._encode_chat, request.messages), context)
+
+    def _span(self, name: str, operation: str, request, context):
+        """The request's SERVER span ``kvmesh.gateway.<name>``, current while the RPC runs: a
+        child of the caller's span when its metadata carries a W3C ``traceparent``, else a root."""
+        return self.tracer.start_as_current_span(
+            f"kvmesh.gateway.{name}", context=telemetry.extract_metadata(context.invocation_metadata()),
+            kind=trace.SpanKind.SERVER, attributes={
+                "gen_ai.operation.name": operation, "gen_ai.request.model": request.model or self.info.name,
+                "kvmesh.request_id": request.request_id, "kvmesh.session_id": request.session_id})
 
     @_rpc
     async def Abort(self, request: llm_pb2.AbortRequest, context) -> llm_pb2.AbortResponse:
@@ -346,18 +373,25 @@ class LLMServicer:
         if rid in self.live:
             raise _invalid(f"request_id: {rid!r} is already in flight")
         context.set_trailing_metadata((("kvmesh-max-tokens", str(fwd.max_tokens)),))
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({"kvmesh.request_id": rid, "gen_ai.request.max_tokens": fwd.max_tokens,
+                                 "gen_ai.request.temperature": params.temperature,
+                                 "gen_ai.usage.input_tokens": len(prompt_ids)})
         detok = IncrementalDetokenizer(self.text.tokenizer, prompt_ids, stop=params.stop,
                                        skip_special_tokens=params.skip_special_tokens)
         t0 = time.monotonic()
         t_first = None
         call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                                             sampling=fwd, session_id=request.session_id),
-                                timeout=timeout)
+                                timeout=timeout, metadata=telemetry.inject_metadata(span))
         live = self.live[rid] = _Live(call)
         try:
             try:
                 async for up in call:
-                    t_first = t_first or (time.monotonic() if up.token_ids else None)
+                    if t_first is None and up.token_ids:
+                        t_first = time.monotonic()
+                        self.metrics.first_token(t_first - t0)
                     delta = detok.add_tokens(up.token_ids)
                     out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=up.token_ids)
                     if params.logprobs is not None:
@@ -374,6 +408,7 @@ class LLMServicer:
                     if out.token_ids or out.text or out.finished:
                         await context.write(out)
                     if out.finished:
+                        _span_finished(span, out, up.replica)
                         return
             except asyncio.CancelledError:
                 # the Abort RPC cancelled the upstream call (not grpc cancelling this handler)
@@ -382,6 +417,7 @@ class LLMServicer:
                 out = llm_pb2.GenerateResponse(request_id=rid, text=detok.flush())
                 _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(None, prompt_ids, detok),
                         _timings(None, t0, t_first))
+                _span_finished(span, out, None)
                 await context.write(out)
                 return
             except grpc.aio.AioRpcError as e:
@@ -423,6 +459,22 @@ def _finish(out: llm_pb2.GenerateResponse, reason: int, stop_reason: str,
     out.timings.CopyFrom(timings)
 
 
+def _span_finished(span, out: llm_pb2.GenerateResponse, replica: int | None) -> None:
+    """The request span's attributes from the final message."""
+    if not span.is_recording():
+        return
+    reason = common_pb2.FinishReason.Name(out.finish_reason).removeprefix("FINISH_REASON_").lower()
+    span.set_attributes({"gen_ai.response.finish_reasons": [reason], "kvmesh.finish_reason": reason,
+                         "gen_ai.usage.input_tokens": out.usage.prompt_tokens,
+                         "gen_ai.usage.output_tokens": out.usage.completion_tokens,
+                         "kvmesh.prefix_cache.hit_tokens": out.usage.cached_prompt_tokens,
+                         "kvmesh.ttft_s": out.timings.ttft, "kvmesh.e2e_latency_s": out.timings.e2e_latency})
+    if out.stop_reason:
+        span.set_attribute("kvmesh.stop_reason", out.stop_reason)
+    if replica is not None:
+        span.set_attribute("kvmesh.replica", replica)
+
+
 def _usage(up, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
     """Usage of a request the gateway ended (stop string, Abort): tokens it received."""
     cached = up.usage.cached_prompt_tokens if up is not None and up.HasField("usage") else 0
@@ -460,11 +512,13 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
 
 
 class GatewayServer:
-    """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``."""
+    """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is
+    its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off."""
 
     def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int):
         self.server, self.servicer, self.health = server, servicer, health_servicer
         self.host, self.port, self.address = host, port, f"{host}:{port}"
+        self.metrics = None
         self._watch_task: asyncio.Task | None = None
         self._stopped = False
 
@@ -502,6 +556,9 @@ class GatewayServer:
         await self.server.stop(grace)
         self.servicer.cancel_all()
         await self.servicer.channel.close()
+        await asyncio.to_thread(telemetry.shutdown_tracing, telemetry.GATEWAY)   # exports the last spans
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
 
 
 async def _wait_for_scheduler(stub, cfg: GatewayConfig) -> scheduler_pb2.GetModelInfoResponse:
@@ -528,7 +585,8 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     at ``cfg.scheduler_address`` is awaited (GetModelInfo, up to ``cfg.connect_timeout`` seconds),
     the served model's tokenizer is loaded (``workers.registry.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
-    health turns SERVING.
+    health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
+    (:mod:`kvmesh.metrics`).
 
     Raises:
         EngineError: the address cannot be bound; the scheduler is unreachable within
@@ -553,6 +611,12 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
         raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
                           "(0 = any free port)") from None
     gw = GatewayServer(server, servicer, health_servicer, cfg.host, port)
+    from kvmesh.metrics import start_metrics_server
+    try:
+        gw.metrics = start_metrics_server(servicer.metrics.registry, cfg.host, cfg.metrics_port)
+    except EngineError:
+        await channel.close()
+        raise
     await gw._set_health(_NOT_SERVING)
     await server.start()
     try:

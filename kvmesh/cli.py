@@ -101,6 +101,19 @@ def _port(v: str) -> int:
     return n
 
 
+def _metrics_port(v: str) -> int:
+    if v.strip().lower() in ("off", "none"):
+        return -1
+    try:
+        n = int(v)
+    except ValueError:
+        n = -2
+    if not -1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535] (0 = any free port, -1 or off "
+                                         f"= no metrics), got {v!r}")
+    return n
+
+
 # (flag, SchedulerConfig field, add_argument keywords). One row per SchedulerConfig field.
 SCHEDULER_FLAGS: list[tuple[str, str, dict]] = [
     ("--host", "host", dict(metavar="ADDR", help="listen address (127.0.0.1; 0.0.0.0 = every interface)")),
@@ -133,6 +146,9 @@ SCHEDULER_FLAGS: list[tuple[str, str, dict]] = [
                                                        "before its KV events arrive (2 s)")),
     ("--scheduler-id", "scheduler_id", dict(metavar="ID", help="name in the index; replicas are ID/0, ID/1 ... "
                                                                "(default: hostname-random)")),
+    ("--metrics-port", "metrics_port", dict(type=_metrics_port, metavar="PORT",
+                                            help="Prometheus /metrics over HTTP on the listen address "
+                                                 "(off; 0 = any free port; deployments use 9461)")),
 ]
 
 # (flag, GatewayConfig field, add_argument keywords). One row per GatewayConfig field.
@@ -150,22 +166,25 @@ GATEWAY_FLAGS: list[tuple[str, str, dict]] = [
     ("--max-timeout", "max_timeout", dict(type=float, metavar="S", help="longest deadline a request may ask (3600 s)")),
     ("--connect-timeout", "connect_timeout", dict(type=float, metavar="S",
                                                   help="how long to wait for the scheduler at start-up (120 s)")),
+    ("--metrics-port", "metrics_port", dict(type=_metrics_port, metavar="PORT",
+                                            help="Prometheus /metrics over HTTP on the listen address "
+                                                 "(off; 0 = any free port; deployments use 9451)")),
 ]
 
 
 def add_scheduler_args(p: argparse.ArgumentParser, *, listen: str | None = "--") -> None:
     """One flag per SchedulerConfig field (dest ``scheduler_<field>``); unset flags stay None so
-    ``KVMESH_SCHEDULER_*`` variables apply. ``listen`` prefixes the host/port flags: ``"--"``
+    ``KVMESH_SCHEDULER_*`` variables apply. ``listen`` prefixes the host/port/metrics-port flags: ``"--"``
     (``kvmesh scheduler``), ``"--scheduler-"`` (``serve``, where ``--port`` is the gateway's), or
     None for none (``demo`` picks free ports)."""
     g = p.add_argument_group("scheduler settings", "Each flag also reads KVMESH_SCHEDULER_<FIELD> "
                                                    "(e.g. KVMESH_SCHEDULER_PP; --redis-url reads KVMESH_REDIS_URL); "
                                                    "a flag wins.")
     for flag, field, kw in SCHEDULER_FLAGS:
-        if field in ("host", "port"):
+        if field in ("host", "port", "metrics_port"):     # also the gateway's under `serve`
             if listen is None:
                 continue
-            flag = listen + field
+            flag = listen + flag.removeprefix("--")
             if listen != "--":
                 kw = dict(kw, help="the scheduler's " + kw["help"])
         g.add_argument(flag, dest=f"scheduler_{field}", default=None, **kw)

@@ -75,6 +75,25 @@ def _coerce_strings(obj) -> None:
             setattr(obj, f.name, v)
 
 
+# The metrics ports deployments use (deploy/: compose, Kubernetes, prometheus.yml); the services'
+# own default is off (metrics_port -1), so that several meshes on one host do not collide.
+SCHEDULER_METRICS_PORT = 9461
+GATEWAY_METRICS_PORT = 9451
+
+
+def _metrics_port_off(obj) -> None:
+    """``KVMESH_*_METRICS_PORT=`` (empty), ``off`` or ``none`` mean -1 (no metrics server)."""
+    v = obj.metrics_port
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off", "none")):
+        obj.metrics_port = -1
+
+
+def _check_metrics_port(obj) -> None:
+    if not -1 <= obj.metrics_port <= 65535:
+        raise EngineError(f"metrics_port must be a port in [0, 65535], 0 = any free port, -1 = off; "
+                          f"got {obj.metrics_port}")
+
+
 @dataclass
 class EngineConfig:
     """Settings of one engine replica.
@@ -173,6 +192,9 @@ class SchedulerConfig:
             before the replica's own KV events say so (seconds).
         scheduler_id: this scheduler's name in the index; its replicas are ``<scheduler_id>/<i>``.
             Empty = ``<hostname>-<random>``, new at every start.
+        metrics_port: Prometheus ``/metrics`` over HTTP on ``host:metrics_port`` (docs/telemetry.md);
+            -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
+            :data:`SCHEDULER_METRICS_PORT`.
     """
 
     host: str = "127.0.0.1"
@@ -192,6 +214,7 @@ class SchedulerConfig:
     load_weight: float = 1.0
     provisional_ttl: float = 2.0
     scheduler_id: str = ""
+    metrics_port: int = -1
 
     ENV_PREFIX = "KVMESH_SCHEDULER_"
     ENV_OVERRIDES = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
@@ -201,7 +224,9 @@ class SchedulerConfig:
         return _from_env(cls, cls.ENV_PREFIX, overrides)
 
     def __post_init__(self) -> None:
+        _metrics_port_off(self)
         _coerce_strings(self)
+        _check_metrics_port(self)
         if self.replicas < 1:
             raise EngineError(f"replicas must be >= 1, got {self.replicas}")
         if self.pp < 1:
@@ -254,6 +279,9 @@ class GatewayConfig:
         default_timeout: deadline of a request that sets none (seconds).
         max_timeout: longest deadline a request may ask for (seconds).
         connect_timeout: how long to wait for the scheduler at start-up (seconds).
+        metrics_port: Prometheus ``/metrics`` over HTTP on ``host:metrics_port`` (docs/telemetry.md);
+            -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
+            :data:`GATEWAY_METRICS_PORT`.
     """
 
     host: str = "127.0.0.1"
@@ -264,6 +292,7 @@ class GatewayConfig:
     default_timeout: float = 300.0
     max_timeout: float = 3600.0
     connect_timeout: float = 120.0
+    metrics_port: int = -1
 
     ENV_PREFIX = "KVMESH_GATEWAY_"
 
@@ -272,7 +301,9 @@ class GatewayConfig:
         return _from_env(cls, cls.ENV_PREFIX, overrides)
 
     def __post_init__(self) -> None:
+        _metrics_port_off(self)
         _coerce_strings(self)
+        _check_metrics_port(self)
         if self.max_tokens_cap < 1 or not 1 <= self.default_max_tokens:
             raise EngineError("max_tokens_cap and default_max_tokens must be >= 1")
         if not 0 < self.default_timeout <= self.max_timeout:

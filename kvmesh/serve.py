@@ -10,7 +10,12 @@ Each service prints one line on stderr, flushed, once it accepts requests::
     kvmesh: scheduler listening on 127.0.0.1:50061
     kvmesh: gateway listening on 127.0.0.1:50051
 
-(with the bound port when the configured one is 0). SIGINT or SIGTERM stops the services in
+(with the bound port when the configured one is 0), and, when its ``metrics_port`` is not -1,
+where its Prometheus endpoint is (docs/telemetry.md)::
+
+    kvmesh: scheduler metrics on http://127.0.0.1:9461/metrics
+
+SIGINT or SIGTERM stops the services in
 reverse order of start, each given ``grace`` seconds for in-flight requests: the gateway first
 (its streams end), then the scheduler (aborts what is left, frees KV blocks, shuts its
 executors down), then the Ray runtime the executors started here (a cluster joined with
@@ -30,6 +35,12 @@ from dataclasses import dataclass, field
 
 def announce(message: str) -> None:
     print(f"kvmesh: {message}", file=sys.stderr, flush=True)
+
+
+def announce_metrics(name: str, server) -> None:
+    metrics = getattr(server, "metrics", None)
+    if metrics is not None:
+        announce(f"{name} metrics on {metrics.url}")
 
 
 def host_port(host: str, port: int) -> str:
@@ -90,6 +101,7 @@ async def start_scheduler(mesh: Mesh, sched_cfg, engine_cfg) -> None:
         await ready
     mesh.scheduler_address = connect_address(sched_cfg.host, server.port)
     announce(f"scheduler listening on {listen}")
+    announce_metrics("scheduler", server)
 
 
 async def start_gateway(mesh: Mesh, gw_cfg) -> None:
@@ -100,6 +112,7 @@ async def start_gateway(mesh: Mesh, gw_cfg) -> None:
     mesh.services.append(("gateway", server, listen))
     mesh.gateway_address = connect_address(gw_cfg.host, server.port)
     announce(f"gateway listening on {listen}")
+    announce_metrics("gateway", server)
 
 
 async def start_mesh(mesh: Mesh, sched_cfg, engine_cfg, gw_cfg) -> None:

@@ -124,9 +124,11 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    traceparent: str | None = None) -> Request:
         """Queue a request. Raises EngineError (empty prompt, token id out of range, too
-        long for max_model_len or for the whole KV pool, duplicate id)."""
+        long for max_model_len or for the whole KV pool, duplicate id). ``traceparent``: W3C
+        trace context handed to the workers with the request's steps (kvmesh/telemetry.py)."""
         params = params or SamplingParams()
         params.validate()
         if not prompt_token_ids:
@@ -136,7 +138,7 @@ class LLMEngine:
         if bad is not None:
             raise EngineError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         req = Request(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, self.eos_token_ids,
-                      arrival_time=arrival_time or time.monotonic())
+                      arrival_time=arrival_time or time.monotonic(), traceparent=traceparent)
         with self.lock:
             self.scheduler.add(req)
             self._emitted[req.request_id] = 0
@@ -280,25 +282,29 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self.errored: BaseException | None = None
+        # called on the event loop with each batch of outputs before they are delivered (metrics)
+        self.on_outputs = None
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None) -> tuple[str, asyncio.Queue]:
+                    params: SamplingParams | None = None, traceparent: str | None = None
+                    ) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns its id and the queue its :class:`EngineOutput`s arrive on.
         Raises EngineError at once for a request that cannot be served."""
         if self.errored is not None:
             raise EngineError(f"engine loop died: {self.errored!r}")
         q: asyncio.Queue = asyncio.Queue()
-        req = self.engine.add_request(request_id, prompt_token_ids, params)
+        req = self.engine.add_request(request_id, prompt_token_ids, params, traceparent=traceparent)
         self._queues[req.request_id] = q
         self._wake.set()
         return req.request_id, q
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams | None = None) -> AsyncIterator[EngineOutput]:
+                       params: SamplingParams | None = None, traceparent: str | None = None
+                       ) -> AsyncIterator[EngineOutput]:
         """Stream the request's outputs; aborts it if the consumer stops early."""
-        rid, q = self.add_request(request_id, prompt_token_ids, params)
+        rid, q = self.add_request(request_id, prompt_token_ids, params, traceparent)
         try:
             while True:
                 out = await q.get()
@@ -322,6 +328,8 @@ class AsyncEngine:
         return ok
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
         for o in outputs:
             q = self._queues.get(o.request_id)
             if q is not None:

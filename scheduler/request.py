@@ -136,6 +136,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    traceparent: str | None = None      # W3C trace context of the scheduler's span (tracing on)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh import telemetry
 from kvmesh.config import EngineConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
@@ -79,6 +80,44 @@ def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitRe
             decode_time=end - first_tok if first_tok else 0.0,
             e2e_latency=end - o.arrival_time))
     return msg
+
+
+def _end_request_span(tracer, span, last: EngineOutput | None, block_size: int) -> None:
+    """End a request's span with its outcome, and give it the children ``queue`` (arrival →
+    first scheduled), ``prefill`` (→ first token) and ``decode`` (→ finished), built from the
+    request's timestamps now that it is over: nothing is emitted per step or token."""
+    import sys
+    exc = sys.exception()
+    if last is None or not last.finished:
+        if exc is not None and not isinstance(exc, grpc.aio.AbortError):
+            span.record_exception(exc)
+        span.set_status(telemetry.trace.StatusCode.ERROR,
+                        "the request ended without a final message (cancelled, or it failed)")
+        span.end()
+        return
+    o = last
+    reason = o.finish_reason.value if o.finish_reason is not None else "unspecified"
+    end = o.finished_time or time.monotonic()
+    attrs = {"gen_ai.usage.input_tokens": o.num_prompt_tokens, "gen_ai.usage.output_tokens": o.num_output_tokens,
+             "gen_ai.response.finish_reasons": [reason], "kvmesh.finish_reason": reason,
+             "kvmesh.prefix_cache.hit_tokens": o.num_cached_tokens,
+             "kvmesh.prefix_cache.hit_blocks": o.num_cached_tokens // block_size,
+             "kvmesh.queue_time_s": (o.first_scheduled_time or end) - o.arrival_time}
+    if o.first_token_time:
+        attrs["kvmesh.ttft_s"] = o.first_token_time - o.arrival_time
+    if o.stop_reason is not None:
+        attrs["kvmesh.stop_reason"] = str(o.stop_reason)
+    span.set_attributes(attrs)
+    parent = telemetry.trace.set_span_in_context(span)
+    phases = [("queue", o.arrival_time, o.first_scheduled_time or end)]
+    if o.first_scheduled_time:
+        phases.append(("prefill", o.first_scheduled_time, o.first_token_time or end))
+    if o.first_token_time:
+        phases.append(("decode", o.first_token_time, end))
+    for name, t0, t1 in phases:
+        child = tracer.start_span(name, context=parent, start_time=telemetry.epoch_ns(t0))
+        child.end(end_time=telemetry.epoch_ns(t1))
+    span.end()
 
 
 def _redacted(url: str) -> str:
@@ -168,11 +207,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.router: Router | None = None
         self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
         self.stopping = False
+        self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
+        from kvmesh.metrics import SchedulerMetrics
+        self.metrics = SchedulerMetrics(engine_cfg.model, self)
 
     def start(self, engines: list[LLMEngine]) -> None:
         """Serve with these loaded engines: their replicas, publishers and the router."""
         sc = self.sched_cfg
         replicas = [Replica(i, e, f"{self.scheduler_id}/{i}") for i, e in enumerate(engines)]
+        for r in replicas:
+            r.aengine.on_outputs = self.metrics.observer(r.index)
         bm = engines[0].block_manager
         self.router = Router(sc.routing, self.index, replica_ids=[r.replica_id for r in replicas],
                              hash_seed=bm.hash_seed, block_size=bm.block_size, prefix_weight=sc.prefix_weight,
@@ -230,10 +274,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         # No await between the pick above and the first __anext__ below (which adds the request
         # to the engine): concurrent Submits see each other's load.
         self.requests[rid] = replica
-        stream = replica.aengine.generate(rid, prompt, params)
+        span = self._request_span(request, context, rid, replica, params)
+        stream = replica.aengine.generate(rid, prompt, params, telemetry.traceparent(span))
+        last = None
         try:
             async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
                 async for out in stream:
+                    last = out
                     if out.new_token_ids or out.finished:
                         await context.write(_response(rid, replica.index, out))
         except EngineError as e:
@@ -242,6 +289,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.requests.pop(rid, None)
+            if span.is_recording():
+                _end_request_span(self.tracer, span, last, replica.engine.cfg.block_size)
+
+    def _request_span(self, request, context, rid: str, replica: "Replica", params: SamplingParams):
+        """The span of one request (``kvmesh.scheduler.request``), a child of the gateway's span
+        when the call's metadata carries its ``traceparent``. Not current: ended by
+        :func:`_end_request_span`."""
+        return self.tracer.start_span(
+            "kvmesh.scheduler.request", context=telemetry.extract_metadata(context.invocation_metadata()),
+            kind=telemetry.trace.SpanKind.SERVER, attributes={
+                "gen_ai.request.model": self.engine_cfg.model, "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.usage.input_tokens": len(request.prompt_token_ids), "kvmesh.request_id": rid,
+                "kvmesh.session_id": request.session_id, "kvmesh.replica": replica.index,
+                "kvmesh.replica_id": replica.replica_id})
 
     async def Abort(self, request, context):
         """Abort an in-flight request; its stream ends with FINISH_REASON_ABORT."""
@@ -275,11 +337,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 
 class SchedulerServer:
-    """A running scheduler service. ``port`` is the bound port, ``address`` is ``host:port``."""
+    """A running scheduler service. ``port`` is the bound port, ``address`` is ``host:port``;
+    ``metrics`` is its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off."""
 
     def __init__(self, server: grpc.aio.Server, service: SchedulerService, health_servicer, host: str, port: int):
         self.server, self.service, self.health = server, service, health_servicer
         self.host, self.port, self.address = host, port, f"{host}:{port}"
+        self.metrics = None
         self._load_task: asyncio.Task | None = None
         self._stopped = False
 
@@ -345,12 +409,17 @@ class SchedulerServer:
         await self.service.close_index()
         for r in self.service.replicas:
             await r.shutdown()
+        for name in (telemetry.SCHEDULER, telemetry.WORKER):     # WORKER: spans of in-process executors
+            await asyncio.to_thread(telemetry.shutdown_tracing, name)
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
 
 
 async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) -> SchedulerServer:
     """Start the scheduler service on ``sched_cfg.host:port`` (port 0 = a free port) and begin
     loading the replicas in the background; health is NOT_SERVING until they have loaded
-    (``await server.wait_ready()``). Raises EngineError if the address cannot be bound."""
+    (``await server.wait_ready()``). Prometheus metrics on ``sched_cfg.host:metrics_port`` when it
+    is not -1 (:mod:`kvmesh.metrics`). Raises EngineError if an address cannot be bound."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])   # a port in use is an error, not shared
     service = SchedulerService(sched_cfg, engine_cfg)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(service, server)
@@ -366,7 +435,14 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
         await server.stop(None)
         raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
                           "(0 = any free port)") from None
+    from kvmesh.metrics import start_metrics_server
+    try:
+        metrics = start_metrics_server(service.metrics.registry, sched_cfg.host, sched_cfg.metrics_port)
+    except EngineError:
+        await server.stop(None)
+        raise
     await server.start()
     srv = SchedulerServer(server, service, health_servicer, sched_cfg.host, port)
+    srv.metrics = metrics
     srv._load_task = asyncio.create_task(srv._load())
     return srv

@@ -762,3 +762,67 @@ def test_health_script_unreachable():
         port = s.getsockname()[1]
     r = run_health_script(f"127.0.0.1:{port}")
     assert r.returncode == 1 and ("UNAVAILABLE" in r.stdout or "DEADLINE_EXCEEDED" in r.stdout), r
+
+
+# ---- metrics: ports, scrape configuration, Grafana dashboard -------------------------------------
+
+METRICS_PORTS = {"scheduler": (SchedulerConfig, "SCHEDULER_METRICS_PORT"), "gateway": (GatewayConfig, "GATEWAY_METRICS_PORT")}
+DASHBOARD = DEPLOY / "grafana" / "kvmesh.json"
+
+
+@pytest.mark.parametrize("sub", sorted(METRICS_PORTS))
+def test_metrics_ports_agree(sub):
+    """Each service serves metrics on the deployments' port (kvmesh.config), the Kubernetes
+    containerPort/Service/annotations name it, and compose's Prometheus scrapes it."""
+    import kvmesh.config
+    cls, const = METRICS_PORTS[sub]
+    port = getattr(kvmesh.config, const)
+    for c in service_containers(sub):
+        assert settings(c)[cls].metrics_port == port, c.where
+        if c.where.startswith("compose"):
+            (prom,) = yaml_docs(DEPLOY / "prometheus.yml")
+            targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+            assert f"{c.where.split()[-1]}:{port}" in targets, targets
+        else:
+            assert container_port(c.spec, "metrics") == port
+            (dep,) = k8s_find("Deployment", f"kvmesh-{sub}")
+            ann = dep["spec"]["template"]["metadata"]["annotations"]
+            assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == port
+            assert ann.get("prometheus.io/path", "/metrics") == "/metrics"
+            _, owner, target = k8s_service_backend(f"kvmesh-{sub}", port)
+            assert owner.subcommand == sub and target == port
+
+
+def test_compose_prometheus_mounts_the_scrape_config():
+    prom = compose()["services"]["prometheus"]
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+
+
+def _dashboard_exprs(panels) -> list[str]:
+    out = []
+    for p in panels:
+        out += [t["expr"] for t in p.get("targets", []) if t.get("expr")]
+        out += _dashboard_exprs(p.get("panels", []))     # collapsed rows
+    return out
+
+
+def test_grafana_dashboard_uses_only_defined_metrics():
+    import re
+
+    from kvmesh.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
+    defined = set()
+    for name, kind in {**SCHEDULER_METRICS, **GATEWAY_METRICS}.items():
+        defined |= {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = _dashboard_exprs(dash["panels"])
+    assert exprs
+    used = {m for e in exprs for m in re.findall(r"kvmesh:[A-Za-z0-9_:]+", e)}
+    assert used <= defined, f"the dashboard queries metrics the code does not define: {sorted(used - defined)}"
+    want = {"kvmesh:time_to_first_token_seconds_bucket", "kvmesh:inter_token_latency_seconds_bucket",
+            "kvmesh:e2e_request_latency_seconds_bucket", "kvmesh:request_queue_time_seconds_bucket",
+            "kvmesh:num_requests_running", "kvmesh:num_requests_waiting", "kvmesh:kv_cache_usage_perc",
+            "kvmesh:prefix_cache_hits_total", "kvmesh:prefix_cache_queries_total", "kvmesh:generation_tokens_total",
+            "kvmesh:request_success_total", "kvmesh:router_fallbacks_total"}
+    assert want <= used, sorted(want - used)
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))

@@ -12,8 +12,10 @@ in flight at once (pipeline parallelism: one micro-batch per stage, as vLLM's PP
 from __future__ import annotations
 
 import os
+import time
 from typing import Protocol
 
+from kvmesh.telemetry import StageSpans, tracing_enabled
 from scheduler.request import EngineError
 from scheduler.scheduler import SchedulerOutput
 from workers.model_runner import ModelRunner, ModelRunnerOutput, StepInput
@@ -55,15 +57,22 @@ class InProcessExecutor:
         self.block_size = cfg.block_size
         self.num_blocks = self.runner.num_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
+        m = self.runner.model
+        self.spans = StageSpans(0, m.start_layer, m.end_layer)   # one stage: the whole model
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(StepInput.from_scheduler_output(out, self.block_size))
+        step = StepInput.from_scheduler_output(out, self.block_size)
+        t0 = time.time_ns()
+        result = self.runner.execute(step)
+        self.spans.record(step.seqs, t0, time.time_ns())
+        return result
 
     def submit(self, out: SchedulerOutput) -> Completed:
         return Completed(self.execute(out))
 
     def free_requests(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)
+        self.spans.finish(request_ids)
 
     def shutdown(self) -> None:
         self.runner = None
@@ -147,7 +156,7 @@ class RayPipelineExecutor:
         self.max_inflight = pp
         cfg = cfg.replace(num_threads=cfg.num_threads or max(1, round(stage_num_cpus)))
         actor = ray.remote(PipelineStage).options(num_cpus=stage_num_cpus, max_concurrency=1)
-        self.stages = [actor.remote(cfg, model_dir, start, end, self.num_blocks, i)
+        self.stages = [actor.remote(cfg, model_dir, start, end, self.num_blocks, i, replica)
                        for i, (start, end) in enumerate(bounds)]
         try:
             infos = ray.get([s.info.remote() for s in self.stages])
@@ -168,10 +177,17 @@ class RayPipelineExecutor:
         return RayHandle(ref)
 
     def free_requests(self, request_ids: list[str]) -> None:
-        self.stages[-1].free_requests.remote(request_ids)   # per-request state lives on the sampler
+        # every stage: the last keeps per-request sampler state, each one the request's span
+        for stage in self.stages:
+            stage.free_requests.remote(request_ids)
 
     def shutdown(self) -> None:
         import ray
+        if tracing_enabled() and self.stages:       # the stages' last spans, before they are killed
+            try:
+                ray.get([s.flush_telemetry.remote() for s in self.stages], timeout=15)
+            except Exception:
+                pass
         for s in self.stages:
             ray.kill(s)
         self.stages = []

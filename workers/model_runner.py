@@ -32,6 +32,8 @@ class SeqInput:
     ``block_table`` lists the KV blocks covering positions ``[0, start + len(token_ids))``.
     The sampling fields are set only when ``sample`` (the chunk ends at the last token);
     ``prompt_token_ids`` / ``output_token_ids`` only when a penalty needs the history.
+    ``traceparent``: the W3C trace context of the scheduler's span of a traced request (None
+    when tracing is off); the workers' spans of the request are its children.
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class SeqInput:
     eos_token_ids: tuple[int, ...] = ()
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    traceparent: str | None = None
 
 
 @dataclass
@@ -58,7 +61,7 @@ class StepInput:
         for s in out.seqs:
             req, end = s.req, s.start + s.num_new_tokens
             seq = SeqInput(req.request_id, s.start, req.tokens(s.start, end),
-                           req.block_table[: -(-end // block_size)], s.sample)
+                           req.block_table[: -(-end // block_size)], s.sample, traceparent=req.traceparent)
             if s.sample:
                 sp = seq.params = req.sampling_params
                 seq.num_output_tokens, seq.eos_token_ids = req.num_output_tokens, req.eos_token_ids

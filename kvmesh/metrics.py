@@ -1,0 +1,250 @@
+"""Prometheus metrics of the scheduler and gateway services (docs/telemetry.md, "Metrics").
+
+Names and meanings follow vLLM's (``vllm:`` → ``kvmesh:``) where they overlap. Each service has
+its own :class:`prometheus_client.CollectorRegistry` and its own HTTP server (``metrics_port`` of
+its settings), so the two services of ``kvmesh serve`` in one process never collide.
+
+Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's index):
+
+* observed when a request's outputs reach the service (:meth:`SchedulerMetrics.observer`, called
+  on the event loop with each step's :class:`scheduler.engine.EngineOutput` batch, one clock
+  read per batch): ``inter_token_latency_seconds`` (one observation per output carrying tokens,
+  after the request's first: the time since its previous one; one token per step → a request
+  with n output tokens gives n-1 observations); at finish, from the engine's own timestamps,
+  ``time_to_first_token_seconds`` (arrival → first token; requests that produced one),
+  ``e2e_request_latency_seconds`` (arrival → finish), ``request_queue_time_seconds`` (arrival →
+  first scheduled; requests that were scheduled), ``prompt_tokens_total``,
+  ``generation_tokens_total``, ``request_success_total{finished_reason}`` (stop, length, abort);
+* read from engine state under the engine lock at scrape time (:class:`_ReplicaCollector`):
+  ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (blocks held by
+  requests / all blocks, 0..1), ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``
+  (prompt tokens looked up / found, as GetStats), ``num_preemptions_total``; and the router's
+  ``router_requests_total``, ``router_prefix_routed_total``, ``router_fallbacks_total``.
+
+Gateway (label ``model_name``): ``gateway_requests_total{method, code}`` (Generate/Chat RPCs by
+final gRPC status name), ``gateway_time_to_first_token_seconds`` (Submit sent → first token
+received), ``gateway_requests_running`` (streams in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from scheduler.request import EngineError
+
+log = logging.getLogger("kvmesh.metrics")
+
+PREFIX = "kvmesh:"
+# vLLM's buckets (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# Every metric family a service exports, as scraped (counters with their _total suffix;
+# histograms add _bucket/_sum/_count). tests/test_deploy.py checks the Grafana dashboard against these.
+SCHEDULER_METRICS = {
+    "kvmesh:time_to_first_token_seconds": "histogram",
+    "kvmesh:inter_token_latency_seconds": "histogram",
+    "kvmesh:e2e_request_latency_seconds": "histogram",
+    "kvmesh:request_queue_time_seconds": "histogram",
+    "kvmesh:prompt_tokens_total": "counter",
+    "kvmesh:generation_tokens_total": "counter",
+    "kvmesh:request_success_total": "counter",
+    "kvmesh:num_requests_running": "gauge",
+    "kvmesh:num_requests_waiting": "gauge",
+    "kvmesh:kv_cache_usage_perc": "gauge",
+    "kvmesh:prefix_cache_queries_total": "counter",
+    "kvmesh:prefix_cache_hits_total": "counter",
+    "kvmesh:num_preemptions_total": "counter",
+    "kvmesh:router_requests_total": "counter",
+    "kvmesh:router_prefix_routed_total": "counter",
+    "kvmesh:router_fallbacks_total": "counter",
+}
+GATEWAY_METRICS = {
+    "kvmesh:gateway_requests_total": "counter",
+    "kvmesh:gateway_time_to_first_token_seconds": "histogram",
+    "kvmesh:gateway_requests_running": "gauge",
+}
+
+
+def _base(name: str) -> str:
+    """prometheus_client takes a counter's name without ``_total``."""
+    return name.removesuffix("_total")
+
+
+class SchedulerMetrics:
+    """The scheduler's metrics in their own registry. ``service`` (a
+    :class:`scheduler.service.SchedulerService`) is read at scrape time for the gauges and the
+    engine/router counters."""
+
+    def __init__(self, model_name: str, service):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ("model_name", "replica")
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
+
+        def counter(name, doc, extra=()):
+            return Counter(_base(name), doc, labels + extra, registry=r)
+
+        self.ttft = hist("kvmesh:time_to_first_token_seconds", "Arrival to first token (seconds).", TTFT_BUCKETS)
+        self.itl = hist("kvmesh:inter_token_latency_seconds",
+                        "Time between a request's consecutive token outputs (seconds).", ITL_BUCKETS)
+        self.e2e = hist("kvmesh:e2e_request_latency_seconds", "Arrival to finish (seconds).", REQUEST_BUCKETS)
+        self.queue = hist("kvmesh:request_queue_time_seconds", "Arrival to first scheduled (seconds).",
+                          REQUEST_BUCKETS)
+        self.prompt_tokens = counter("kvmesh:prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("kvmesh:generation_tokens_total", "Output tokens of finished requests.")
+        self.success = counter("kvmesh:request_success_total", "Finished requests by finish reason.",
+                               ("finished_reason",))
+        self.registry.register(_ReplicaCollector(self, service))
+
+    def observer(self, replica: int) -> Callable[[list], None]:
+        """The callback of one replica's :class:`scheduler.engine.AsyncEngine` (``on_outputs``):
+        called on the event loop with each batch of outputs."""
+        labels = (self.model_name, str(replica))
+        itl, ttft, e2e, queue = (m.labels(*labels) for m in (self.itl, self.ttft, self.e2e, self.queue))
+        prompt, gen = self.prompt_tokens.labels(*labels), self.generation_tokens.labels(*labels)
+        last: dict[str, float] = {}          # request id -> time of its latest token output
+
+        def observe(outputs: list) -> None:
+            try:
+                now = time.monotonic()
+                for o in outputs:
+                    if o.new_token_ids:
+                        prev = last.get(o.request_id)
+                        if prev is not None:
+                            itl.observe(now - prev)
+                        last[o.request_id] = now
+                    if o.finished:
+                        last.pop(o.request_id, None)
+                        end = o.finished_time or now
+                        if o.first_token_time:
+                            ttft.observe(o.first_token_time - o.arrival_time)
+                        if o.first_scheduled_time:
+                            queue.observe(o.first_scheduled_time - o.arrival_time)
+                        e2e.observe(end - o.arrival_time)
+                        prompt.inc(o.num_prompt_tokens)
+                        gen.inc(o.num_output_tokens)
+                        reason = o.finish_reason.value if o.finish_reason is not None else "unknown"
+                        self.success.labels(*labels, reason).inc()
+            except Exception:               # metrics never break delivery
+                log.exception("recording metrics failed")
+
+        return observe
+
+
+class _ReplicaCollector:
+    """Gauges and engine/router counters, read at scrape time."""
+
+    def __init__(self, metrics: SchedulerMetrics, service):
+        self.metrics, self.service = metrics, service
+
+    def describe(self):
+        return []          # unchecked collector: names are not registered up front
+
+    def collect(self):
+        model, labels = self.metrics.model_name, ["model_name", "replica"]
+        running = GaugeMetricFamily("kvmesh:num_requests_running", "Requests in the running batch.", labels=labels)
+        waiting = GaugeMetricFamily("kvmesh:num_requests_waiting", "Requests waiting to be scheduled.",
+                                    labels=labels)
+        usage = GaugeMetricFamily("kvmesh:kv_cache_usage_perc",
+                                  "KV cache usage: blocks held by requests / all blocks (1 = full).", labels=labels)
+        queries = CounterMetricFamily("kvmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=labels)
+        hits = CounterMetricFamily("kvmesh:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=labels)
+        preempt = CounterMetricFamily("kvmesh:num_preemptions", "Preemptions.", labels=labels)
+        for r in list(self.service.replicas):
+            with r.engine.lock:
+                s, b = r.engine.scheduler, r.engine.block_manager.stats()
+                n_running, n_waiting, n_preempt = len(s.running), len(s.waiting), s.num_preemptions
+            lv = [model, str(r.index)]
+            running.add_metric(lv, n_running)
+            waiting.add_metric(lv, n_waiting)
+            usage.add_metric(lv, b.used / b.num_blocks if b.num_blocks else 0.0)
+            queries.add_metric(lv, b.prefix_cache_queries)
+            hits.add_metric(lv, b.prefix_cache_hits)
+            preempt.add_metric(lv, n_preempt)
+        yield from (running, waiting, usage, queries, hits, preempt)
+        router = self.service.router
+        if router is not None:
+            st = router.stats
+            for name, doc, value in (
+                    ("kvmesh:router_requests", "Requests routed to a replica.", st.routed),
+                    ("kvmesh:router_prefix_routed", "Requests routed to a replica holding part of the prompt.",
+                     st.prefix_hits),
+                    ("kvmesh:router_fallbacks", "Requests routed by load because the prefix index was unavailable.",
+                     st.fallbacks)):
+                c = CounterMetricFamily(name, doc, labels=["model_name"])
+                c.add_metric([model], value)
+                yield c
+
+
+class GatewayMetrics:
+    """The gateway's request-level metrics in their own registry. ``servicer`` (a
+    :class:`gateway.server.LLMServicer`) gives the model name and the streams in flight."""
+
+    def __init__(self, servicer):
+        self.registry = r = CollectorRegistry()
+        self.servicer = servicer
+        self.requests = Counter(_base("kvmesh:gateway_requests_total"),
+                                "Generate/Chat RPCs by final gRPC status code.", ("model_name", "method", "code"),
+                                registry=r)
+        self.ttft = Histogram("kvmesh:gateway_time_to_first_token_seconds",
+                              "Submit sent to the scheduler → first token received (seconds).", ("model_name",),
+                              registry=r, buckets=TTFT_BUCKETS)
+        running = Gauge("kvmesh:gateway_requests_running", "Streams in flight through this gateway.",
+                        registry=r)
+        running.set_function(lambda: len(servicer.live))
+
+    @property
+    def model_name(self) -> str:
+        info = self.servicer.info
+        return info.name if info is not None else ""
+
+    def request_done(self, method: str, code: str) -> None:
+        self.requests.labels(self.model_name, method, code).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+
+class MetricsServer:
+    """A running ``/metrics`` HTTP server; ``port`` is the bound port."""
+
+    def __init__(self, httpd, thread, host: str):
+        self.httpd, self.thread, self.host = httpd, thread, host
+        self.port = httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        from kvmesh.serve import connect_address
+        return f"http://{connect_address(self.host, self.port)}/metrics"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer | None:
+    """Serve ``registry`` at ``http://host:port/metrics`` (port 0 = any free port) on a daemon
+    thread; None when ``port`` is -1 (off). Raises EngineError if the port cannot be bound."""
+    if port < 0:
+        return None
+    try:
+        httpd, thread = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
+    except OSError as e:
+        raise EngineError(f"cannot serve metrics on {host}:{port} ({e}): is the port in use? choose another "
+                          "metrics port (0 = any free port, -1 = off)") from None
+    return MetricsServer(httpd, thread, host)
