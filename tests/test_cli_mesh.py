@@ -258,17 +258,16 @@ def test_client(served):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_sigterm_stops_in_flight_streams_and_exits_0(served):
-    """Last test of the served mesh: SIGTERM with a stream in flight."""
+def stream_in_background(address: str, max_tokens: int):
+    """A greedy Generate stream on a thread: (thread, event set at its first message or end,
+    list of the responses it got, or the RpcError that ended it)."""
     from kvmesh.client import Client
-
-    got: list = []
-    first = threading.Event()
+    first, got = threading.Event(), []
 
     def stream():
-        with Client(served.address()) as c:
+        with Client(address) as c:
             try:
-                for r in c.generate("Once upon a time", temperature=0, max_tokens=900, ignore_eos=True):
+                for r in c.generate("Once upon a time", temperature=0, max_tokens=max_tokens, ignore_eos=True):
                     first.set()
                     got.append(r)
             except grpc.RpcError as e:
@@ -277,6 +276,12 @@ def test_sigterm_stops_in_flight_streams_and_exits_0(served):
 
     t = threading.Thread(target=stream, daemon=True)
     t.start()
+    return t, first, got
+
+
+def test_sigterm_stops_in_flight_streams_and_exits_0(served):
+    """Last test of the served mesh: SIGTERM with a stream in flight."""
+    t, first, got = stream_in_background(served.address(), max_tokens=900)
     assert first.wait(60)
     rc, took = served.stop(signal.SIGTERM)
     t.join(10)
@@ -361,21 +366,7 @@ def test_serve_ray_pipeline_two_stages(smollm2_dir):
         assert int(c2) > 0
         # SIGTERM with a stream in flight: the whole grace period (4 s) passes without Ray's
         # signal handler aborting the process (it would, ~3 s after the signal)
-        from kvmesh.client import Client
-        first, got = threading.Event(), []
-
-        def stream():
-            with Client(srv.address()) as c:
-                try:
-                    for r in c.generate("Once upon a time", temperature=0, max_tokens=400, ignore_eos=True):
-                        first.set()
-                        got.append(r)
-                except grpc.RpcError as e:
-                    got.append(e)
-                first.set()
-
-        t = threading.Thread(target=stream, daemon=True)
-        t.start()
+        t, first, got = stream_in_background(srv.address(), max_tokens=400)
         assert first.wait(60)
         rc, took = srv.stop(signal.SIGTERM, timeout=120)
         t.join(10)
