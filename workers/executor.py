@@ -170,7 +170,9 @@ class RayPipelineExecutor:
 
     def submit(self, out: SchedulerOutput) -> RayHandle:
         import ray
-        step = ray.put(StepInput.from_scheduler_output(out, self.block_size))
+        step = StepInput.from_scheduler_output(out, self.block_size)
+        if len(self.stages) > 1:
+            step = ray.put(step)      # stored once, read by every stage (one stage: inline is cheaper)
         ref = None
         for stage in self.stages:
             ref = stage.execute.remote(step, ref)
