@@ -508,8 +508,12 @@ def test_redis_and_otlp_addresses():
                 assert redis.image.startswith("redis:") and target == REDIS_PORT
         if "OTEL_EXPORTER_OTLP_ENDPOINT" in c.env:
             url = urlsplit(c.env["OTEL_EXPORTER_OTLP_ENDPOINT"])
-            assert c.where.startswith("compose") and url.port == OTLP_GRPC_PORT
-            assert services[url.hostname]["image"].startswith("jaegertracing/all-in-one:")
+            assert url.port == OTLP_GRPC_PORT, c.where
+            if c.where.startswith("compose"):
+                assert services[url.hostname]["image"].startswith("jaegertracing/all-in-one:")
+            else:
+                _, jaeger, target = k8s_service_backend(url.hostname, url.port)
+                assert jaeger.image.startswith("jaegertracing/all-in-one:") and target == OTLP_GRPC_PORT, c.where
     for c in service_containers("scheduler"):
         assert settings(c)[SchedulerConfig].redis_url == c.env["KVMESH_REDIS_URL"], c.where
 
