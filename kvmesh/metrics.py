@@ -45,6 +45,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)   # vLLM's 1-2-5 series (tokens)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -55,6 +56,9 @@ SCHEDULER_METRICS = {
     "kvmesh:inter_token_latency_seconds": "histogram",
     "kvmesh:e2e_request_latency_seconds": "histogram",
     "kvmesh:request_queue_time_seconds": "histogram",
+    "kvmesh:time_per_output_token_seconds": "histogram",
+    "kvmesh:request_prompt_tokens": "histogram",
+    "kvmesh:request_generation_tokens": "histogram",
     "kvmesh:prompt_tokens_total": "counter",
     "kvmesh:generation_tokens_total": "counter",
     "kvmesh:request_success_total": "counter",
@@ -102,6 +106,10 @@ class SchedulerMetrics:
         self.e2e = hist("kvmesh:e2e_request_latency_seconds", "Arrival to finish (seconds).", REQUEST_BUCKETS)
         self.queue = hist("kvmesh:request_queue_time_seconds", "Arrival to first scheduled (seconds).",
                           REQUEST_BUCKETS)
+        self.tpot = hist("kvmesh:time_per_output_token_seconds",
+                         "Per request: (finish - first token) / (output tokens - 1), seconds (TPOT).", ITL_BUCKETS)
+        self.req_prompt = hist("kvmesh:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.req_gen = hist("kvmesh:request_generation_tokens", "Output tokens per finished request.", TOKEN_BUCKETS)
         self.prompt_tokens = counter("kvmesh:prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("kvmesh:generation_tokens_total", "Output tokens of finished requests.")
         self.success = counter("kvmesh:request_success_total", "Finished requests by finish reason.",
@@ -112,7 +120,8 @@ class SchedulerMetrics:
         """The callback of one replica's :class:`scheduler.engine.AsyncEngine` (``on_outputs``):
         called on the event loop with each batch of outputs."""
         labels = (self.model_name, str(replica))
-        itl, ttft, e2e, queue = (m.labels(*labels) for m in (self.itl, self.ttft, self.e2e, self.queue))
+        itl, ttft, e2e, queue, tpot, req_prompt, req_gen = (m.labels(*labels) for m in (
+            self.itl, self.ttft, self.e2e, self.queue, self.tpot, self.req_prompt, self.req_gen))
         prompt, gen = self.prompt_tokens.labels(*labels), self.generation_tokens.labels(*labels)
         last: dict[str, float] = {}          # request id -> time of its latest token output
 
@@ -133,6 +142,10 @@ class SchedulerMetrics:
                         if o.first_scheduled_time:
                             queue.observe(o.first_scheduled_time - o.arrival_time)
                         e2e.observe(end - o.arrival_time)
+                        if o.first_token_time and o.num_output_tokens > 1:
+                            tpot.observe((end - o.first_token_time) / (o.num_output_tokens - 1))
+                        req_prompt.observe(o.num_prompt_tokens)
+                        req_gen.observe(o.num_output_tokens)
                         prompt.inc(o.num_prompt_tokens)
                         gen.inc(o.num_output_tokens)
                         reason = o.finish_reason.value if o.finish_reason is not None else "unknown"

@@ -156,6 +156,12 @@ def test_metrics_match_the_workload(mesh):
         assert total(s, f"kvmesh:{h}_sum") > 0, h
     # one inter-token latency per token output after a request's first: n output tokens → n-1
     assert total(s, "kvmesh:inter_token_latency_seconds_count") == gen_tokens - n_requests
+    # TPOT once per request with at least 2 output tokens; token-count histograms per request
+    assert total(s, "kvmesh:time_per_output_token_seconds_count") == sum(
+        f.usage.completion_tokens > 1 for f in finals)
+    assert total(s, "kvmesh:request_prompt_tokens_count") == n_requests
+    assert total(s, "kvmesh:request_prompt_tokens_sum") == prompt_tokens
+    assert total(s, "kvmesh:request_generation_tokens_sum") == gen_tokens
     # idle at the end; prefix cache counters as GetStats says
     stats = mesh.sched_stub.GetStats(scheduler_pb2.GetStatsRequest())
     (rep,) = stats.replicas
