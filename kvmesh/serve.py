@@ -25,7 +25,6 @@ executors down), then the Ray runtime the executors started here (a cluster join
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import signal
 import sys
@@ -96,9 +95,7 @@ async def start_scheduler(mesh: Mesh, sched_cfg, engine_cfg) -> None:
     server = await serve_scheduler(sched_cfg, engine_cfg)
     listen = host_port(sched_cfg.host, server.port)
     mesh.services.append(("scheduler", server, listen))
-    ready = server.wait_ready()
-    if inspect.isawaitable(ready):
-        await ready
+    await server.wait_ready()
     mesh.scheduler_address = connect_address(sched_cfg.host, server.port)
     announce(f"scheduler listening on {listen}")
     announce_metrics("scheduler", server)

@@ -15,6 +15,8 @@ import os
 import time
 from typing import Protocol
 
+import torch
+
 from kvmesh.telemetry import StageSpans, tracing_enabled
 from scheduler.request import EngineError
 from scheduler.scheduler import SchedulerOutput
@@ -149,7 +151,7 @@ class RayPipelineExecutor:
         bounds = split_layers(m.num_layers, pp, layer_split)
         per_block = bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim,
                                     kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
-        self.num_blocks = budget_bytes(cfg.kv_cache_memory, _device(cfg.device)) // per_block
+        self.num_blocks = budget_bytes(cfg.kv_cache_memory, torch.device(cfg.device)) // per_block
         if self.num_blocks < 1:
             raise EngineError(f"KV cache budget holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.block_size = cfg.block_size
@@ -193,11 +195,6 @@ class RayPipelineExecutor:
         for s in self.stages:
             ray.kill(s)
         self.stages = []
-
-
-def _device(name: str):
-    import torch
-    return torch.device(name)
 
 
 def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executor:
