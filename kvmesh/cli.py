@@ -28,6 +28,7 @@ import os
 import sys
 import time
 
+from kvmesh.config import WEIGHT_FORMATS
 from scheduler.request import EngineError, SamplingParams
 from scheduler.router import ROUTING_POLICIES
 from scheduler.scheduler import POLICIES
@@ -55,7 +56,35 @@ ENGINE_FLAGS: list[tuple[str, str, dict]] = [
                                                        "Hugging Face checkpoint directory")),
     ("--dtype", "dtype", dict(help="weights/activations: auto (bfloat16 on CUDA and bf16-capable CPUs, else float32), "
                                    "float32, bfloat16")),
-    ("--kv-cache-dtype", "kv_cache_dtype", dict(help="auto (= dtype), float32, bfloat16")),
+    ("--kv-cache-dtype", "kv_cache_dtype", dict(help="auto (= dtype), float32, bfloat16, int8, fp8 (quantized "
+                                                     "KV blocks, a scale per block and head)")),
+    ("--weight-format", "weight_format", dict(choices=WEIGHT_FORMATS,
+                                              help="weights quantized at load time: int8, int4 (group-wise), fp8, "
+                                                   "w8a8-int8 (SmoothQuant); none = dense dtype (none)")),
+    ("--quant-group-size", "quant_group_size", dict(type=int, choices=(32, 64, 128),
+                                                    help="int4 group size along the input dimension (128)")),
+    ("--no-calibration", "enable_calibration", dict(action="store_const", const=False,
+                                                    help="round-to-nearest int4 and unsmoothed w8a8-int8 "
+                                                         "(no AWQ scales, no SmoothQuant factors)")),
+    ("--calibration-data", "calibration_data", dict(metavar="FILE",
+                                                    help="calibration text file (default: the PolicyDesk policies)")),
+    ("--speculative-method", "speculative_method", dict(choices=("ngram", "draft"),
+                                                        help="speculative decoding: ngram (prompt lookup) or draft "
+                                                             "(a draft model; --draft-model); default off")),
+    ("--num-speculative-tokens", "num_speculative_tokens", dict(type=int, metavar="K",
+                                                                help="proposed tokens per step (4; the most "
+                                                                     "when adaptive)")),
+    ("--fixed-speculative-tokens", "speculative_adaptive", dict(action="store_const", const=False,
+                                                                help="always propose K tokens (default: adapt K "
+                                                                     "per request to its acceptance rate)")),
+    ("--draft-model", "draft_model", dict(metavar="NAME|DIR", help="draft model (same tokenizer as --model)")),
+    ("--draft-num-layers", "draft_num_layers", dict(type=int, metavar="N",
+                                                    help="keep the draft's first N decoder layers (0 = all)")),
+    ("--draft-max-model-len", "draft_max_model_len", dict(type=int, metavar="N",
+                                                          help="the draft's context limit; longer sequences "
+                                                               "continue without speculation (0 = the draft's)")),
+    ("--prompt-lookup-max", "prompt_lookup_max", dict(type=int, metavar="N", help="longest ngram matched (4)")),
+    ("--prompt-lookup-min", "prompt_lookup_min", dict(type=int, metavar="N", help="shortest ngram matched (2)")),
     ("--block-size", "block_size", dict(type=int, metavar="N", help="tokens per KV block (power of two; 16)")),
     ("--kv-cache-memory", "kv_cache_memory", dict(type=_memory, metavar="BYTES|FRACTION",
                                                   help="KV cache budget: bytes (2GiB) or a fraction of free "

@@ -20,6 +20,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+WEIGHT_FORMATS = ("none", "int8", "int4", "fp8", "w8a8-int8")
+SPECULATIVE_METHODS = ("", "ngram", "draft")
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU advertises AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
     try:
@@ -102,7 +106,24 @@ class EngineConfig:
         model: known model name (see ``kvmesh models list``) or checkpoint directory.
         dtype: weight/activation dtype: ``float32`` or ``bfloat16`` (``auto``: see
             :attr:`torch_dtype`).
-        kv_cache_dtype: ``auto`` (= dtype), ``float32`` or ``bfloat16``.
+        kv_cache_dtype: ``auto`` (= dtype), ``float32``, ``bfloat16``, or a quantized KV cache:
+            ``int8`` or ``fp8`` (e4m3) with a scale per block and KV head.
+        weight_format: ``none`` (dense ``dtype``), or weights quantized at load time: ``int8``
+            (weight-only, per output channel), ``int4`` (weight-only, group-wise asymmetric),
+            ``fp8`` (e4m3, per output channel), ``w8a8-int8`` (int8 weights and activations,
+            SmoothQuant).
+        quant_group_size: ``int4`` group size along the input dimension (32, 64 or 128).
+        enable_calibration: activation-aware calibration for ``int4`` (AWQ scales) and
+            ``w8a8-int8`` (SmoothQuant factors); False = round-to-nearest, no smoothing.
+        calibration_data: calibration text file; empty = the PolicyDesk policies.
+        speculative_method: ``""`` (off), ``ngram`` (prompt lookup) or ``draft`` (a draft model).
+        num_speculative_tokens: proposed tokens per step (k; with adaptive speculation, the most).
+        speculative_adaptive: per request, lower k when acceptance is low, raise it when high.
+        draft_model: the draft checkpoint (known name or directory; same tokenizer as ``model``).
+        draft_num_layers: keep only the draft's first N decoder layers (0 = all).
+        draft_max_model_len: the draft's context limit in tokens (0 = its max_position_embeddings);
+            longer sequences continue without speculation.
+        prompt_lookup_max, prompt_lookup_min: ``ngram`` match lengths tried, longest first.
         block_size: tokens per KV block.
         kv_cache_memory: KV budget: bytes if >= 1 (``"2GiB"`` accepted), else a fraction of
             free device memory.
@@ -118,6 +139,18 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    weight_format: str = "none"
+    quant_group_size: int = 128
+    enable_calibration: bool = True
+    calibration_data: str = ""
+    speculative_method: str = ""
+    num_speculative_tokens: int = 4
+    speculative_adaptive: bool = True
+    draft_model: str = ""
+    draft_num_layers: int = 0
+    draft_max_model_len: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
     block_size: int = 16
     kv_cache_memory: float = 2 * 2**30
     max_model_len: int = 0
@@ -148,6 +181,22 @@ class EngineConfig:
             raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.policy == "naive":
             self.enable_prefix_caching = False
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise EngineError(f"unknown weight_format {self.weight_format!r}; choose one of {WEIGHT_FORMATS}")
+        if self.quant_group_size not in (32, 64, 128):
+            raise EngineError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise EngineError(f"unknown speculative_method {self.speculative_method!r}; "
+                              f"choose one of {SPECULATIVE_METHODS} ('' = off)")
+        if self.speculative_method and not 1 <= self.num_speculative_tokens <= 16:
+            raise EngineError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise EngineError("speculative_method 'draft' needs draft_model (--draft-model)")
+        if self.draft_num_layers < 0 or self.draft_max_model_len < 0:
+            raise EngineError("draft_num_layers and draft_max_model_len must be >= 0")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise EngineError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
