@@ -3,6 +3,7 @@
 import torch
 
 from kvmesh.config import EngineConfig
+from workers.kv_cache import KVCache
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, paged_attention
 from workers.model_runner import CASCADE_MIN_BLOCKS, ModelRunner
 
@@ -38,11 +39,12 @@ def test_cascade_decode_equals_plain_decode():
     tables = [shared + o for o in own]
     q = torch.randn(3, H, D)
     empty = torch.empty(0, KVH, D)
-    plain = paged_attention(q, empty, empty, kc, vc, _decode_md(tables, lens), 0.3)
+    cache = KVCache(torch.stack((kc, vc)))
+    plain = paged_attention(q, empty, empty, cache, _decode_md(tables, lens), 0.3)
     suffix_tables = [t[len(shared):] for t in tables]
     suffix_lens = [n - len(shared) * BS for n in lens]
     group = CascadeGroup(torch.tensor([0, 1, 2]), block_index(shared, "cpu"))
-    casc = paged_attention(q, empty, empty, kc, vc, _decode_md(suffix_tables, suffix_lens, [group]), 0.3)
+    casc = paged_attention(q, empty, empty, cache, _decode_md(suffix_tables, suffix_lens, [group]), 0.3)
     for i, t in enumerate(tables):
         keys = kc[t].reshape(-1, KVH, D)[:lens[i]]
         vals = vc[t].reshape(-1, KVH, D)[:lens[i]]
@@ -63,7 +65,7 @@ def test_prefill_with_cached_context_equals_dense():
     q = torch.randn(n, H, D)
     md = AttentionMetadata(slot_mapping=torch.tensor(slots[ctx:]),
                            prefills=[PrefillChunk(0, n, ctx, block_index(table, "cpu"))])
-    out = paged_attention(q, k_all[ctx:], v_all[ctx:], kc, vc, md, 0.3)
+    out = paged_attention(q, k_all[ctx:], v_all[ctx:], KVCache(torch.stack((kc, vc))), md, 0.3)
     for i in range(n):
         ref = dense_decode(q[i], k_all[:ctx + i + 1], v_all[:ctx + i + 1], 0.3)
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
@@ -94,3 +96,12 @@ def test_cascade_groups_split_per_document_not_per_system_prompt():
         assert n == len(system) + len(doc_a)
     assert tables[0] == [300] and lens[0] == BS - 1      # only the row's own block is left
     assert tables[4] == [400, 401]                        # ungrouped row untouched
+
+
+def test_float_cache_read_of_a_contiguous_run_is_a_view():
+    """Decode of one row over consecutive blocks reads the float cache without copying."""
+    from workers.kv_cache import allocate_kv_cache
+    cache, = allocate_kv_cache(1, 8, BS, KVH, D, torch.float32, torch.device("cpu"))
+    k, v = cache.read(block_index([2, 3, 4], "cpu"), torch.float32)
+    assert k.data_ptr() == cache.data[0, 2].data_ptr() and v.data_ptr() == cache.data[1, 2].data_ptr()
+    assert k.shape == (3, BS, KVH, D)

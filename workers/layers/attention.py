@@ -1,11 +1,16 @@
 """Attention over a paged KV cache (PagedAttention, Kwon et al. 2023, SOSP).
 
-Each layer's cache is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``.
+Each layer's cache is a :class:`workers.kv_cache.KVCache` (K and V blocks of
+``[block_size, num_kv_heads, head_dim]``, float or quantized with a scale per block and KV head).
 A sequence's tokens live in the blocks its *block table* lists, in order; token ``i`` of a
 sequence sits at slot ``block_table[i // block_size] * block_size + i % block_size``. The
 model runner computes a *slot mapping* (one slot per token in the batch) and the block
-tables; this module writes the new K/V at those slots and reads each sequence's K/V back
-through its block table.
+tables; this module writes the new K/V at those slots (``KVCache.write``) and reads each
+sequence's K/V back through its block table (``KVCache.read``, which dequantizes a quantized
+cache into the query's dtype; every path below — decode, cascade prefix, prefill after cached
+context — reads through it). With a quantized cache a prefill chunk without context also
+attends to its own K/V as the cache holds it (dequantized), so that outputs do not depend on
+how a prompt was chunked or how much of it came from the prefix cache.
 
 A batch is laid out with all decode tokens first (one query token per sequence), then the
 prefill chunks (several query tokens per sequence, possibly after ``ctx_len`` tokens already
@@ -27,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from workers.kv_cache import KVCache
 
 
 @dataclass
@@ -75,14 +82,6 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store ``k, v: [T, KVH, D]`` at ``slot_mapping: [T]`` in the paged cache."""
-    kvh, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention that also returns the log-sum-exp of each query's scores.
@@ -108,27 +107,29 @@ def block_index(ids: list[int], device) -> torch.Tensor | slice:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor | slice, length: int, dtype) -> torch.Tensor:
-    """K or V of one sequence, ``[KVH, length, D]`` in ``dtype`` (``length=-1``: all blocks)."""
-    kvh, d = cache.shape[2], cache.shape[3]
-    kv = cache[block_table].view(-1, kvh, d)
-    return (kv if length < 0 else kv[:length]).transpose(0, 1).to(dtype)
+def _gather(cache: KVCache, block_table: torch.Tensor | slice, length: int,
+            dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence, each ``[KVH, length, D]`` in ``dtype`` (``length=-1``: all blocks)."""
+    kvh, d = cache.num_kv_heads, cache.head_dim
+    k, v = (x.reshape(-1, kvh, d) for x in cache.read(block_table, dtype))
+    if length >= 0:
+        k, v = k[:length], v[:length]
+    return k.transpose(0, 1), v.transpose(0, 1)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                     md: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention for a mixed batch of decodes and prefill chunks.
 
     Args:
         q: ``[T, H, D]``; k, v: ``[T, KVH, D]`` for the batch's new tokens (already rotated).
-        k_cache, v_cache: this layer's cache ``[num_blocks, block_size, KVH, D]``.
+        kv_cache: this layer's cache.
         md: the step's :class:`AttentionMetadata`.
         scale: softmax scale, usually ``D ** -0.5``.
     Returns:
         ``[T, H, D]`` in q's dtype.
     """
-    write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+    kv_cache.write(k, v, md.slot_mapping)
     T, H, D = q.shape
     KVH = k.shape[1]
     G = H // KVH
@@ -136,11 +137,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     bd = md.num_decode_tokens
     if bd:
-        # Gather each row's blocks and attend on the strided [Bd, KVH, L, D] view (no copy).
-        bt = md.decode_block_tables
+        # Gather each row's blocks and attend on the strided [Bd, KVH, L, D] view (no copy when a
+        # float cache's single row reads a contiguous run; a quantized cache dequantizes here).
         L = md.decode_mask.shape[-1]
-        kc = k_cache[bt].view(bd, L, KVH, D).transpose(1, 2).to(q.dtype)
-        vc = v_cache[bt].view(bd, L, KVH, D).transpose(1, 2).to(q.dtype)
+        kb, vb = kv_cache.read(md.decode_block_tables, q.dtype)
+        kc = kb.view(bd, L, KVH, D).transpose(1, 2)
+        vc = vb.view(bd, L, KVH, D).transpose(1, 2)
         qd = q[:bd].view(bd, KVH, G, D)
         if not md.cascade:
             o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=md.decode_mask, scale=scale)
@@ -150,8 +152,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = o.float()
             for g in md.cascade:
                 n = g.rows.shape[0]
-                kp = _gather(k_cache, g.prefix_blocks, -1, q.dtype).unsqueeze(0)   # [1, KVH, P, D]
-                vp = _gather(v_cache, g.prefix_blocks, -1, q.dtype).unsqueeze(0)
+                kp, vp = (x.unsqueeze(0) for x in _gather(kv_cache, g.prefix_blocks, -1, q.dtype))  # [1, KVH, P, D]
                 qg = qd[g.rows].transpose(0, 1).reshape(1, KVH, n * G, D)
                 op, lp = attention_with_lse(qg, kp, vp, None, scale)
                 op = op.view(KVH, n, G, D).transpose(0, 1).float()                # [n, KVH, G, D]
@@ -165,15 +166,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for p in md.prefills:
         n = p.q_end - p.q_start
         qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)                # [1, H, n, D]
-        if p.ctx_len == 0:
+        if p.ctx_len == 0 and not kv_cache.quantized:
             kp = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
             vp = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                enable_gqa=G > 1)
         else:
+            # after cached context, or any chunk of a quantized cache: attend to what the cache
+            # holds (so a result does not depend on chunking or prefix-cache hits)
             total = p.ctx_len + n
-            kp = _gather(k_cache, p.block_table, total, q.dtype).unsqueeze(0)  # [1, KVH, total, D]
-            vp = _gather(v_cache, p.block_table, total, q.dtype).unsqueeze(0)
+            kp, vp = (x.unsqueeze(0) for x in _gather(kv_cache, p.block_table, total, q.dtype))  # [1, KVH, total, D]
             # query i (absolute position ctx_len + i) sees keys 0 .. ctx_len + i
             mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril_(diagonal=p.ctx_len)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,

@@ -105,7 +105,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, k = self.rope(positions, q.view(T, self.h, self.d), k.view(T, self.kvh, self.d))
-        o = paged_attention(q, k, v.view(T, self.kvh, self.d), kv_cache[0], kv_cache[1], md, self.scale)
+        o = paged_attention(q, k, v.view(T, self.kvh, self.d), kv_cache, md, self.scale)
         return self.o_proj(o.reshape(T, self.h * self.d))
 
 
@@ -140,8 +140,8 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward(x, positions, md, kv_caches)``: on the first stage ``x`` is input ids ``[T]``
     int64, otherwise hidden states ``[T, hidden]``; returns hidden states ``[T, hidden]`` (after
-    the final norm on the last stage). ``kv_caches[i]`` is ``[2, num_blocks, block_size, KVH, D]``
-    for the stage's i-th layer. ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
+    the final norm on the last stage). ``kv_caches[i]`` is the
+    :class:`workers.kv_cache.KVCache` of the stage's i-th layer. ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int, start_layer: int = 0, end_layer: int | None = None):
