@@ -4,13 +4,17 @@ Model code builds every projection as a :class:`Linear` and never touches its we
 tensors directly. The loader copies checkpoint tensors in with :meth:`Linear.load_shard`
 (several checkpoint tensors can be stacked into one layer, e.g. q/k/v into ``qkv_proj``),
 then calls :meth:`Linear.finalize` once, which converts the weight to its serving format.
-Quantized formats (issue: quantization) plug in here without model changes.
+Quantized formats (``int8``, ``int4``, ``fp8``, ``w8a8-int8``; math in
+:mod:`workers.layers.quant`) replace the dense weight with :meth:`Linear.set_quantized`; the
+model code does not change (docs/quantization.md).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from workers.layers import quant
 
 
 class Linear(nn.Module):
@@ -33,6 +37,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._loaded: set[tuple[str, str]] = set()
+        self.format = "none"
+        self.group_size = 0
+        self.register_buffer("input_scale", None)     # [in_features]: x * input_scale first
+        self._qnames: list[str] = []
 
     def _rows(self, shard: str) -> slice:
         start = 0
@@ -65,16 +73,68 @@ class Linear(nn.Module):
             want += [("bias", s) for s in self.shards]
         return [f"{p}.{s}" if s else p for p, s in want if (p, s) not in self._loaded]
 
+    def set_quantized(self, fmt: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                      device: torch.device | str = "cpu", group_size: int = 0) -> None:
+        """Replace the dense weight by a quantized one.
+
+        Args:
+            fmt: ``int8``, ``int4``, ``fp8`` or ``w8a8-int8``.
+            tensors: canonical tensors of :func:`workers.layers.quant.quantize` (``qweight``,
+                ``scales``, ``zeros`` for int4), plus ``bias`` [out] and ``input_scale`` [in]
+                (per-input-channel factor applied to x first: 1/s of AWQ or SmoothQuant) when
+                the layer has them.
+            dtype: serving dtype (bias, input_scale, output).
+            device: where the kernels run (the runtime layout is device specific).
+            group_size: int4 group size along in_features.
+        """
+        rt = quant.to_runtime(fmt, tensors, torch.device(device))
+        self.weight = None
+        for name in self._qnames:
+            delattr(self, name)
+        self._qnames = list(rt)
+        for name, t in rt.items():
+            self.register_buffer(name, t)
+        if tensors.get("bias") is not None:
+            self.bias = nn.Parameter(tensors["bias"].to(device=device, dtype=dtype), requires_grad=False)
+        scale = tensors.get("input_scale")
+        self.input_scale = None if scale is None else scale.to(device=device, dtype=dtype)
+        self.format, self.group_size = fmt, group_size
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored weight: dense weight or quantized tensors incl. scales/zeros,
+        bias and input scale."""
+        ts = [self.weight, self.bias, self.input_scale] + [getattr(self, n) for n in self._qnames]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
     def finalize(self, dtype: torch.dtype) -> None:
         """Convert loaded weights to the serving format: dense, ``dtype``, stored transposed
         (``[in_features, out_features]`` contiguous), which measured ~20% faster than
-        ``F.linear`` on ``[out, in]`` for batch-1 decode on this CPU (bench notes in docs/)."""
+        ``F.linear`` on ``[out, in]`` for batch-1 decode on this CPU (bench notes in docs/).
+        A quantized layer (:meth:`set_quantized`) is left as it is."""
+        if self.format != "none":
+            return
         self.weight = nn.Parameter(self.weight.data.to(dtype).t().contiguous(), requires_grad=False)
         if self.bias is not None:
             self.bias.data = self.bias.data.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, in_features]`` → ``[T, out_features]`` in x's dtype."""
+        if self.format != "none":
+            return self._forward_quantized(x)
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
         return torch.mm(x, self.weight)
+
+    def _forward_quantized(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = x * self.input_scale
+        fmt = self.format
+        if fmt == "int8":
+            y = quant.int8_mm(x, self.qweight, self.scales)
+        elif fmt == "int4":
+            y = quant.int4_mm(x, {n: getattr(self, n) for n in self._qnames}, self.group_size, self.out_features)
+        elif fmt == "fp8":
+            y = quant.fp8_mm(x, self.qweight, self.scales)
+        else:
+            y = quant.w8a8_int8_mm(x, self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
