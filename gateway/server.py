@@ -60,7 +60,7 @@ from opentelemetry import trace
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from kvmesh import telemetry
 from kvmesh.config import GatewayConfig
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -392,8 +392,8 @@ class LLMServicer:
                     if t_first is None and up.token_ids:
                         t_first = time.monotonic()
                         self.metrics.first_token(t_first - t0)
-                    delta = detok.add_tokens(up.token_ids)
-                    out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=up.token_ids)
+                    delta, ids = _add_tokens(detok, up.token_ids)
+                    out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=ids)
                     if params.logprobs is not None:
                         out.logprobs.extend(up.logprobs)
                     if delta.stop_string is not None:       # end upstream now (finally), report STOP
@@ -475,11 +475,27 @@ def _span_finished(span, out: llm_pb2.GenerateResponse, replica: int | None) -> 
         span.set_attribute("kvmesh.replica", replica)
 
 
+def _add_tokens(detok: IncrementalDetokenizer, token_ids) -> tuple[DetokenizerDelta, list[int]]:
+    """Feed a message's token ids one at a time: with speculative decoding one message may
+    carry several, and a stop string completing inside them ends the output at that token
+    (the ids after it are dropped, as their text is). Returns the delta and the ids kept."""
+    text, ids = [], []
+    for t in token_ids:
+        d = detok.add_tokens([t])
+        text.append(d.text)
+        ids.append(t)
+        if d.stop_string is not None:
+            return DetokenizerDelta("".join(text), d.stop_string), ids
+    return DetokenizerDelta("".join(text), None), ids
+
+
 def _usage(up, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
     """Usage of a request the gateway ended (stop string, Abort): tokens it received."""
-    cached = up.usage.cached_prompt_tokens if up is not None and up.HasField("usage") else 0
-    return common_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=detok.num_output_tokens,
-                            cached_prompt_tokens=cached)
+    usage = common_pb2.Usage()
+    if up is not None and up.HasField("usage"):     # cached tokens and speculation counters
+        usage.CopyFrom(up.usage)
+    usage.prompt_tokens, usage.completion_tokens = len(prompt_ids), detok.num_output_tokens
+    return usage
 
 
 def _timings(up, t0: float, t_first: float | None) -> common_pb2.Timings:

@@ -41,13 +41,28 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Seconds on the monotonic clock; ``ttft`` is arrival → first token."""
+    """Seconds on the monotonic clock; ``ttft`` is arrival → first token. Speculative
+    decoding (docs/spec_decode.md): ``num_drafts`` steps verified ``num_draft_tokens``
+    proposals, of which ``num_accepted_tokens`` were accepted."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified proposals (None when nothing was verified)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per speculative step (accepted proposals + the target's token)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def ttft(self) -> float | None:
@@ -87,9 +102,15 @@ class _TextStream:
         """Fold an engine output in. Returns the update and the stop string that matched now
         (the caller must then finish the request in the engine)."""
         delta_ids = [] if self.finish_reason else list(o.new_token_ids)
-        d = self.detok.add_tokens(delta_ids) if delta_ids else None
-        delta = d.text if d else ""
-        stop_hit = d.stop_string if d else None
+        # token by token: a step may bring several (speculative decoding), and a stop string
+        # completing inside them ends the output at that token
+        delta, stop_hit = "", None
+        for i, t in enumerate(delta_ids):
+            d = self.detok.add_tokens([t])
+            delta += d.text
+            if d.stop_string is not None:
+                stop_hit, delta_ids = d.stop_string, delta_ids[: i + 1]
+                break
         self.token_ids += delta_ids
         if self.params.logprobs is not None:
             self.logprobs += o.new_logprobs
@@ -104,6 +125,7 @@ class _TextStream:
         m.arrival_time = o.arrival_time or m.arrival_time
         m.first_scheduled_time, m.first_token_time = o.first_scheduled_time, o.first_token_time
         m.num_cached_tokens = o.num_cached_tokens
+        m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens = o.num_drafts, o.num_draft_tokens, o.num_accepted_tokens
         if self.finish_reason is not None:
             m.finished_time = o.finished_time or time.monotonic()
         comp = CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,

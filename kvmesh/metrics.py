@@ -14,11 +14,18 @@ Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's i
   ``time_to_first_token_seconds`` (arrival → first token; requests that produced one),
   ``e2e_request_latency_seconds`` (arrival → finish), ``request_queue_time_seconds`` (arrival →
   first scheduled; requests that were scheduled), ``prompt_tokens_total``,
-  ``generation_tokens_total``, ``request_success_total{finished_reason}`` (stop, length, abort);
+  ``generation_tokens_total``, ``request_success_total{finished_reason}`` (stop, length, abort),
+  and speculative decoding's ``spec_decode_num_drafts_total`` (steps that verified proposals),
+  ``spec_decode_num_draft_tokens_total`` (proposals verified), ``spec_decode_num_accepted_tokens_total``
+  and ``spec_decode_num_emitted_tokens_total`` (accepted + the target's own token of each such
+  step); acceptance rate = accepted / draft tokens, mean accepted length = emitted / drafts;
 * read from engine state under the engine lock at scrape time (:class:`_ReplicaCollector`):
   ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (blocks held by
   requests / all blocks, 0..1), ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``
-  (prompt tokens looked up / found, as GetStats), ``num_preemptions_total``; and the router's
+  (prompt tokens looked up / found, as GetStats), ``num_preemptions_total``, the KV cache's
+  capacity ``kv_cache_blocks``, ``kv_cache_bytes_per_token`` (all layers, quantization scales
+  included) and ``max_concurrency`` (sequences of ``max_model_len`` tokens the pool holds),
+  ``spec_decode_propose_seconds_total`` (time spent proposing: prompt lookup or the draft model); and the router's
   ``router_requests_total``, ``router_prefix_routed_total``, ``router_fallbacks_total``.
 
 Gateway (label ``model_name``): ``gateway_requests_total{method, code}`` (Generate/Chat RPCs by
@@ -68,6 +75,14 @@ SCHEDULER_METRICS = {
     "kvmesh:prefix_cache_queries_total": "counter",
     "kvmesh:prefix_cache_hits_total": "counter",
     "kvmesh:num_preemptions_total": "counter",
+    "kvmesh:kv_cache_blocks": "gauge",
+    "kvmesh:kv_cache_bytes_per_token": "gauge",
+    "kvmesh:max_concurrency": "gauge",
+    "kvmesh:spec_decode_num_drafts_total": "counter",
+    "kvmesh:spec_decode_num_draft_tokens_total": "counter",
+    "kvmesh:spec_decode_num_accepted_tokens_total": "counter",
+    "kvmesh:spec_decode_num_emitted_tokens_total": "counter",
+    "kvmesh:spec_decode_propose_seconds_total": "counter",
     "kvmesh:router_requests_total": "counter",
     "kvmesh:router_prefix_routed_total": "counter",
     "kvmesh:router_fallbacks_total": "counter",
@@ -114,6 +129,15 @@ class SchedulerMetrics:
         self.generation_tokens = counter("kvmesh:generation_tokens_total", "Output tokens of finished requests.")
         self.success = counter("kvmesh:request_success_total", "Finished requests by finish reason.",
                                ("finished_reason",))
+        self.spec_drafts = counter("kvmesh:spec_decode_num_drafts_total",
+                                   "Speculative steps (steps that verified proposals) of finished requests.")
+        self.spec_draft_tokens = counter("kvmesh:spec_decode_num_draft_tokens_total",
+                                         "Proposed tokens verified, of finished requests.")
+        self.spec_accepted = counter("kvmesh:spec_decode_num_accepted_tokens_total",
+                                     "Proposed tokens accepted, of finished requests.")
+        self.spec_emitted = counter("kvmesh:spec_decode_num_emitted_tokens_total",
+                                    "Tokens emitted by speculative steps (accepted + one per step), of finished "
+                                    "requests.")
         self.registry.register(_ReplicaCollector(self, service))
 
     def observer(self, replica: int) -> Callable[[list], None]:
@@ -123,6 +147,8 @@ class SchedulerMetrics:
         itl, ttft, e2e, queue, tpot, req_prompt, req_gen = (m.labels(*labels) for m in (
             self.itl, self.ttft, self.e2e, self.queue, self.tpot, self.req_prompt, self.req_gen))
         prompt, gen = self.prompt_tokens.labels(*labels), self.generation_tokens.labels(*labels)
+        drafts, draft_tokens, accepted, emitted = (m.labels(*labels) for m in (
+            self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_emitted))
         last: dict[str, float] = {}          # request id -> time of its latest token output
 
         def observe(outputs: list) -> None:
@@ -148,6 +174,10 @@ class SchedulerMetrics:
                         req_gen.observe(o.num_output_tokens)
                         prompt.inc(o.num_prompt_tokens)
                         gen.inc(o.num_output_tokens)
+                        drafts.inc(o.num_drafts)
+                        draft_tokens.inc(o.num_draft_tokens)
+                        accepted.inc(o.num_accepted_tokens)
+                        emitted.inc(o.num_accepted_tokens + o.num_drafts)
                         reason = o.finish_reason.value if o.finish_reason is not None else "unknown"
                         self.success.labels(*labels, reason).inc()
             except Exception:               # metrics never break delivery
@@ -177,10 +207,20 @@ class _ReplicaCollector:
         hits = CounterMetricFamily("kvmesh:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    labels=labels)
         preempt = CounterMetricFamily("kvmesh:num_preemptions", "Preemptions.", labels=labels)
+        blocks = GaugeMetricFamily("kvmesh:kv_cache_blocks", "KV cache blocks in the pool.", labels=labels)
+        per_token = GaugeMetricFamily("kvmesh:kv_cache_bytes_per_token",
+                                      "KV cache bytes of one token over all layers (scales included).",
+                                      labels=labels)
+        concurrency = GaugeMetricFamily("kvmesh:max_concurrency",
+                                        "Sequences of max_model_len tokens the KV pool holds at once.",
+                                        labels=labels)
+        propose = CounterMetricFamily("kvmesh:spec_decode_propose_seconds",
+                                      "Time spent proposing speculative tokens (seconds).", labels=labels)
         for r in list(self.service.replicas):
             with r.engine.lock:
                 s, b = r.engine.scheduler, r.engine.block_manager.stats()
                 n_running, n_waiting, n_preempt = len(s.running), len(s.waiting), s.num_preemptions
+                t_propose = r.engine.spec_propose_seconds
             lv = [model, str(r.index)]
             running.add_metric(lv, n_running)
             waiting.add_metric(lv, n_waiting)
@@ -188,7 +228,11 @@ class _ReplicaCollector:
             queries.add_metric(lv, b.prefix_cache_queries)
             hits.add_metric(lv, b.prefix_cache_hits)
             preempt.add_metric(lv, n_preempt)
-        yield from (running, waiting, usage, queries, hits, preempt)
+            propose.add_metric(lv, t_propose)
+            blocks.add_metric(lv, r.kv_info.num_blocks)
+            per_token.add_metric(lv, r.kv_info.bytes_per_token)
+            concurrency.add_metric(lv, r.kv_info.max_concurrency)
+        yield from (running, waiting, usage, queries, hits, preempt, propose, blocks, per_token, concurrency)
         router = self.service.router
         if router is not None:
             st = router.stats

@@ -178,6 +178,19 @@ class BlockManager:
             parent = req.block_hashes[first - 1] if first else None
             self._events.append(BlockStored(tuple(new), parent, self.block_size))
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Return the blocks of ``req``'s block table past the first ``num_tokens`` tokens
+        (speculative decoding: blocks that only held rejected proposals or draft lookahead
+        slots). Blocks are only ever trimmed from the tail, which is never a prefix-cache hit
+        of another request, so freed blocks are plain free blocks (their hash, if any, is
+        kept: a registered block is full and computed, and is never past ``num_tokens``)."""
+        keep = self.blocks_needed(num_tokens)
+        while len(req.block_table) > keep:
+            b = req.block_table.pop()
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free_queue[b] = None
+
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so that the tail is evicted first."""
         for b in reversed(req.block_table):

@@ -47,13 +47,31 @@ class EngineOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # speculative decoding, cumulative over the request (docs/spec_decode.md)
+    num_drafts: int = 0               # steps that verified proposals
+    num_draft_tokens: int = 0         # proposals verified
+    num_accepted_tokens: int = 0      # proposals accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified proposals (None when nothing was verified)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per speculative step: accepted proposals + the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 def model_identity(model_dir: Path, name: str, cfg: EngineConfig, kv_dtype: torch.dtype) -> str:
     """Stable identity of the KV contents: model (name, or directory name + config digest),
-    weight dtype/format and KV dtype. Seeds the prefix-cache block hashes."""
+    weight dtype/format (with int4 group size and calibration, workers.quant.store.weight_identity)
+    and KV dtype. Seeds the prefix-cache block hashes."""
+    from workers.quant.store import weight_identity
     digest = xxhash.xxh3_64_hexdigest((model_dir / "config.json").read_bytes())
-    return f"model={name}:{digest};weights={cfg.torch_dtype};kv={kv_dtype}"
+    wf = weight_identity(cfg.weight_format, cfg.quant_group_size, cfg.enable_calibration, cfg.calibration_data)
+    weights = f"{cfg.torch_dtype}" + ("" if wf == "none" else f"/{wf}")
+    return f"model={name}:{digest};weights={weights};kv={kv_dtype}"
 
 
 def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
@@ -89,6 +107,9 @@ class LLMEngine:
                  kv_event_sink: KVEventSink | None = None, num_blocks: int | None = None):
         from workers.registry import resolve_model   # a known name is pulled on first use
         self.cfg = cfg
+        if cfg.speculative_method and cfg.policy != "continuous":
+            raise EngineError(f"speculative_method {cfg.speculative_method!r} needs policy 'continuous' "
+                              f"(got {cfg.policy!r})")
         self.model_dir = resolve_model(cfg.model)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -114,13 +135,17 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, policy=cfg.policy, max_num_seqs=cfg.max_num_seqs,
                                    max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
                                    max_model_len=cfg.max_model_len,
-                                   enable_chunked_prefill=cfg.enable_chunked_prefill)
+                                   enable_chunked_prefill=cfg.enable_chunked_prefill,
+                                   speculative_method=cfg.speculative_method,
+                                   num_speculative_tokens=cfg.num_speculative_tokens,
+                                   speculative_adaptive=cfg.speculative_adaptive)
         self.lock = threading.RLock()
         self._emitted: dict[str, int] = {}
         self._finished_out: list[EngineOutput] = []
         self._in_flight: set[str] = set()       # ids of the requests in submitted micro-batches
         self._deferred: dict[str, tuple[FinishReason, int | str | None]] = {}
         self.num_steps = 0
+        self.spec_propose_seconds = 0.0          # time spent proposing (ngram here, draft in the runner)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
@@ -220,6 +245,8 @@ class LLMEngine:
         with self.lock:
             self.num_steps += 1
             changed = self.scheduler.update(step.sched, result.sampled, result.logprobs)
+            if self.cfg.speculative_method:
+                self._set_proposals(changed, result)
             outputs, self._finished_out = self._finished_out, []
             outputs += [self._output(r) for r in changed]
             done = [o.request_id for o in outputs if o.finished]
@@ -227,6 +254,24 @@ class LLMEngine:
         if done:
             self.executor.free_requests(done)
         return outputs
+
+    def _set_proposals(self, changed: list[Request], result) -> None:
+        """The next step's proposals of the requests that just got tokens: prompt lookup over
+        their tokens (``ngram``), or the draft's, which came back with this step's output."""
+        if self.cfg.speculative_method == "ngram":
+            from workers.spec_decode.ngram import propose_ngram
+            t0 = time.perf_counter()
+            for r in changed:
+                if not r.is_finished and r.can_speculate():
+                    r.spec_token_ids = propose_ngram(r.all_token_ids, r.spec_k, self.cfg.prompt_lookup_max,
+                                                     self.cfg.prompt_lookup_min)
+            self.spec_propose_seconds += time.perf_counter() - t0
+            return
+        self.spec_propose_seconds += getattr(result, "propose_seconds", 0.0)
+        for rid, toks in (getattr(result, "proposals", None) or {}).items():
+            r = self.scheduler.requests.get(rid)
+            if r is not None and r.status == RequestStatus.RUNNING and r.can_speculate():
+                r.spec_token_ids = list(toks)
 
     def take_finished(self) -> list[EngineOutput]:
         """Outputs of requests ended outside a step (aborts) since the last call."""
@@ -256,7 +301,7 @@ class LLMEngine:
             req.request_id, req.output_token_ids[start:], req.output_logprobs[start:], finished,
             req.finish_reason, req.stop_reason, req.num_prompt_tokens, req.num_cached_tokens,
             req.num_output_tokens, req.arrival_time, req.first_scheduled_time, req.first_token_time,
-            time.monotonic() if finished else None)
+            time.monotonic() if finished else None, req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -137,6 +137,21 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     traceparent: str | None = None      # W3C trace context of the scheduler's span (tracing on)
+    # speculative decoding (docs/spec_decode.md)
+    spec_token_ids: list[int] = field(default_factory=list)   # proposals for the next step
+    spec_k: int = 0                     # adaptive number of proposals (0: speculation off)
+    num_drafts: int = 0                 # steps that verified at least one proposal
+    num_draft_tokens: int = 0           # proposals verified
+    num_accepted_tokens: int = 0        # of which accepted
+
+    def can_speculate(self) -> bool:
+        """Whether the next token may be proposed and verified: not with penalties, logprobs
+        or before ``min_tokens`` (their per-position distributions depend on the tokens
+        before, so a verified run would need them recomputed token by token)."""
+        sp = self.sampling_params
+        return (self.spec_k > 0 and sp.repetition_penalty == 1.0 and not sp.presence_penalty
+                and not sp.frequency_penalty and sp.logprobs is None
+                and self.num_output_tokens >= sp.min_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

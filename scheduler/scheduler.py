@@ -11,6 +11,14 @@
   prefilled in one step, and requests that finish early keep occupying (and computing) their
   row until the longest one ends, as in padded static batching.
 - ``naive``: one request at a time with no KV reuse: every step re-runs the whole sequence.
+
+Speculative decoding (continuous policy only; docs/spec_decode.md): a decoding request with
+proposals (``Request.spec_token_ids``) runs ``1 + k`` tokens in one step (its last token and
+``k`` proposals, ``k`` at most its adaptive ``spec_k``); the ``k`` proposals count against the
+token budget and get KV slots. With a draft model, a sampling row that asks the draft for ``m``
+proposals also gets ``1 + m`` lookahead slots (vLLM v1's ``num_lookahead_tokens``). After the
+step, rejected proposals and lookahead slots are rolled back: ``num_computed_tokens`` excludes
+them and the blocks no longer needed return to the pool.
 """
 
 from __future__ import annotations
@@ -35,6 +43,13 @@ class ScheduledSeq:
     num_new_tokens: int
     sample: bool
     padding: bool = False     # static batching: a finished row still occupying the batch
+    spec_token_ids: list[int] = field(default_factory=list)   # proposals verified this step
+    num_proposals: int = 0    # draft proposals asked for the next step (draft method)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens through the model this step: the real ones and the proposals."""
+        return self.num_new_tokens + len(self.spec_token_ids)
 
 
 @dataclass
@@ -58,13 +73,25 @@ class Scheduler:
         max_num_batched_tokens: token budget per step (continuous policy).
         max_model_len: longest sequence (prompt + output) in tokens.
         enable_chunked_prefill: split long prompts across steps (continuous policy).
+        speculative_method: ``""`` (off), ``ngram`` or ``draft`` (continuous policy only).
+        num_speculative_tokens: the most proposals verified per request and step (k).
+        speculative_adaptive: adapt each request's k to its acceptance (docs/spec_decode.md).
+    Raises:
+        EngineError: unknown policy, or speculation under a policy other than ``continuous``.
     """
 
     def __init__(self, block_manager: BlockManager, *, policy: str = "continuous", max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, speculative_method: str = "",
+                 num_speculative_tokens: int = 0, speculative_adaptive: bool = True):
         if policy not in POLICIES:
             raise EngineError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+        if speculative_method and policy != "continuous":
+            raise EngineError(f"speculative_method {speculative_method!r} needs policy 'continuous' "
+                              f"(got {policy!r})")
+        self.speculative_method = speculative_method
+        self.num_speculative_tokens = num_speculative_tokens if speculative_method else 0
+        self.speculative_adaptive = speculative_adaptive
         self.bm = block_manager
         self.policy = policy
         self.max_num_seqs = 1 if policy == "naive" else max_num_seqs
@@ -97,6 +124,7 @@ class Scheduler:
                                   f"({req.sampling_params.max_tokens}) may need a {worst}-token prefill, over "
                                   f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked prefill "
                                   f"disabled (enable chunked prefill or raise max_num_batched_tokens)")
+        req.spec_k = self.num_speculative_tokens
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -123,7 +151,12 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.bm.allocate(req, n):
+            sample = req.num_computed_tokens + n == req.num_tokens
+            spec, m = self._speculation(req, n, budget, sample)
+            done = bool(spec or m) and self.bm.allocate(req, n + len(spec) + (1 + m if m else 0))
+            if not done:
+                spec, m = [], 0                  # no speculation, or short of blocks for it
+            while not done and not self.bm.allocate(req, n):
                 victim = next(r for r in reversed(self.running) if r.request_id not in busy)
                 self.running.remove(victim)      # the most recently admitted idle request
                 self._preempt(victim)
@@ -131,15 +164,31 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n,
-                                             req.num_computed_tokens + n == req.num_tokens))
-                budget -= n
+                out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, sample, False, spec, m))
+                budget -= n + len(spec)
                 i += 1
         # 2) waiting requests, unless this step had to preempt
         if not out.preempted:
             budget = self._admit(out, budget)
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.seqs)
+        out.num_batched_tokens = sum(s.num_scheduled_tokens for s in out.seqs)
         return out
+
+    def _speculation(self, req: Request, n: int, budget: int, sample: bool) -> tuple[list[int], int]:
+        """What a row of ``n`` real tokens of ``req`` speculates this step: the proposals it
+        verifies (a decode with proposals; at most ``spec_k``, the budget left after its own
+        token, and one less than the tokens it may still emit) and, with a draft model, how
+        many proposals the draft makes for its next step (a row that samples)."""
+        if not (self.num_speculative_tokens and sample and req.can_speculate()):
+            return [], 0
+        left = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        spec: list[int] = []
+        if n == 1:
+            k = min(len(req.spec_token_ids), req.spec_k, budget - 1, left - 1)
+            spec = req.spec_token_ids[:max(k, 0)]
+        m = 0
+        if self.speculative_method == "draft":
+            m = max(0, min(req.spec_k, left - 2))
+        return spec, m
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Move waiting requests into the batch (FCFS) while budget, sequence cap and blocks
@@ -158,11 +207,16 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
-            if not self.bm.allocate(req, n, hits):
-                break
+            # a prefill that samples may ask the draft for proposals (lookahead slots)
+            _, m = self._speculation(req, n, budget, sample=n == remaining)   # (no proposals yet)
+            if not (m and self.bm.allocate(req, n + 1 + m, hits)):
+                m = 0
+                if not self.bm.allocate(req, n, hits):
+                    break
             self.waiting.popleft()
             self._start(req)
-            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens))
+            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens,
+                                         num_proposals=m))
             budget -= n
             if self.bm.enable_prefix_caching:
                 inflight.update(req.block_hashes[len(hits):])
@@ -191,7 +245,7 @@ class Scheduler:
             else:
                 n = req.num_tokens - req.num_computed_tokens
                 out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, True))
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.seqs)
+        out.num_batched_tokens = sum(s.num_scheduled_tokens for s in out.seqs)
         return out
 
     def _start(self, req: Request) -> None:
@@ -203,16 +257,23 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.bm.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # ---- after the step ------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]],
                logprobs: dict[str, dict[int, float]] | None = None) -> list[Request]:
         """Apply a step's results: advance computed tokens, append sampled tokens, check
-        token-level stops, free finished requests. Returns the requests that got a token."""
+        token-level stops, free finished requests. Returns the requests that got a token.
+
+        ``sampled[id]`` holds a sampling row's new tokens: its accepted proposals, then the
+        target's own token (one token without speculation). Tokens after a stop (EOS, a stop
+        token id, ``max_tokens``, ``max_model_len``) are dropped. Rejected proposals are rolled
+        back: ``num_computed_tokens`` counts the accepted ones only, and blocks past the
+        sequence's tokens (rejected proposals, draft lookahead) go back to the pool."""
         now = time.monotonic()
         changed = []
         for s in out.seqs:
@@ -221,17 +282,43 @@ class Scheduler:
                 continue                      # padding row, or aborted during the step
             req.num_computed_tokens = s.start + s.num_new_tokens
             if s.sample:
-                req.output_token_ids.append(sampled[req.request_id])
+                new = sampled[req.request_id]
+                k, accepted = len(s.spec_token_ids), len(new) - 1
+                req.num_computed_tokens += accepted        # accepted proposals have valid K/V
+                req.spec_token_ids = []                    # the engine sets the next ones
+                if k:
+                    self._record_speculation(req, k, accepted)
                 if logprobs and req.request_id in logprobs:
                     req.output_logprobs.append(logprobs[req.request_id])
                 if req.first_token_time is None:
                     req.first_token_time = now
                 changed.append(req)
-                if req.check_stop(self.max_model_len):
+                stopped = False
+                for t in new:
+                    req.output_token_ids.append(t)
+                    if req.check_stop(self.max_model_len):
+                        stopped = True
+                        break
+                if stopped:
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                     self.finish(req, req.finish_reason, req.stop_reason)
                     continue
+                if k or s.num_proposals:
+                    self.bm.trim(req, req.num_tokens)
             self.bm.cache_full_blocks(req)
         return changed
+
+    def _record_speculation(self, req: Request, k: int, accepted: int) -> None:
+        """Acceptance counters, and the adaptive k rule: all ``k`` proposals accepted → ``spec_k``
+        + 1; fewer than half accepted → ``spec_k`` - 1; within ``[1, num_speculative_tokens]``."""
+        req.num_drafts += 1
+        req.num_draft_tokens += k
+        req.num_accepted_tokens += accepted
+        if self.speculative_adaptive:
+            if accepted == k:
+                req.spec_k = min(req.spec_k + 1, self.num_speculative_tokens)
+            elif 2 * accepted < k:
+                req.spec_k = max(req.spec_k - 1, 1)
 
     def finish(self, req: Request, reason: FinishReason, stop_reason=None) -> None:
         """End a request now (stop, length, abort): frees its blocks unless static batching

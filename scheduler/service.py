@@ -38,7 +38,7 @@ from kvstore.index import open_index
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
 from scheduler.request import EngineError, FinishReason, SamplingParams
 from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
-from workers.kv_cache import kv_dtype
+from workers.kv_cache import KVCacheInfo, kv_dtype
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -73,7 +73,9 @@ def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitRe
         msg.finish_reason = _FINISH.get(o.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
         msg.stop_reason = "" if o.stop_reason is None else str(o.stop_reason)
         msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_output_tokens,
-                                            cached_prompt_tokens=o.num_cached_tokens))
+                                            cached_prompt_tokens=o.num_cached_tokens,
+                                            spec_num_drafts=o.num_drafts, spec_num_draft_tokens=o.num_draft_tokens,
+                                            spec_num_accepted_tokens=o.num_accepted_tokens))
         msg.timings.CopyFrom(common_pb2.Timings(
             queue_time=(o.first_scheduled_time or end) - o.arrival_time,
             ttft=first_tok - o.arrival_time if first_tok else 0.0,
@@ -135,6 +137,7 @@ class Replica:
 
     def __init__(self, index: int, engine: LLMEngine, replica_id: str = ""):
         self.index, self.engine, self.replica_id = index, engine, replica_id or str(index)
+        self.kv_info = KVCacheInfo.of(engine.cfg, engine.model_config, engine.block_manager.num_blocks)
         self.aengine = AsyncEngine(engine)
         self.publisher = None
 
@@ -186,7 +189,9 @@ class Replica:
                 num_steps=self.engine.num_steps, num_preemptions=s.num_preemptions,
                 prefix_cache_queries=b.prefix_cache_queries, prefix_cache_hits=b.prefix_cache_hits,
                 replica_id=self.replica_id, indexed=pub is not None,
-                index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0)
+                index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
+                kv_cache_dtype=self.kv_info.dtype, kv_cache_bytes_per_token=self.kv_info.bytes_per_token,
+                max_concurrency=self.kv_info.max_concurrency)
 
     async def shutdown(self) -> None:
         await self.aengine.shutdown()

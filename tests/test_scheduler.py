@@ -25,7 +25,7 @@ def add(s, rid, n_prompt, max_tokens=4, start=0):
 
 def step(s, token=7):
     out = s.schedule()
-    s.update(out, {q.req.request_id: token for q in out.seqs if q.sample})
+    s.update(out, {q.req.request_id: [token] for q in out.seqs if q.sample})
     return out
 
 
@@ -96,7 +96,7 @@ def test_preemption_picks_most_recently_admitted():
     assert c.num_preemptions == 1 and s.num_preemptions == 1
     assert list(s.waiting) == [c] and s.running == [a, b]
     assert [q.req.request_id for q in out.seqs] == ["a", "b"]    # b got c's freed block
-    s.update(out, {"a": 7, "b": 7})
+    s.update(out, {"a": [7], "b": [7]})
     # c keeps its generated tokens and later resumes by recomputing prompt + output
     assert len(c.output_token_ids) == 2
     drain(s)
@@ -118,7 +118,7 @@ def test_no_admission_in_a_step_that_preempted():
             preempted_steps += 1
             assert s.waiting                  # someone could have been admitted...
             assert {q.req.request_id for q in out.seqs} <= running_before    # ...but was not
-        s.update(out, {q.req.request_id: 7 for q in out.seqs if q.sample})
+        s.update(out, {q.req.request_id: [7] for q in out.seqs if q.sample})
     assert preempted_steps > 0
     assert len(a.output_token_ids) == len(b.output_token_ids) == 8
 
@@ -230,14 +230,14 @@ def test_busy_requests_are_skipped_and_two_micro_batches_interleave():
     a, b = add(s, "a", 8), add(s, "b", 8, start=100)
     first = s.schedule()                                   # both prefills
     assert {q.req.request_id for q in first.seqs} == {"a", "b"}
-    s.update(first, {"a": 7, "b": 7})
+    s.update(first, {"a": [7], "b": [7]})
     mb1 = s.schedule(busy={"b"})                           # b still in flight elsewhere
     assert plan(mb1) == [("a", 8, 1, True)]
     mb2 = s.schedule(busy={"a"})
     assert plan(mb2) == [("b", 8, 1, True)]
     assert s.schedule(busy={"a", "b"}).empty               # nothing idle: an empty micro-batch
-    s.update(mb1, {"a": 7})
-    s.update(mb2, {"b": 7})
+    s.update(mb1, {"a": [7]})
+    s.update(mb2, {"b": [7]})
     assert a.num_output_tokens == b.num_output_tokens == 2
 
 
@@ -246,7 +246,7 @@ def test_preemption_never_takes_a_busy_request():
     a = add(s, "a", 12, max_tokens=12)
     b = add(s, "b", 12, max_tokens=12, start=100)
     out = s.schedule()
-    s.update(out, {"a": 7, "b": 7})                        # 12 prompt tokens each: 3 + 3 blocks, pool full
+    s.update(out, {"a": [7], "b": [7]})                        # 12 prompt tokens each: 3 + 3 blocks, pool full
     # a's next token needs a 4th block; b (admitted last) would be the victim, but it is busy
     mb = s.schedule(busy={"b"})
     assert mb.empty and mb.preempted == ["a"]              # a preempts itself rather than b

@@ -134,7 +134,9 @@ class RayPipelineExecutor:
     hidden_size]``) straight from Ray, without the engine loop waiting in between (small
     results travel inline through the owner, large ones through the object store). Each
     actor runs its calls in submission order, so with ``pp`` micro-batches in flight every
-    stage has work. The last stage samples.
+    stage has work. The last stage samples; with speculative decoding it also verifies the
+    proposals and runs the draft model, whose proposals for a request's next step come back
+    with this step's output (docs/spec_decode.md).
 
     Raises:
         EngineError: a bad layer split, or a stage fails to load the model.

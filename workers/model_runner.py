@@ -4,11 +4,19 @@ paged KV cache and samples the next tokens.
 Batch layout (see :mod:`workers.layers.attention`): single-token decodes first, then prefill
 chunks. Only the last position of each sequence that completes its scheduled tokens goes
 through the lm_head and the sampler.
+
+Speculative decoding (docs/spec_decode.md): a sequence with proposals (``spec_token_ids``)
+runs its last token and the ``k`` proposals as a ``1 + k``-token chunk after its cached
+context (the prefill path), and all ``1 + k`` positions go through the lm_head and the
+verifier (:mod:`workers.spec_decode.rejection`). With a draft model, the last stage then runs
+the draft over every sequence of the step (:mod:`workers.spec_decode.draft`) and returns its
+proposals for the next step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,8 +25,9 @@ from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index
-from workers.layers.sampler import Sampler, SamplingMetadata, make_generator
-from workers.loader import load_model
+from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
+from workers.loader import load_model, weight_bytes
+from workers.spec_decode.rejection import VerifyRow, verify
 
 CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
 
@@ -34,6 +43,10 @@ class SeqInput:
     ``prompt_token_ids`` / ``output_token_ids`` only when a penalty needs the history.
     ``traceparent``: the W3C trace context of the scheduler's span of a traced request (None
     when tracing is off); the workers' spans of the request are its children.
+    ``spec_token_ids``: proposals to verify, at positions ``[start + len(token_ids), ...)``
+    (the block table covers them). ``num_proposals``: proposals the draft makes for the
+    sequence's next step (the block table then also covers ``1 + num_proposals`` lookahead
+    slots).
     """
 
     request_id: str
@@ -47,6 +60,8 @@ class SeqInput:
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
     traceparent: str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_proposals: int = 0
 
 
 @dataclass
@@ -60,8 +75,10 @@ class StepInput:
         seqs = []
         for s in out.seqs:
             req, end = s.req, s.start + s.num_new_tokens
+            slots = end + len(s.spec_token_ids) + (1 + s.num_proposals if s.num_proposals else 0)
             seq = SeqInput(req.request_id, s.start, req.tokens(s.start, end),
-                           req.block_table[: -(-end // block_size)], s.sample, traceparent=req.traceparent)
+                           req.block_table[: -(-slots // block_size)], s.sample, traceparent=req.traceparent,
+                           spec_token_ids=list(s.spec_token_ids), num_proposals=s.num_proposals)
             if s.sample:
                 sp = seq.params = req.sampling_params
                 seq.num_output_tokens, seq.eos_token_ids = req.num_output_tokens, req.eos_token_ids
@@ -75,8 +92,15 @@ class StepInput:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int]                       # request id -> new token id
-    logprobs: dict[str, dict[int, float]] | None  # request id -> {token id: logprob}
+    """``sampled``: request id -> its new tokens (accepted proposals, then the target's own
+    token; one token without speculation). ``logprobs``: request id -> {token id: logprob}
+    of its one new token (speculating requests never ask). ``proposals``: the draft's
+    proposals for each request's next step; ``propose_seconds``: time the draft took."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, dict[int, float]] | None
+    proposals: dict[str, list[int]] = field(default_factory=dict)
+    propose_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -100,7 +124,10 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = cfg.torch_dtype
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, max_positions=cfg.max_model_len,
-                                start_layer=start_layer, end_layer=end_layer)
+                                start_layer=start_layer, end_layer=end_layer, weight_format=cfg.weight_format,
+                                group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
+                                calibration_data=cfg.calibration_data)
+        self.weight_bytes = weight_bytes(self.model)   # stored weights incl. scales/zeros (bytes)
         m = self.model.cfg
         self.vocab_size = m.vocab_size
         self.block_size = cfg.block_size
@@ -119,11 +146,17 @@ class ModelRunner:
                                            m.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.proposer = None           # the draft model (last stage, speculative_method 'draft')
+        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}   # id -> last proposal, its q
+        if cfg.speculative_method == "draft" and self.model.is_last:
+            from workers.spec_decode.draft import DraftProposer
+            self.proposer = DraftProposer(cfg, num_blocks, cfg.block_size, self.device)
 
     # ---- input preparation -----------------------------------------------------------
     def _prepare(self, step: StepInput):
         bs = self.block_size
-        seqs = sorted(step.seqs, key=lambda s: len(s.token_ids) != 1)     # decodes first (stable)
+        # decodes first (stable); a speculating decode is a chunk of 1 + k tokens
+        seqs = sorted(step.seqs, key=lambda s: len(s.token_ids) + len(s.spec_token_ids) != 1)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -132,9 +165,9 @@ class ModelRunner:
         decode_tables, decode_lens = [], []
         prefills: list[PrefillChunk] = []
         for s in seqs:
-            start, n, bt = s.start, len(s.token_ids), s.block_table
+            start, n, bt = s.start, len(s.token_ids) + len(s.spec_token_ids), s.block_table
             q_start = len(ids)
-            ids += s.token_ids
+            ids += s.token_ids + s.spec_token_ids
             pos += range(start, start + n)
             slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
             if n == 1:
@@ -144,7 +177,7 @@ class ModelRunner:
                 prefills.append(PrefillChunk(q_start, q_start + n, start,
                                              block_index(bt[: -(-(start + n) // bs)], self.device)))
             if s.sample:
-                sample_idx.append(len(ids) - 1)
+                sample_idx += range(len(ids) - 1 - len(s.spec_token_ids), len(ids))
                 sample_seqs.append(s)
         dev = self.device
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -229,21 +262,82 @@ class ModelRunner:
         hidden = self.model(input_ids if hidden is None else hidden, positions, md, self.kv_caches)
         if not self.model.is_last:
             return hidden
-        if not sample_idx:
-            return ModelRunnerOutput({}, None)
-        logits = self.model.compute_logits(hidden[sample_idx])
-        self._suppress_stops(logits, sample_seqs)
-        smd = SamplingMetadata.build([s.params for s in sample_seqs],
-                                     [s.prompt_token_ids or [] for s in sample_seqs],
-                                     [s.output_token_ids or [] for s in sample_seqs],
-                                     [self._generator(s) for s in sample_seqs], self.vocab_size, self.device)
-        so = self.sampler(logits, smd)
-        tokens = so.token_ids.tolist()
-        sampled = {s.request_id: t for s, t in zip(sample_seqs, tokens)}
+        sampled: dict[str, list[int]] = {}
         logprobs = None
-        if so.logprobs is not None:
-            logprobs = {s.request_id: lp for s, lp in zip(sample_seqs, so.logprobs) if s.params.logprobs is not None}
-        return ModelRunnerOutput(sampled, logprobs)
+        if sample_idx:
+            logits = self.model.compute_logits(hidden[sample_idx])
+            rows, plain, spec = 0, [], []          # logits rows of plain and speculating sequences
+            for s in sample_seqs:
+                k = len(s.spec_token_ids)
+                (spec if k else plain).append((s, range(rows, rows + k + 1)))
+                rows += k + 1
+            if plain:
+                seqs = [s for s, _ in plain]
+                pl = logits if not spec else logits[[r[0] for _, r in plain]]
+                self._suppress_stops(pl, seqs)
+                smd = SamplingMetadata.build([s.params for s in seqs], [s.prompt_token_ids or [] for s in seqs],
+                                             [s.output_token_ids or [] for s in seqs],
+                                             [self._generator(s) for s in seqs], self.vocab_size, self.device)
+                so = self.sampler(pl, smd)
+                sampled = {s.request_id: [t] for s, t in zip(seqs, so.token_ids.tolist())}
+                if so.logprobs is not None:
+                    logprobs = {s.request_id: lp for s, lp in zip(seqs, so.logprobs) if s.params.logprobs is not None}
+            if spec:
+                sampled.update(self._verify([s for s, _ in spec], logits[[i for _, r in spec for i in r]]))
+        out = ModelRunnerOutput(sampled, logprobs)
+        if self.proposer is not None:
+            self._propose(step, out)
+        return out
+
+    def _verify(self, seqs: list[SeqInput], logits: torch.Tensor) -> dict[str, list[int]]:
+        """New tokens of the speculating sequences. ``logits``: ``[Σ (1 + k), V]``, each
+        sequence's ``1 + k`` positions in order. Their requests have no penalties, logprobs or
+        pending ``min_tokens`` (the scheduler does not speculate for them)."""
+        logits = logits.float()
+        greedy = [s.params.temperature < _SAMPLING_EPS for s in seqs]
+        probs = None
+        if not all(greedy):
+            params = [s.params for s in seqs for _ in range(len(s.spec_token_ids) + 1)]
+            n = len(params)
+            md = SamplingMetadata.build(params, [[]] * n, [[]] * n, [None] * n, self.vocab_size, self.device)
+            probs = processed_probs(logits, md)
+        rows = [VerifyRow(s.spec_token_ids, None if g else self._stored_draft_probs(s), g,
+                          None if g else self._generator(s)) for s, g in zip(seqs, greedy)]
+        return {s.request_id: toks for s, toks in zip(seqs, verify(rows, logits.argmax(dim=-1), probs))}
+
+    def _stored_draft_probs(self, s: SeqInput) -> torch.Tensor | None:
+        """The draft's ``[k, V]`` probabilities of the proposals being verified, when they
+        are (a prefix of) the draft's last proposal for the request; None: a point mass."""
+        stored = self.draft_probs.pop(s.request_id, None)
+        k = len(s.spec_token_ids)
+        if stored is None or stored[0][:k] != s.spec_token_ids:
+            return None
+        return stored[1][:k]
+
+    def _propose(self, step: StepInput, out: ModelRunnerOutput) -> None:
+        """Run the draft over every sequence of the step: it writes K/V for the tokens the
+        target committed (the chunk, the accepted proposals and, for a sequence asking for
+        proposals, the new token) and proposes each sampling sequence's next tokens."""
+        from workers.spec_decode.draft import DraftInput
+        t0 = time.perf_counter()
+        inputs = []
+        for s in step.seqs:
+            toks, m, params, gen = list(s.token_ids), 0, None, None
+            if s.sample:
+                new = out.sampled.get(s.request_id, [])
+                toks += new[:-1]                       # accepted proposals
+                params = s.params
+                if s.num_proposals and new:
+                    toks.append(new[-1])
+                    m = s.num_proposals
+                    gen = self._generator(s)
+            inputs.append(DraftInput(s.request_id, s.start, toks, s.block_table, m, params, gen))
+        for rid, p in self.proposer.propose(inputs).items():
+            if p.token_ids:
+                out.proposals[rid] = list(p.token_ids)
+                if p.probs is not None:
+                    self.draft_probs[rid] = (list(p.token_ids), p.probs)
+        out.propose_seconds = time.perf_counter() - t0
 
     @staticmethod
     def _suppress_stops(logits: torch.Tensor, seqs: list[SeqInput]) -> None:
@@ -260,3 +354,6 @@ class ModelRunner:
         """Forget per-request state (seeded generators) of finished requests."""
         for rid in request_ids:
             self.generators.pop(rid, None)
+            self.draft_probs.pop(rid, None)
+        if self.proposer is not None:
+            self.proposer.free_requests(request_ids)

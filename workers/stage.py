@@ -1,7 +1,7 @@
 """One pipeline stage of a replica, run as a Ray actor by :class:`workers.executor.RayPipelineExecutor`.
 
 A stage holds a contiguous range of decoder layers (the first also the embeddings, the last
-also the final norm, lm_head and sampler) and the paged KV cache of those layers only. Block
+also the final norm, lm_head, sampler and, with ``speculative_method=draft``, the draft model) and the paged KV cache of those layers only. Block
 ids are the replica's: every stage has the same number of blocks, indexed by the same block
 tables.
 """
@@ -50,7 +50,7 @@ class PipelineStage:
     def execute(self, step: StepInput, hidden: torch.Tensor | None) -> torch.Tensor | ModelRunnerOutput:
         """Run this stage on a step: ``hidden`` is the previous stage's output (None on the
         first stage). Returns hidden states ``[T, hidden_size]``, or, on the last stage, the
-        sampled tokens."""
+        sampled (or verified) tokens and the draft model's proposals."""
         t0 = time.time_ns()
         out = self.runner.execute(step, hidden)
         self.spans.record(step.seqs, t0, time.time_ns())

@@ -78,11 +78,17 @@ class Timings(_message.Message):
     def __init__(self, queue_time: _Optional[float] = ..., ttft: _Optional[float] = ..., decode_time: _Optional[float] = ..., e2e_latency: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    spec_num_drafts: int
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ...) -> None: ...

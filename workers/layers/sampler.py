@@ -168,6 +168,21 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div(q.clamp_min_(1e-30)).argmax(dim=-1)
 
 
+def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from: ``[N, V]`` logits (float32, penalties
+    already applied) → temperature, min-p, top-k, top-p, softmax → ``[N, V]`` float32 probs.
+    Rows of ``md`` are positions: speculative verification passes one row per verified
+    position (:mod:`workers.spec_decode.rejection`). Greedy rows hold temperature 1 and come
+    out as the untempered, filtered distribution (callers take their argmax instead)."""
+    logits = logits / md.temperature[:, None]
+    if not md.no_min_p:
+        logits = apply_min_p(logits, md.min_p)
+    if not (md.no_top_k and md.no_top_p):
+        logits = apply_top_k_top_p(logits, None if md.no_top_k else md.top_k,
+                                   None if md.no_top_p else md.top_p)
+    return logits.softmax(dim=-1)
+
+
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
@@ -178,13 +193,7 @@ class Sampler(torch.nn.Module):
         if md.all_greedy:
             tokens = greedy  # hot path with no penalties: one argmax, nothing else
         else:
-            logits = logits / md.temperature[:, None]
-            if not md.no_min_p:
-                logits = apply_min_p(logits, md.min_p)
-            if not (md.no_top_k and md.no_top_p):
-                logits = apply_top_k_top_p(logits, None if md.no_top_k else md.top_k,
-                                           None if md.no_top_p else md.top_p)
-            tokens = random_sample(logits.softmax(dim=-1), md.generators)
+            tokens = random_sample(processed_probs(logits, md), md.generators)
             if greedy is not None:
                 tokens = torch.where(md.greedy_mask, greedy, tokens)
         logprobs = None if raw_logprobs is None else self._gather_logprobs(raw_logprobs, tokens, md)

@@ -1,0 +1,163 @@
+"""The draft-model proposer of speculative decoding (workers/spec_decode/draft.py) on SmolLM2
+drafting for itself: its greedy proposals are the model's own greedy continuation
+(transformers' ``generate``; so its K/V, positions and block tables are right), K/V written in
+pieces and overwritten after a rejection gives the same proposals as one shot, the context
+limit is respected, sampling rows return the target sampler's processed distribution, and a
+truncated draft is the checkpoint's first N layers (checked against transformers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvmesh.config import EngineConfig
+from scheduler.request import EngineError, SamplingParams
+from workers.layers.sampler import make_generator
+from workers.spec_decode.draft import DraftInput, DraftProposer
+
+BS = 16
+NUM_BLOCKS = 64
+K = 8
+
+
+def _cfg(model_dir, **kw) -> EngineConfig:
+    kw.setdefault("max_model_len", 512)
+    return EngineConfig(model=str(model_dir), draft_model=str(model_dir), dtype="float32", **kw)
+
+
+def _proposer(model_dir, **kw) -> DraftProposer:
+    return DraftProposer(_cfg(model_dir, **kw), NUM_BLOCKS, BS, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def prompts(prose_ids):
+    return {"a": prose_ids[:37], "b": prose_ids[100:160]}
+
+
+@pytest.fixture(scope="module")
+def reference(h, smollm2_dir, prompts):
+    """transformers' greedy continuation (K tokens) of each prompt, and its logits at the last
+    prompt position (the distribution of the first proposal)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), torch_dtype=torch.float32)
+    ref = {rid: h.hf_greedy(hf, p, K) for rid, p in prompts.items()}
+    with torch.inference_mode():
+        first = {rid: hf(torch.tensor([p])).logits[0, -1].float() for rid, p in prompts.items()}
+    return ref, first
+
+
+@pytest.fixture(scope="module")
+def full(smollm2_dir):
+    return _proposer(smollm2_dir)
+
+
+def test_greedy_proposals_are_the_models_own_continuation(full, prompts, reference):
+    ref, _ = reference
+    tables = {"a": [7, 3, 12, 40], "b": [20, 21, 22, 23, 24]}     # scattered, and a contiguous run
+    out = full.propose([DraftInput(rid, 0, p, tables[rid], K, None) for rid, p in prompts.items()])
+    for rid in prompts:
+        assert out[rid].token_ids == ref[rid], rid
+        assert out[rid].probs is None
+    m = full.model.cfg
+    assert full.max_model_len == 512
+    assert full.kv_cache_bytes == NUM_BLOCKS * 2 * m.num_layers * BS * m.num_kv_heads * m.head_dim * 4
+
+
+def test_kv_in_pieces_and_after_rejection_equals_one_shot(full, prompts, reference):
+    ref, _ = reference
+    p, n = prompts["a"], len(prompts["a"])
+    bt = [50, 9, 33, 4]
+    # prompt in two chunks; the first only writes K/V
+    first = full.propose([DraftInput("x", 0, p[:20], bt, 0, None)])
+    assert first["x"].token_ids == [] and first["x"].probs is None
+    assert full.propose([DraftInput("x", 20, p[20:], bt, 4, None)])["x"].token_ids == ref["a"][:4]
+    # the target accepted 2 proposals and added its bonus token: fed at the right position
+    got = full.propose([DraftInput("x", n, ref["a"][:3], bt, 4, None)])["x"].token_ids
+    assert got == ref["a"][3:7]
+    # a rejection: position n+1 now holds another token than the draft's K/V was written for
+    other = (ref["a"][1] + 1) % full.vocab_size
+    batched = full.propose([DraftInput("x", n + 1, [other], bt, 3, None),           # decode path
+                            DraftInput("y", 0, p + [ref["a"][0], other], [60, 61, 62, 63], 3, None),
+                            DraftInput("z", 0, prompts["b"][:30], [1, 2], 0, None)])
+    assert batched["x"].token_ids == batched["y"].token_ids
+    assert len(batched["x"].token_ids) == 3 and batched["z"].token_ids == []
+    alone = full.propose([DraftInput("y2", 0, p + [ref["a"][0], other], [10, 11, 12, 13], 3, None)])
+    assert alone["y2"].token_ids == batched["y"].token_ids
+
+
+def test_context_limit(smollm2_dir, prompts, reference):
+    ref, _ = reference
+    p = prompts["a"]                                        # 37 tokens
+    d = _proposer(smollm2_dir, draft_max_model_len=40)
+    assert d.max_model_len == 40
+    bt = [0, 1, 2, 3]
+    out = d.propose([DraftInput("near", 0, p, bt, 8, None),                        # positions 37..39 left
+                     DraftInput("full", 0, p + ref["a"][:3], [4, 5, 6, 7], 4, None),  # 40 tokens: no room
+                     DraftInput("over", 0, p + ref["a"][:8], [8, 9, 10, 11], 4, None),  # 45: K/V below 40 only
+                     DraftInput("past", 40, ref["a"][3:6], [4, 5, 6, 7], 2, None)])   # wholly past the limit
+    assert out["near"].token_ids == ref["a"][:3]
+    assert out["full"].token_ids == out["over"].token_ids == out["past"].token_ids == []
+    # a target limit below the draft's own caps it too
+    assert _proposer(smollm2_dir, max_model_len=64).max_model_len == 64
+
+
+def test_sampling_rows(full, prompts, reference):
+    ref, first = reference
+    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=7)
+
+    def run(seed, k=4):
+        return full.propose([DraftInput("s", 0, prompts["a"], [0, 1, 2, 3], k, sp, make_generator(seed, "cpu")),
+                             DraftInput("g", 0, prompts["b"], [4, 5, 6, 7, 8], k, None)])
+
+    out = run(7)
+    s = out["s"]
+    assert out["g"].token_ids == ref["b"][:4] and out["g"].probs is None     # greedy row unaffected
+    assert s.probs.shape == (4, full.vocab_size) and s.probs.dtype == torch.float32
+    torch.testing.assert_close(s.probs.sum(-1), torch.ones(4), atol=1e-5, rtol=0)
+    assert ((s.probs > 0).sum(-1) <= 20).all()                               # top-k: no mass outside it
+    assert all(s.probs[i, t] > 0 for i, t in enumerate(s.token_ids))
+    # the first distribution is the target sampler's processing of the model's logits
+    logits = first["a"] / 0.8
+    keep = logits.topk(20).indices
+    expected = torch.full_like(logits, float("-inf")).scatter_(0, keep, logits[keep]).softmax(-1)
+    torch.testing.assert_close(s.probs[0], expected, atol=1e-4, rtol=1e-3)
+    # seeded: reproducible; other seeds draw other tokens
+    again = run(7)["s"]
+    assert again.token_ids == s.token_ids and torch.equal(again.probs, s.probs)
+    firsts = {run(seed, k=1)["s"].token_ids[0] for seed in range(12)}
+    assert len(firsts) > 1 and all(t in keep.tolist() for t in firsts)
+
+
+def test_truncated_draft_is_the_first_layers(smollm2_dir, prompts, h):
+    from transformers import AutoModelForCausalLM
+    d = _proposer(smollm2_dir, draft_num_layers=8)
+    assert len(d.model.layers) == 8 and d.model.is_last
+    m = d.model.cfg
+    assert d.kv_cache_bytes == NUM_BLOCKS * 2 * 8 * BS * m.num_kv_heads * m.head_dim * 4
+    got = d.propose([DraftInput("a", 0, prompts["a"], [3, 1, 4, 2], 6, None)])["a"].token_ids
+    assert got == d.propose([DraftInput("a", 0, prompts["a"], [3, 1, 4, 2], 6, None)])["a"].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), num_hidden_layers=8, torch_dtype=torch.float32)
+    assert got == h.hf_greedy(hf, prompts["a"], 6)
+
+
+def test_bad_drafts(smollm2_dir, tmp_path):
+    from workers.registry import is_pulled
+    cfg_json = json.loads((smollm2_dir / "config.json").read_text())
+    cfg_json["vocab_size"] += 64
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    # no weights in tmp_path: the check comes before any weight is read
+    with pytest.raises(EngineError, match="vocabulary"):
+        DraftProposer(_cfg(smollm2_dir).replace(draft_model=str(tmp_path)), NUM_BLOCKS, BS, torch.device("cpu"))
+    with pytest.raises(EngineError, match="draft_num_layers"):
+        _proposer(smollm2_dir, draft_num_layers=99)
+    with pytest.raises(EngineError, match="draft_num_layers"):
+        _proposer(smollm2_dir, draft_num_layers=8, weight_format="int8")
+    with pytest.raises(EngineError, match="draft_max_model_len"):
+        _proposer(smollm2_dir, draft_max_model_len=10**7)
+    if not is_pulled("qwen2.5-coder-0.5b-instruct"):
+        pytest.skip("qwen2.5-coder-0.5b-instruct not pulled")
+    with pytest.raises(EngineError, match="vocabulary"):
+        DraftProposer(_cfg(smollm2_dir).replace(draft_model="qwen2.5-coder-0.5b-instruct"), NUM_BLOCKS, BS,
+                      torch.device("cpu"))

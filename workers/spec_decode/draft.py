@@ -1,0 +1,244 @@
+"""Draft-model proposer for speculative decoding (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding", https://arxiv.org/abs/2211.17192; Chen et al. 2023,
+https://arxiv.org/abs/2302.01318).
+
+A small model with the target's tokenizer proposes ``k`` tokens per step; the target verifies
+them in one forward pass (``workers/spec_decode/rejection.py``). The draft keeps its own paged
+KV cache with the same number of blocks and the same block ids as the target's, so a
+request's block table addresses both caches: the engine feeds the draft every position the
+target commits, hence the draft's K/V of a block is valid whenever the target's is.
+
+One :meth:`DraftProposer.propose` call is
+
+1. one batched forward over every input's new tokens (a mixed batch of prefill chunks and
+   single-token rows, laid out decodes first as in :mod:`workers.layers.attention`), writing
+   their K/V into the draft cache and proposing one token from each row's last position;
+2. ``k - 1`` batched single-token decode steps for the rows still proposing, each writing the
+   K/V of the previous proposal and proposing the next token.
+
+Greedy rows propose the argmax. Sampling rows propose from ``q``, the draft's distribution
+processed as the target's sampler processes its own (temperature, min-p, top-k, top-p;
+penalties are not applied to the draft), and return ``q`` for the rejection sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.config import EngineConfig
+from scheduler.request import EngineError, SamplingParams
+from workers.kv_cache import allocate_kv_cache, bytes_per_block
+from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index
+from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
+from workers.loader import load_config, load_model
+
+
+@dataclass
+class DraftInput:
+    """One request's share of a :meth:`DraftProposer.propose` call.
+
+    ``token_ids`` are the tokens at positions ``[start, start + len(token_ids))`` whose K/V the
+    draft must write (committed tokens the draft has not seen, or has seen with a different
+    proposal at that position); ``block_table`` lists the KV block ids covering positions
+    ``[0, start + len(token_ids) + num_proposals)``, the same ids as the target's.
+    ``num_proposals`` = 0 only writes K/V (a prefill chunk that does not sample).
+    ``params`` None or greedy (temperature < 1e-5) → argmax proposals; ``generator``: the
+    request's seeded generator (None: the default one).
+    """
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+    num_proposals: int
+    params: SamplingParams | None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    """``token_ids``: at most ``num_proposals`` proposed tokens ([] past the draft's context
+    limit). ``probs``: ``[len(token_ids), vocab]`` float32, the processed draft distribution
+    each token was drawn from (sampling rows); None for greedy rows."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None
+
+
+@dataclass
+class _Row:
+    inp: DraftInput
+    n_write: int        # tokens of inp.token_ids below the context limit
+    k: int              # proposals this row makes
+    greedy: bool
+    tokens: list[int]
+    probs: list[torch.Tensor]
+
+
+class DraftProposer:
+    """The draft model and its paged KV cache.
+
+    Args:
+        cfg: engine settings: ``draft_model`` (known name or checkpoint directory, resolved
+            with :func:`workers.registry.resolve_model`), ``draft_num_layers`` (0 = all),
+            ``draft_max_model_len`` (0 = the draft's max_position_embeddings), ``model`` (for
+            the vocabulary check), ``max_model_len``, ``dtype`` (weights, activations and the
+            draft's KV cache; ``kv_cache_dtype`` applies to the target only), ``weight_format``
+            and its settings (the draft's weights are quantized like the target's; not with
+            ``draft_num_layers``).
+        num_blocks, block_size: the target's KV pool geometry (same block ids).
+        device: where the draft and its cache live.
+    Attributes:
+        max_model_len: the draft's context limit in tokens: positions at or past it are never
+            computed, so longer sequences get no proposals.
+        kv_cache_bytes: bytes of the draft's KV cache.
+    Raises:
+        EngineError: no draft_model, draft vocabulary differs from the target's, bad
+            draft_num_layers / draft_max_model_len, draft_num_layers with a quantized
+            weight_format, unservable checkpoint, KV allocation fails.
+    """
+
+    def __init__(self, cfg: EngineConfig, num_blocks: int, block_size: int, device: torch.device):
+        from workers.registry import resolve_model
+        if not cfg.draft_model:
+            raise EngineError("speculative_method 'draft' needs draft_model (--draft-model)")
+        draft_dir = resolve_model(cfg.draft_model)
+        dcfg = load_config(draft_dir)
+        tcfg = load_config(resolve_model(cfg.model))
+        if dcfg.vocab_size != tcfg.vocab_size:
+            raise EngineError(f"draft_model {cfg.draft_model!r} has a vocabulary of {dcfg.vocab_size} tokens, "
+                              f"the target {cfg.model!r} {tcfg.vocab_size}; the draft must share the target's tokenizer")
+        if cfg.draft_num_layers > dcfg.num_layers:
+            raise EngineError(f"draft_num_layers {cfg.draft_num_layers} exceeds the draft's {dcfg.num_layers} layers")
+        if cfg.draft_num_layers and cfg.weight_format != "none":
+            raise EngineError(f"draft_num_layers cannot be combined with weight_format {cfg.weight_format!r}: "
+                              "a truncated draft is served dense")
+        if cfg.draft_max_model_len > dcfg.max_position_embeddings:
+            raise EngineError(f"draft_max_model_len {cfg.draft_max_model_len} exceeds the draft's "
+                              f"max_position_embeddings {dcfg.max_position_embeddings}")
+        limit = cfg.draft_max_model_len or dcfg.max_position_embeddings
+        self.max_model_len = min(limit, cfg.max_model_len or min(tcfg.max_position_embeddings, 8192))
+        self.device = torch.device(device)
+        self.dtype = cfg.torch_dtype
+        self.block_size = block_size
+        self.model = load_model(draft_dir, dtype=self.dtype, device=self.device, max_positions=self.max_model_len,
+                                num_layers=cfg.draft_num_layers or None, weight_format=cfg.weight_format,
+                                group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
+                                calibration_data=cfg.calibration_data)
+        m = self.model.cfg
+        self.vocab_size = m.vocab_size
+        self.kv_cache_bytes = num_blocks * bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim,
+                                                           self.dtype)
+        self.kv_caches = allocate_kv_cache(m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim,
+                                           self.dtype, self.device)
+
+    # ---- batch preparation ----------------------------------------------------------
+    def _prepare(self, chunks: list[tuple[int, list[int], list[int]]]):
+        """Tensors for one forward over ``chunks`` = [(start, token_ids, block_table)]: input
+        ids ``[T]`` and positions ``[T]`` int64, the AttentionMetadata, and the batch index of
+        each chunk's last token (in ``chunks`` order). Single-token chunks go first (decode
+        path), then the others as prefill chunks."""
+        bs, dev = self.block_size, self.device
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][1]) != 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last = [0] * len(chunks)
+        dec_tables, dec_lens = [], []
+        prefills: list[PrefillChunk] = []
+        for i in order:
+            start, toks, bt = chunks[i]
+            n, q_start = len(toks), len(ids)
+            ids += toks
+            pos += range(start, start + n)
+            slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
+            last[i] = len(ids) - 1
+            if n == 1:
+                dec_tables.append(bt[: start // bs + 1])
+                dec_lens.append(start + 1)
+            else:
+                prefills.append(PrefillChunk(q_start, q_start + n, start,
+                                             block_index(bt[: -(-(start + n) // bs)], dev)))
+        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                               num_decode_tokens=len(dec_lens), prefills=prefills)
+        if dec_lens:
+            width = max(len(t) for t in dec_tables)
+            one = block_index(dec_tables[0], dev) if len(dec_tables) == 1 else None
+            if isinstance(one, slice):
+                md.decode_block_tables = one       # a contiguous run: read as a view
+            else:
+                md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables],
+                                                      dtype=torch.long, device=dev)
+            md.decode_seq_lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+            valid = torch.arange(width * bs, device=dev)[None, :] < md.decode_seq_lens[:, None]
+            md.decode_mask = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(
+                ~valid, float("-inf"))[:, None, None, :]
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                md, last)
+
+    # ---- proposing ------------------------------------------------------------------
+    def _propose_next(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+        """One token per row from ``logits`` ``[B, V]``: argmax for greedy rows; for sampling
+        rows a draw from the processed distribution q, appended to the row's probs."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        samp = [i for i, r in enumerate(rows) if not r.greedy]
+        if samp:
+            params = [rows[i].inp.params for i in samp]
+            md = SamplingMetadata.build(params, [[]] * len(samp), [[]] * len(samp),
+                                        [rows[i].inp.generator for i in samp], self.vocab_size, self.device)
+            q = processed_probs(logits[samp], md)
+            tokens[samp] = random_sample(q, md.generators)
+            for j, i in enumerate(samp):
+                rows[i].probs.append(q[j])
+        return tokens.tolist()
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[DraftInput]) -> dict[str, Proposal]:
+        """Write the K/V of every input's ``token_ids`` and propose up to ``num_proposals``
+        tokens per input (fewer near :attr:`max_model_len`: a proposal at position p needs
+        ``p < max_model_len``). Returns {request_id: Proposal} for every input."""
+        L = self.max_model_len
+        rows: list[_Row] = []
+        for inp in inputs:
+            end = inp.start + len(inp.token_ids)
+            n_write = max(0, min(len(inp.token_ids), L - inp.start))
+            k = max(0, min(inp.num_proposals, L - end)) if n_write == len(inp.token_ids) and inp.token_ids else 0
+            sp = inp.params
+            rows.append(_Row(inp, n_write, k, sp is None or sp.temperature < _SAMPLING_EPS, [], []))
+
+        # step 0: the new tokens of every row; a proposal from each row's last position
+        live = [r for r in rows if r.n_write]
+        if live:
+            ids, pos, md, last = self._prepare([(r.inp.start, r.inp.token_ids[: r.n_write], r.inp.block_table)
+                                                for r in live])
+            hidden = self.model(ids, pos, md, self.kv_caches)
+            live = [(r, i) for r, i in zip(live, last) if r.k]
+            if live:
+                logits = self.model.compute_logits(hidden[[i for _, i in live]])
+                for (r, _), t in zip(live, self._propose_next(logits, [r for r, _ in live])):
+                    r.tokens.append(t)
+
+        # steps 1..k-1: feed the previous proposal, propose the next
+        for step in range(1, max((r.k for r in rows), default=0)):
+            live = [r for r in rows if r.k > step]
+            ids, pos, md, _ = self._prepare([(r.inp.start + len(r.inp.token_ids) + step - 1, [r.tokens[-1]],
+                                              r.inp.block_table) for r in live])
+            logits = self.model.compute_logits(self.model(ids, pos, md, self.kv_caches))
+            for r, t in zip(live, self._propose_next(logits, live)):
+                r.tokens.append(t)
+
+        out = {}
+        for r in rows:
+            probs = None
+            if not r.greedy:
+                probs = (torch.stack(r.probs) if r.probs
+                         else torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device))
+            out[r.inp.request_id] = Proposal(r.tokens, probs)
+        return out
+
+    def free_requests(self, request_ids: list[str]) -> None:
+        """Nothing to forget: the draft's K/V lives in the requests' blocks (freed by the
+        block manager) and generators belong to the target's runner."""
