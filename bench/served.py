@@ -3,21 +3,24 @@ benchmark: started, waited for until it prints where it listens, stopped with SI
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 LISTEN = re.compile(r"kvmesh: (\w+) listening on (\S+)")
 
 
 @contextlib.contextmanager
-def served(args: list[str], env: dict, service: str) -> Iterator[str]:
+def served(args: list[str], env: dict, service: str, addresses: dict | None = None) -> Iterator[str]:
     """Run ``python -m kvmesh.cli ARGS`` and yield the address ``service`` (``gateway`` or
-    ``scheduler``) listens on. Raises RuntimeError with the last lines of stderr when the
-    process exits first."""
+    ``scheduler``) listens on. ``addresses``, when given, is filled with every service's address
+    seen up to then (``kvmesh serve``: the scheduler's too). Raises RuntimeError with the last
+    lines of stderr when the process exits first."""
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *args], env=env, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True)
     try:
@@ -25,11 +28,15 @@ def served(args: list[str], env: dict, service: str) -> Iterator[str]:
         for line in proc.stderr:
             seen.append(line)
             m = LISTEN.search(line)
+            if m and addresses is not None:
+                addresses[m.group(1)] = m.group(2)
             if m and m.group(1) == service:
                 address = m.group(2)
                 break
         else:
             raise RuntimeError(f"kvmesh {args[0]} exited with {proc.wait()}:\n{''.join(seen[-30:])}")
+        # keep draining stderr (discarded): a full pipe would block the service's next write
+        threading.Thread(target=collections.deque, args=(proc.stderr, 0), daemon=True).start()
         yield address
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -713,6 +713,17 @@ def register_commands(sub) -> None:
     # `kvmesh bench engine ARGS` hands ARGS to bench.engine_offline (see main())
     bsub.add_parser("engine", help="offline engine benchmark: naive / static / continuous (± prefix caching), "
                                    "fp32 and bf16; `kvmesh bench engine --help` for its flags")
+    # `kvmesh bench serve ARGS` hands ARGS to bench.serve (see main())
+    bsub.add_parser("serve", help="online serving benchmark (as `vllm bench serve`): arrivals, TTFT/TPOT/ITL/"
+                                  "E2EL, goodput, over gRPC or OpenAI HTTP; `kvmesh bench serve --help`")
+    # `kvmesh bench ablation ARGS` / `kvmesh eval faithfulness ARGS`: bench.ablation / bench.faithfulness (main())
+    bsub.add_parser("ablation", help="one PolicyDesk table over the serving techniques (naive loop ... prefix "
+                                     "routing, quantization, speculation): tok/s, TTFT, ITL, memory, "
+                                     "faithfulness; `kvmesh bench ablation --help`")
+    evaluate = sub.add_parser("eval", help="quality evaluations (see docs/benchmarks.md)")
+    esub = evaluate.add_subparsers(dest="eval_command", metavar="WHAT", required=True)
+    esub.add_parser("faithfulness", help="PolicyDesk key-fact accuracy, agreement with the unoptimised "
+                                         "reference, grounding, quality gate; `kvmesh eval faithfulness --help`")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -737,6 +748,24 @@ def main(argv: list[str] | None = None) -> int:
             return bench_engine(argv[2:])
         except SystemExit as e:
             return e.code if isinstance(e.code, int) else 0
+    if argv[:2] == ["bench", "serve"]:
+        from bench.serve import main as bench_serve
+        try:
+            return bench_serve(argv[2:])
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 0
+    if argv[:2] in (["bench", "ablation"], ["eval", "faithfulness"]):
+        if argv[0] == "bench":
+            from bench.ablation import main as run
+        else:
+            from bench.faithfulness import main as run
+        try:
+            return run(argv[2:])
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 0
+        except EngineError as e:
+            print(f"kvmesh: error: {e}", file=sys.stderr)
+            return 2
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:             # --help, --version, or argparse's "error: ..." (code 2)

@@ -1,0 +1,524 @@
+"""Ablation: the same PolicyDesk workload through each serving configuration, one row per
+technique, each with the symptom it treats; one table of measured figures and ratios to the
+first row.
+
+Rows (:data:`ROWS`, declared as data: name, symptom, EngineConfig and SchedulerConfig
+overrides). Rows 1-6 build the serving stack up; each later row adds one setting to row 5
+(continuous batching + prefix caching, one replica):
+
+ 1. naive loop: no KV cache, every token recomputes the whole sequence, batch 1 (baseline)
+ 2. + KV cache, batch 1 (continuous policy, max_num_seqs 1)            → ITL
+ 3. static batching (a batch is admitted when the previous one ended)  → throughput
+ 4. continuous batching                                                → throughput, TTFT under load
+ 5. + prefix caching                                                   → TTFT (shared policy prefixes)
+ 6. + prefix-aware routing over 2 replicas                             → TTFT / throughput at scale
+ 7. on, as the engine grows: int8 / int4 (AWQ, RTN) weights, int8 / fp8 KV cache, speculative
+    decoding (ngram; draft only with ``--draft-model``).
+
+A row whose settings EngineConfig refuses, or whose engine fails to start or serve, is shown as
+``not available: <error>`` and the table goes on.
+
+Measurement: each row runs in its own fresh child process (``--child``), which starts a
+``kvmesh serve`` subprocess (gateway + scheduler, executor ``local``: every replica in that one
+process, no Ray) and sends it the workload through the gateway's gRPC API with the load
+generator of :mod:`bench.serve`: ``--num-prompts`` PolicyDesk requests (``load_requests
+("policydesk")``, ``--seed``), all at t=0 with at most ``--max-concurrency`` in flight, greedy,
+exactly ``--max-tokens`` output tokens (EOS ignored), after one unmeasured warm-up request per
+replica. Reported per row:
+
+- output tokens/s, TTFT p50/p90, ITL p50 (client side, :func:`bench.serve.summarize`)
+- peak RSS of the server process (weights, KV pool, activations, gRPC, tokenizer; every
+  replica, since executor ``local`` keeps them in that one process): its ``VmHWM``
+  (/proc/PID/status) read after the load run and the faithfulness answers, before it stops
+  (:func:`peak_rss`; ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` of the row's child is kept as
+  ``server_maxrss_rusage_bytes``, and is the fallback without /proc)
+- the server's RSS at that moment (``server_end_rss_bytes``: steady state, without the load-time
+  peak of reading and converting the checkpoint, which often sets the peak)
+- KV pool bytes (blocks of every replica x bytes per block, scales included) and the KV bytes
+  in use at the busiest moment (``GetStats`` polled every 50 ms during the load run)
+- faithfulness (unless ``--no-faithfulness``): after the load run, the same server answers
+  ``--faithfulness-questions`` PolicyDesk questions greedily (:mod:`bench.faithfulness`);
+  key-fact accuracy, agreement with the reference's greedy answers and the quality gate
+  (accuracy at most 2 points below the reference's). The reference is computed once per
+  table, in this process, with the unoptimised configuration in the table's dtype: dense
+  weights and KV cache, continuous batching, no prefix caching, no speculation (row 4's
+  settings; the naive loop would give the same answers up to float rounding, at ~30x the cost).
+  Rows 1-6 change only scheduling, so they should agree with it exactly; rows 7+ change numerics.
+
+Usage::
+
+    kvmesh bench ablation --output docs/ablation.json --markdown docs/benchmarks.md
+    kvmesh bench ablation --rows 2 5 --num-prompts 2 --max-tokens 4 --no-faithfulness   # smoke
+    kvmesh bench ablation --table docs/ablation.json                                    # print again
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+MARK_BEGIN, MARK_END = "<!-- bench:ablation begin -->", "<!-- bench:ablation end -->"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the ablation: ``engine`` and ``scheduler`` are EngineConfig and
+    SchedulerConfig overrides on top of the table's settings (model, dtype, KV budget ...).
+    ``needs_draft``: only with ``--draft-model`` (it becomes ``draft_model``)."""
+
+    key: str
+    name: str
+    symptom: str
+    engine: dict = field(default_factory=dict)
+    scheduler: dict = field(default_factory=dict)
+    needs_draft: bool = False
+
+
+_CONT = {"policy": "continuous", "enable_prefix_caching": False}
+_PREFIX = {"policy": "continuous", "enable_prefix_caching": True}
+
+ROWS: list[Row] = [
+    Row("naive", "naive loop (recompute everything, batch 1)", "baseline", {"policy": "naive", "max_num_seqs": 1}),
+    Row("kv-cache", "+ KV cache, batch 1", "latency (ITL)", {**_CONT, "max_num_seqs": 1}),
+    Row("static", "static batching", "throughput", {"policy": "static", "enable_prefix_caching": False}),
+    Row("continuous", "continuous batching", "throughput, TTFT under load", _CONT),
+    Row("prefix-caching", "+ prefix caching", "TTFT (shared policy prefixes)", _PREFIX),
+    Row("prefix-routing", "+ prefix-aware routing, 2 replicas", "TTFT / throughput at scale", _PREFIX,
+        {"replicas": 2, "routing": "prefix"}),
+    Row("int8-weights", "+ int8 weights", "memory (weights), decode speed", {**_PREFIX, "weight_format": "int8"}),
+    Row("int4-awq", "+ int4 weights (AWQ)", "memory (weights), decode speed",
+        {**_PREFIX, "weight_format": "int4", "enable_calibration": True}),
+    Row("int4-rtn", "+ int4 weights (RTN)", "memory (weights), decode speed",
+        {**_PREFIX, "weight_format": "int4", "enable_calibration": False}),
+    Row("int8-kv", "+ int8 KV cache", "memory (KV), concurrency", {**_PREFIX, "kv_cache_dtype": "int8"}),
+    Row("fp8-kv", "+ fp8 KV cache", "memory (KV), concurrency", {**_PREFIX, "kv_cache_dtype": "fp8"}),
+    Row("spec-ngram", "+ speculative decoding (ngram)", "latency (ITL)", {**_PREFIX, "speculative_method": "ngram"}),
+    Row("spec-draft", "+ speculative decoding (draft model)", "latency (ITL)",
+        {**_PREFIX, "speculative_method": "draft"}, needs_draft=True),
+]
+
+# The reference of the faithfulness columns: row 4's settings, dense, in the table's dtype.
+REFERENCE_ROW = "continuous"
+
+
+def select_rows(selectors: list[str] | None, draft_model: str) -> list[tuple[int, Row]]:
+    """``(1-based index, Row)`` for ``selectors`` (row keys or indices, in the order given;
+    commas also separate), or every row (the draft row only with a draft model). Raises
+    ValueError for an unknown selector."""
+    if not selectors:
+        return [(i, r) for i, r in enumerate(ROWS, 1) if draft_model or not r.needs_draft]
+    out = []
+    for s in (x for sel in selectors for x in sel.split(",") if x):
+        if s.isdigit() and 1 <= int(s) <= len(ROWS):
+            i = int(s)
+        else:
+            i = next((k for k, r in enumerate(ROWS, 1) if r.key == s), None)
+            if i is None:
+                raise ValueError(f"unknown row {s!r}; rows are 1-{len(ROWS)} or {', '.join(r.key for r in ROWS)}")
+        out.append((i, ROWS[i - 1]))
+    return out
+
+
+def row_settings(row: Row, args) -> tuple[dict, dict]:
+    """The EngineConfig and SchedulerConfig keywords of ``row`` in this table."""
+    engine = {"model": args.model, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
+              "max_model_len": args.max_model_len, **row.engine}
+    sched = {"executor": "local", "replicas": 1, **row.scheduler}
+    engine["num_threads"] = max(1, args.threads // sched["replicas"])
+    if row.needs_draft:
+        engine["draft_model"] = args.draft_model
+    return engine, sched
+
+
+def check_settings(engine: dict, sched: dict) -> str | None:
+    """None when EngineConfig and SchedulerConfig accept the settings, else the error."""
+    from kvmesh.config import EngineConfig, SchedulerConfig
+    from scheduler.request import EngineError
+
+    try:
+        EngineConfig(**engine)
+        SchedulerConfig(**sched)
+    except (EngineError, TypeError) as e:
+        return str(e)
+    return None
+
+
+# ---- child: one row -----------------------------------------------------------------------------
+
+def _env(engine: dict, sched: dict) -> dict:
+    """The environment of the row's ``kvmesh serve``: every setting as KVMESH_* variables;
+    the caller's other engine/scheduler variables removed."""
+    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for cls in (EngineConfig, SchedulerConfig, GatewayConfig):
+        for f in cls.__dataclass_fields__:
+            env.pop(env_var(cls, f), None)
+    for cls, kw in ((EngineConfig, engine), (SchedulerConfig, sched)):
+        for k, v in kw.items():
+            env[env_var(cls, k)] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+    return env
+
+
+async def _warm_up(address: str, n: int) -> None:
+    """``n`` short requests at once (first-call allocations on each replica), not measured."""
+    import grpc
+
+    from kvmesh.client import sampling
+    from kvmesh.v1 import llm_pb2, llm_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = llm_pb2_grpc.LLMServiceStub(ch)
+
+        async def one():
+            return [m async for m in stub.Generate(llm_pb2.GenerateRequest(
+                prompt="Hello", sampling=sampling(temperature=0.0, max_tokens=2)))]
+        await asyncio.gather(*(one() for _ in range(n)))
+
+
+class _KVPoller:
+    """Polls the scheduler's GetStats every ``period`` seconds: the most KV blocks in use at
+    once (summed over replicas), and the last stats."""
+
+    def __init__(self, address: str, period: float = 0.05):
+        self.address, self.period = address, period
+        self.peak_used_blocks, self.last = 0, None
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        import grpc
+
+        from kvmesh.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        async with grpc.aio.insecure_channel(self.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            while True:
+                self.last = await stub.GetStats(scheduler_pb2.GetStatsRequest())
+                self.peak_used_blocks = max(self.peak_used_blocks, sum(r.num_used_blocks for r in self.last.replicas))
+                if self._stop.is_set():
+                    return
+                try:
+                    await asyncio.wait_for(self._stop.wait(), self.period)
+                except asyncio.TimeoutError:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _bytes_per_block(engine: dict) -> int:
+    from kvmesh.config import EngineConfig
+    from workers.kv_cache import bytes_per_block, kv_dtype
+    from workers.loader import load_config
+    from workers.registry import resolve_model
+
+    cfg = EngineConfig(**engine)
+    m = load_config(resolve_model(cfg.model))
+    return bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim,
+                           kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
+
+
+async def _measure(gateway: str, scheduler: str, spec: dict, replicas: int) -> dict:
+    from bench import faithfulness
+    from bench.serve import load_requests, run_benchmark, summarize
+
+    requests = load_requests("policydesk", num_prompts=spec["num_prompts"], seed=spec["seed"],
+                             max_tokens=spec["max_tokens"])
+    await _warm_up(gateway, replicas)
+    poller = _KVPoller(scheduler)
+    poll = asyncio.ensure_future(poller.run())
+    t0 = time.perf_counter()
+    records = await run_benchmark("kvmesh", gateway, requests, max_concurrency=spec["max_concurrency"],
+                                  temperature=0.0, seed=spec["seed"], ignore_eos=True, progress=False)
+    duration = time.perf_counter() - t0
+    poller.stop()
+    await poll
+    failed = [r for r in records if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(records)} requests failed: {failed[0].error}")
+    out = {"load": summarize(records, duration), "duration_s": duration,
+           "peak_used_blocks": poller.peak_used_blocks,
+           "num_blocks": sum(r.num_blocks for r in poller.last.replicas),
+           "prefix_cache_hits": sum(r.prefix_cache_hits for r in poller.last.replicas),
+           "prefix_cache_queries": sum(r.prefix_cache_queries for r in poller.last.replicas),
+           "preemptions": sum(r.num_preemptions for r in poller.last.replicas)}
+    if spec["faithfulness_questions"]:
+        qs = faithfulness.select_questions(spec["faithfulness_questions"])
+        out["answers"] = await faithfulness.answer_via_gateway(gateway, qs, spec["faithfulness_max_tokens"],
+                                                               concurrency=spec["max_concurrency"])
+    return out
+
+
+def run_child(spec: dict) -> dict:
+    """Child process: serve one row, measure it, stop the server; the row's measurements."""
+    from bench.served import served
+
+    engine, sched = spec["engine"], spec["scheduler"]
+    addresses: dict = {}
+    cmd = ["serve", "--port", "0", "--scheduler-port", "0"]
+    t0 = time.perf_counter()
+    with served(cmd, _env(engine, sched), "gateway", addresses) as gateway:
+        startup = time.perf_counter() - t0
+        out = asyncio.run(_measure(gateway, addresses["scheduler"], spec, sched["replicas"]))
+        servers = psutil.Process().children()          # the `kvmesh serve` process, still running
+        hwm = [peak_rss(p.pid) for p in servers]
+        now = [p.memory_info().rss for p in servers]
+    per_block = _bytes_per_block(engine)
+    # its peak, read before it stopped; ru_maxrss of the reaped children as a fallback (it is
+    # at least this process's own peak RSS when the server was spawned, see peak_rss)
+    rusage = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {**out, "startup_s": startup, "bytes_per_block": per_block,
+            "kv_pool_bytes": out["num_blocks"] * per_block, "kv_peak_used_bytes": out["peak_used_blocks"] * per_block,
+            "server_peak_rss_bytes": sum(hwm) if hwm and None not in hwm else rusage,
+            "server_end_rss_bytes": sum(now),
+            "server_maxrss_rusage_bytes": rusage}
+
+
+def peak_rss(pid: int) -> int | None:
+    """Peak resident set size of process ``pid`` in bytes (``VmHWM`` of /proc/PID/status:
+    the high-water mark of its own address space), None where /proc has no such line.
+    Preferred to ``getrusage(...).ru_maxrss``: on Linux a process's ru_maxrss starts at its
+    parent's peak when it is spawned (fork, then exec, carries the high-water mark over)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# ---- parent: the table --------------------------------------------------------------------------
+
+def _short_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    pick = next((ln for ln in reversed(lines) if "Error" in ln or "error:" in ln), lines[-1] if lines else "failed")
+    return pick[:240]
+
+
+def run_row(index: int, row: Row, args) -> dict:
+    """Run one row in a fresh child process; the row's result (``available`` False with
+    ``error`` when its settings are refused or its engine fails)."""
+    engine, sched = row_settings(row, args)
+    base = {"index": index, "key": row.key, "name": row.name, "symptom": row.symptom,
+            "engine": row.engine, "scheduler": row.scheduler}
+    if row.needs_draft and not args.draft_model:
+        return {**base, "available": False, "error": "needs --draft-model"}
+    err = check_settings(engine, sched)
+    if err:
+        return {**base, "available": False, "error": err}
+    spec = {"engine": engine, "scheduler": sched, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+            "max_concurrency": args.max_concurrency, "seed": args.seed,
+            "faithfulness_questions": 0 if args.no_faithfulness else args.faithfulness_questions,
+            "faithfulness_max_tokens": args.faithfulness_max_tokens}
+    print(f"running row {index} {row.key} ...", file=sys.stderr, flush=True)
+    # its own process group, so that a row past --row-timeout goes with its server
+    proc = subprocess.Popen([sys.executable, "-m", "bench.ablation", "--child", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=args.row_timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {**base, "available": False, "error": f"timed out after {args.row_timeout:g} s (--row-timeout)"}
+    if proc.returncode != 0:
+        return {**base, "available": False, "error": _short_error(stderr)}
+    return {**base, "available": True, **json.loads(stdout.strip().splitlines()[-1])}
+
+
+def add_faithfulness(row: dict, questions: list[dict], reference: list[dict] | None) -> None:
+    """Score a row's answers against the reference answers (in place: ``faithfulness``)."""
+    from bench import faithfulness
+
+    answers = row.pop("answers", None)
+    if answers is None or reference is None:
+        return
+    res = faithfulness.evaluate(answers, questions, reference)
+    row["faithfulness"] = {k: res[k] for k in ("accuracy", "grounding", "agreement", "num_diverging",
+                                               "mean_first_divergence", "accuracy_drop_points", "passes_gate")}
+    row["faithfulness"]["reference_accuracy"] = res["reference"]["accuracy"]
+    row["faithfulness"]["answers"] = [{k: q[k] for k in ("id", "correct", "first_divergence", "text")}
+                                      for q in res["questions"]]
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``ratios`` of each available row to the first available row (same key: value / first's)."""
+    first = next((r for r in rows if r["available"]), None)
+    for r in rows:
+        if not r["available"] or first is None:
+            continue
+        r["ratios"] = {}
+        for k in ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_itl_ms"):
+            a, b = r["load"].get(k), first["load"].get(k)
+            r["ratios"][k] = a / b if a is not None and b else None
+        r["ratios"]["server_peak_rss_bytes"] = r["server_peak_rss_bytes"] / first["server_peak_rss_bytes"]
+
+
+def _num(v, fmt: str = ".1f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _x(v) -> str:
+    return "" if v is None else f" ({v:.2f}x)"
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table; ratios (in brackets) are to the first available row."""
+    lines = ["| # | configuration | output tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | peak RSS GiB "
+             "| end RSS GiB | KV pool / peak used MiB | key-fact acc | agree | gate | symptom treated |", "|" + "---|" * 13]
+    for r in rows:
+        if not r["available"]:
+            err = r["error"].replace("|", "/")
+            lines.append(f"| {r['index']} | {r['name']} | not available: {err} | - | - | - | - | - | - | - | - | - "
+                         f"| {r['symptom']} |")
+            continue
+        ld, x = r["load"], r.get("ratios", {})
+        f = r.get("faithfulness")
+        acc = f"{100 * f['accuracy']['overall']:.0f}%" if f else "-"
+        agree = f"{100 * f['agreement']:.0f}%" if f else "-"
+        gate = ("pass" if f["passes_gate"] else "FAIL") if f else "-"
+        lines.append(
+            f"| {r['index']} | {r['name']} | {_num(ld.get('output_throughput'))}{_x(x.get('output_throughput'))} "
+            f"| {_num(ld.get('median_ttft_ms'), '.0f')}{_x(x.get('median_ttft_ms'))} "
+            f"| {_num(ld.get('p90_ttft_ms'), '.0f')} "
+            f"| {_num(ld.get('median_itl_ms'))}{_x(x.get('median_itl_ms'))} "
+            f"| {r['server_peak_rss_bytes'] / 2**30:.2f}{_x(x.get('server_peak_rss_bytes'))} "
+            f"| {_num(r.get('server_end_rss_bytes', 0) / 2**30, '.2f')} "
+            f"| {r['kv_pool_bytes'] / 2**20:.0f} / {r['kv_peak_used_bytes'] / 2**20:.0f} "
+            f"| {acc} | {agree} | {gate} | {r['symptom']} |")
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
+    """Replace the block between the ablation markers of ``path`` (or append one)."""
+    block = "\n".join([MARK_BEGIN, f"Command: `{meta['command']}` ({meta['date']}, {meta['elapsed_s']:.0f} s; "
+                       f"{meta['workload']})", "", table(rows), MARK_END])
+    text = path.read_text() if path.exists() else ""
+    if MARK_BEGIN in text and MARK_END in text:
+        text = text[:text.index(MARK_BEGIN)] + block + text[text.index(MARK_END) + len(MARK_END):]
+    else:
+        text = text + ("\n" if text else "") + block + "\n"
+    path.write_text(text)
+
+
+def reference_answers(args, questions: list[dict]) -> list[dict]:
+    """The faithfulness reference's greedy answers (row 4's settings, dense, the table's dtype),
+    computed here or loaded from / saved to ``--reference``."""
+    from bench import faithfulness
+
+    ref_row = next(r for r in ROWS if r.key == REFERENCE_ROW)
+    engine, _ = row_settings(ref_row, args)
+    ref_kw = dict(faithfulness.reference_engine_kwargs(engine, args.dtype), enable_prefix_caching=False)
+    meta = {"model": args.model, "max_tokens": args.faithfulness_max_tokens, "dtype": args.dtype}
+    path = Path(args.reference) if args.reference else None
+    answers = faithfulness._load_reference(path, meta, questions) if path else None
+    if answers is None:
+        print(f"faithfulness reference ({REFERENCE_ROW}, dense, dtype {args.dtype}) ...", file=sys.stderr, flush=True)
+        answers, _ = faithfulness.answer_with_llm(ref_kw, questions, args.faithfulness_max_tokens)
+        if path:
+            path.write_text(json.dumps({**meta, "engine": ref_kw, "answers": answers}, indent=1))
+    return answers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvmesh bench ablation", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0] + "\n\nRows:\n" + "\n".join(
+            f"  {i:2d} {r.key:15s} {r.name} -> {r.symptom}" for i, r in enumerate(ROWS, 1))
+        + "\n\nEach row runs in a fresh process with its own `kvmesh serve` (executor local); see "
+          "docs/benchmarks.md.")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model of every row (smollm2-135m-instruct)")
+    p.add_argument("--dtype", default="auto", help="weights/activations dtype of every row (auto)")
+    p.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run, by index or key (default: all; "
+                                                            "spec-draft only with --draft-model)")
+    p.add_argument("--draft-model", default="", metavar="NAME|DIR", help="draft model of the spec-draft row")
+    p.add_argument("--num-prompts", type=int, default=16, metavar="N", help="PolicyDesk requests per row (16)")
+    p.add_argument("--max-tokens", type=int, default=32, metavar="N",
+                   help="output tokens per request, EOS ignored (32)")
+    p.add_argument("--max-concurrency", type=int, default=8, metavar="N", help="requests in flight (8)")
+    p.add_argument("--seed", type=int, default=0, help="workload sampling seed (0)")
+    p.add_argument("--kv-cache-memory", default="1GiB", metavar="BYTES", help="KV pool per replica (1GiB)")
+    p.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="(4096)")
+    p.add_argument("--threads", type=int, default=2, metavar="N",
+                   help="torch threads per row, split among its replicas (2)")
+    p.add_argument("--row-timeout", type=float, default=1800, metavar="S",
+                   help="a row still running after S seconds is stopped and shown as not available (1800)")
+    p.add_argument("--faithfulness-questions", type=int, default=12, metavar="N",
+                   help="PolicyDesk questions answered greedily per row after the load run (12)")
+    p.add_argument("--faithfulness-max-tokens", type=int, default=48, metavar="N", help="answer length limit (48)")
+    p.add_argument("--no-faithfulness", action="store_true", help="skip the faithfulness columns")
+    p.add_argument("--reference", metavar="FILE",
+                   help="faithfulness reference answers: loaded when FILE exists, else computed and written there")
+    p.add_argument("--output", metavar="FILE", help="write the rows as JSON here (e.g. docs/ablation.json)")
+    p.add_argument("--markdown", metavar="FILE", help="write the table into FILE between ablation markers")
+    p.add_argument("--table", metavar="JSON", help="print the table of a saved --output file and exit")
+    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(json.loads(args.child))))
+        return 0
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())["rows"]))
+        return 0
+    from bench import faithfulness
+
+    try:
+        selected = select_rows(args.rows, args.draft_model)
+        questions = [] if args.no_faithfulness else faithfulness.select_questions(args.faithfulness_questions)
+    except ValueError as e:
+        print(f"kvmesh: error: {e}", file=sys.stderr)
+        return 2
+    for k in ("num_prompts", "max_tokens", "max_concurrency", "threads"):
+        if getattr(args, k) < 1:
+            print(f"kvmesh: error: --{k.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    t_start = time.time()
+    import torch
+    torch.set_num_threads(args.threads)
+    reference = reference_answers(args, questions) if questions else None
+    rows = []
+    workload = (f"{args.num_prompts} PolicyDesk prompts (seed {args.seed}) x {args.max_tokens} output tokens, "
+                f"max concurrency {args.max_concurrency}, model {args.model}, dtype {args.dtype}, "
+                f"KV pool {args.kv_cache_memory} per replica, {args.threads} torch threads per row"
+                + ("" if args.no_faithfulness else
+                   f"; faithfulness: {args.faithfulness_questions} questions x {args.faithfulness_max_tokens} "
+                   f"tokens vs the {REFERENCE_ROW} row's settings"))
+    meta = {"command": "kvmesh bench ablation " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "date": time.strftime("%Y-%m-%d"), "workload": workload}
+    for index, row in selected:
+        r = run_row(index, row, args)
+        add_faithfulness(r, questions, reference)
+        rows.append(r)
+        add_ratios(rows)
+        print(table(rows[-1:]), file=sys.stderr, flush=True)
+        meta["elapsed_s"] = time.time() - t_start
+        if args.output:                          # keep partial results if a later row breaks the run
+            Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta["elapsed_s"] = time.time() - t_start
+    print(table(rows))
+    if args.output:
+        Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if args.markdown:
+        write_markdown(Path(args.markdown), rows, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
