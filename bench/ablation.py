@@ -241,7 +241,8 @@ async def _measure(gateway: str, scheduler: str, spec: dict, replicas: int) -> d
     poll = asyncio.ensure_future(poller.run())
     t0 = time.perf_counter()
     records = await run_benchmark("kvmesh", gateway, requests, max_concurrency=spec["max_concurrency"],
-                                  temperature=0.0, seed=spec["seed"], ignore_eos=True, progress=False)
+                                  temperature=0.0, seed=spec["seed"], ignore_eos=True, progress=False,
+                                  request_timeout=3600)   # the gateway's max: a batch-1 row queues long
     duration = time.perf_counter() - t0
     poller.stop()
     await poll

@@ -299,17 +299,23 @@ async def kvmesh_request(stub, req: BenchRequest, sampling: dict) -> RequestReco
 
     from kvmesh.v1 import common_pb2, llm_pb2
 
+    from google.protobuf.duration_pb2 import Duration
+
+    sampling = dict(sampling)
+    timeout = sampling.pop("timeout", None)
+    extra = {"timeout": Duration(seconds=int(timeout))} if timeout else {}
     params = common_pb2.SamplingParams(max_tokens=req.max_tokens,
                                        **{k: v for k, v in sampling.items() if v is not None})
     if req.messages is not None:
         call = stub.Chat(llm_pb2.ChatRequest(messages=[llm_pb2.ChatMessage(role=m["role"], content=m["content"])
                                                        for m in req.messages],
-                                             sampling=params, session_id=req.session_id))
+                                             sampling=params, session_id=req.session_id, **extra))
     elif req.prompt_token_ids is not None:
         call = stub.Generate(llm_pb2.GenerateRequest(prompt_token_ids=llm_pb2.TokenIds(ids=req.prompt_token_ids),
-                                                     sampling=params, session_id=req.session_id))
+                                                     sampling=params, session_id=req.session_id, **extra))
     else:
-        call = stub.Generate(llm_pb2.GenerateRequest(prompt=req.prompt, sampling=params, session_id=req.session_id))
+        call = stub.Generate(llm_pb2.GenerateRequest(prompt=req.prompt, sampling=params, session_id=req.session_id,
+                                                     **extra))
     rec, timer = RequestRecord(id=req.id, session_id=req.session_id), StreamTimer()
     parts, final = [], None
     try:
@@ -438,21 +444,24 @@ async def run_benchmark(backend: str | SendFn, target: str, requests: Sequence[B
                         request_rate: float = float("inf"), burstiness: float = 1.0,
                         max_concurrency: int | None = None, temperature: float = 0.0, seed: int = 0,
                         ignore_eos: bool = False, progress: bool = True, model: str = "",
-                        num_warmups: int = 0) -> list[RequestRecord]:
+                        num_warmups: int = 0, request_timeout: float | None = None) -> list[RequestRecord]:
     """Send ``requests`` to ``backend`` (``kvmesh`` at gRPC address ``target``, ``openai-chat`` at
     base URL ``target``, or a ``send`` callable) at :func:`arrival_times` (seeded with ``seed``),
     at most ``max_concurrency`` in flight. A session's turns go one after the other, each after
     the previous answer completed, with that answer in its history; if a turn fails, the rest
     are recorded as failed, not sent. ``num_warmups`` requests (the first ones, one at a time)
     go first and are not recorded. Sampling: ``temperature`` (0 = greedy; above 0 each request
-    is seeded with ``seed``), ``ignore_eos``. Returns one record per request (per turn), in
-    arrival order, ``start_time`` from the start of the run."""
+    is seeded with ``seed``), ``ignore_eos``. ``request_timeout``: each kvmesh request's deadline
+    in seconds, queueing included (None = the gateway's default, 300 s; at most its max_timeout).
+    Returns one record per request (per turn), in arrival order, ``start_time`` from the start
+    of the run."""
     from tqdm.auto import tqdm
 
     if max_concurrency is not None and max_concurrency < 1:
         raise EngineError(f"max_concurrency must be >= 1, got {max_concurrency}")
     times = arrival_times(len(requests), request_rate, burstiness, np.random.default_rng(seed))
-    sampling = {"temperature": temperature, "ignore_eos": ignore_eos, "seed": seed if temperature > 0 else None}
+    sampling = {"temperature": temperature, "ignore_eos": ignore_eos, "seed": seed if temperature > 0 else None,
+                "timeout": request_timeout}
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     async with open_backend(backend, target, model) as send:
         for req in list(requests)[:num_warmups]:
@@ -627,13 +636,7 @@ def plot_ttft(runs: dict[str, Sequence[RequestRecord]], path: str | Path) -> Non
         ax_c.step(ttft, np.arange(1, ttft.size + 1) / ttft.size, where="post", label=label)
     ax_h.set(xlabel="TTFT (ms)", ylabel="requests", title="TTFT histogram")
     ax_c.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF", ylim=(0, 1.02))
-    for ax in (ax_h, ax_c):
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, (ax_h, ax_c), path)
 
 
 def plot_sweep(rows: Sequence[dict], path: str | Path) -> None:
@@ -657,6 +660,14 @@ def plot_sweep(rows: Sequence[dict], path: str | Path) -> None:
             if y is not None:
                 ax.annotate(f"{r['request_rate']:g}/s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set(xlabel="output throughput (tokens/s)", ylabel="latency (ms)", title=f"{title} vs throughput")
+    _save(fig, axes, path)
+
+
+def _save(fig, axes, path: str | Path) -> None:
+    """Grid and legend on each axis, then the figure as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -727,6 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (0)")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max-tokens tokens")
+    g.add_argument("--request-timeout", type=float, metavar="S",
+                   help="kvmesh backend: each request's deadline, queueing included (default: the gateway's, 300 s)")
     g = p.add_argument_group("results")
     g.add_argument("--percentiles", type=_percentiles, default=[50.0, 90.0, 99.0], metavar="P,P,...",
                    help="reported percentiles (50,90,99)")
@@ -831,7 +844,7 @@ def _main(args: argparse.Namespace) -> int:
                 args.backend, target, requests, request_rate=rate, burstiness=args.burstiness,
                 max_concurrency=args.max_concurrency, temperature=args.temperature, seed=args.seed,
                 ignore_eos=args.ignore_eos, progress=not args.no_progress, model=model,
-                num_warmups=args.num_warmups if rate == rates[0] else 0))
+                num_warmups=args.num_warmups if rate == rates[0] else 0, request_timeout=args.request_timeout))
             summary = summarize(records, percentiles=args.percentiles, goodput_slos=slos)
             print(report(summary, args.percentiles, f"{args.backend}, {label}"), flush=True)
             for r in [r for r in records if not r.success][:3]:

@@ -408,3 +408,27 @@ def test_bench_serve_against_a_real_mesh(tmp_path, smollm2_tokenizer, monkeypatc
     # turn 2 = turn 1's prompt + its answer + the new question; its prefix comes from the cache
     assert s1["prompt_tokens"] > s0["prompt_tokens"] + 4 and s1["cached_tokens"] >= 16
     assert (plots / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("timeout, expect", [(None, False), (3600, True)])
+async def test_kvmesh_request_timeout_sets_the_rpc_deadline(timeout, expect):
+    """``request_timeout`` becomes the request's ``timeout`` field (the gateway's deadline,
+    queueing included); unset leaves the gateway's default."""
+    sent = []
+
+    class Stub:
+        def Chat(self, request):
+            sent.append(request)
+
+            async def stream():
+                return
+                yield
+            return stream()
+
+    req = BenchRequest(id="q", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    await serve.kvmesh_request(Stub(), req, {"temperature": 0.0, "ignore_eos": True, "seed": None,
+                                             "timeout": timeout})
+    assert sent[0].HasField("timeout") is expect
+    if expect:
+        assert sent[0].timeout.seconds == 3600
+    assert sent[0].sampling.max_tokens == 2 and sent[0].sampling.ignore_eos
