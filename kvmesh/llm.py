@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from gateway.detokenizer import IncrementalDetokenizer
 from kvmesh.config import EngineConfig
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
-from scheduler.request import EngineError, FinishReason, SamplingParams
+from scheduler.request import EngineError, FinishReason, SamplingParams, SpecDecodeCounts
 
 
 @dataclass
@@ -40,7 +40,7 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
+class RequestMetrics(SpecDecodeCounts):
     """Seconds on the monotonic clock; ``ttft`` is arrival → first token. Speculative
     decoding (docs/spec_decode.md): ``num_drafts`` steps verified ``num_draft_tokens``
     proposals, of which ``num_accepted_tokens`` were accepted."""
@@ -53,16 +53,6 @@ class RequestMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / verified proposals (None when nothing was verified)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per speculative step (accepted proposals + the target's token)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def ttft(self) -> float | None:

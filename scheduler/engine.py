@@ -26,12 +26,12 @@ from kvmesh.config import EngineConfig
 from kvstore.events import KVEventSink
 from kvstore.hashing import seed_hash
 from scheduler.block_manager import BlockManager, BlockStats
-from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams, SpecDecodeCounts
 from scheduler.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass
-class EngineOutput:
+class EngineOutput(SpecDecodeCounts):
     """What one step produced for one request. Times are seconds (monotonic clock)."""
 
     request_id: str
@@ -51,16 +51,6 @@ class EngineOutput:
     num_drafts: int = 0               # steps that verified proposals
     num_draft_tokens: int = 0         # proposals verified
     num_accepted_tokens: int = 0      # proposals accepted
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / verified proposals (None when nothing was verified)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per speculative step: accepted proposals + the target's own token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 def model_identity(model_dir: Path, name: str, cfg: EngineConfig, kv_dtype: torch.dtype) -> str:

@@ -95,6 +95,26 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class SpecDecodeCounts:
+    """Acceptance figures of speculative decoding (docs/spec_decode.md) for a class holding the
+    counters ``num_drafts`` (steps that verified proposals), ``num_draft_tokens`` (proposals
+    verified) and ``num_accepted_tokens`` (proposals accepted)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified proposals (None when nothing was verified)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per speculative step: accepted proposals + the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -15,8 +15,11 @@ from kvmesh.config import EngineConfig
 from workers.kv_cache import KV_DTYPES, KVCache, allocate_kv_cache, bytes_per_block, kv_dtype
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, paged_attention
 
+from test_attention import BS as ATTN_BS, _decode_md  # noqa: E402  (tests/ is on sys.path)
+
 QDTYPES = ["int8", "fp8"]
 BS, KVH, G, D = 4, 2, 3, 16
+assert BS == ATTN_BS                 # _decode_md (shared with test_attention) lays out blocks of BS
 H = KVH * G
 NB = 32
 
@@ -103,14 +106,6 @@ def test_unknown_kv_dtype_and_sizing():
 
 # ---- attention: quantized cache vs float cache --------------------------------------------
 
-def _decode_md(tables, lens, cascade=()):
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    valid = torch.arange(width * BS)[None] < torch.tensor(lens)[:, None]
-    mask = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))[:, None, None, :]
-    return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=len(tables),
-                             decode_block_tables=bt, decode_seq_lens=torch.tensor(lens), decode_mask=mask,
-                             cascade=list(cascade))
 
 
 def _rel_err(a, b) -> float:
