@@ -23,7 +23,8 @@ Fit mode (``--memory-cap BYTES``): for each format, the weights (bytes of the ca
 checkpoint, or 4 bytes x parameters for dense float32) plus the KV budget
 (``--kv-cache-memory``) plus ``--overhead`` (interpreter, torch, tokenizer, activations) must
 be under the cap; a format that does not fit is reported and not started. Formats that fit
-are served in a child process whose peak RSS (``ru_maxrss``) is then compared with the cap:
+are served in a child process whose peak RSS (``VmHWM``: ``ru_maxrss`` would start at the parent's
+peak, carried over fork+exec; see :func:`bench.ablation.peak_rss`) is then compared with the cap:
 the cap is checked, not enforced (``RLIMIT_AS`` counts virtual reservations of torch's
 allocator and OpenMP threads, far above what a process touches, so it fails runs that fit).
 Quantization itself needs the dense float32 model once (it runs in the parent, before, with no
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import statistics
 import subprocess
@@ -51,6 +53,7 @@ import sys
 import time
 
 from bench import policydesk
+from bench.ablation import peak_rss
 
 DEFAULT_FORMATS = ["none:float32", "none:bfloat16", "int8", "int4", "fp8", "w8a8-int8"]
 
@@ -122,7 +125,7 @@ def run_one(args) -> dict:
     return {"format": args.format, "dtype": args.dtype, "weight_bytes": eng.executor.runner.weight_bytes,
             "decode_b1_tok_s": statistics.median(b1), "decode_c_tok_s": statistics.median(c16) if c16 else None,
             "concurrency": args.concurrency, "ttft_s": statistics.median(ttft), "tokens": tokens,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss(os.getpid()) or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "kv_cache_bytes": eng.executor.kv_cache_bytes}
 
 
