@@ -188,6 +188,9 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise EngineError(f"unknown speculative_method {self.speculative_method!r}; "
                               f"choose one of {SPECULATIVE_METHODS} ('' = off)")
+        if self.speculative_method and self.policy != "continuous":
+            raise EngineError(f"speculative_method {self.speculative_method!r} needs policy 'continuous' "
+                              f"(got {self.policy!r})")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 16:
             raise EngineError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.speculative_method == "draft" and not self.draft_model:

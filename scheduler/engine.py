@@ -97,9 +97,6 @@ class LLMEngine:
                  kv_event_sink: KVEventSink | None = None, num_blocks: int | None = None):
         from workers.registry import resolve_model   # a known name is pulled on first use
         self.cfg = cfg
-        if cfg.speculative_method and cfg.policy != "continuous":
-            raise EngineError(f"speculative_method {cfg.speculative_method!r} needs policy 'continuous' "
-                              f"(got {cfg.policy!r})")
         self.model_dir = resolve_model(cfg.model)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -257,8 +254,8 @@ class LLMEngine:
                                                      self.cfg.prompt_lookup_min)
             self.spec_propose_seconds += time.perf_counter() - t0
             return
-        self.spec_propose_seconds += getattr(result, "propose_seconds", 0.0)
-        for rid, toks in (getattr(result, "proposals", None) or {}).items():
+        self.spec_propose_seconds += result.propose_seconds
+        for rid, toks in result.proposals.items():
             r = self.scheduler.requests.get(rid)
             if r is not None and r.status == RequestStatus.RUNNING and r.can_speculate():
                 r.spec_token_ids = list(toks)
