@@ -24,7 +24,7 @@ from kvmesh.config import EngineConfig
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
-from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index
+from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, set_decode_tables
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.loader import load_model, weight_bytes
 from workers.spec_decode.rejection import VerifyRow, verify
@@ -185,18 +185,7 @@ class ModelRunner:
         if decode_lens:
             if self.cfg.enable_prefix_caching:
                 md.cascade = self._cascade_groups(decode_tables, decode_lens)
-            width = max(len(t) for t in decode_tables)
-            if len(decode_tables) == 1:
-                md.decode_block_tables = block_index(decode_tables[0], dev)
-                if isinstance(md.decode_block_tables, torch.Tensor):
-                    md.decode_block_tables = md.decode_block_tables[None]
-            else:
-                md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                                      dtype=torch.long, device=dev)
-            md.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
-            valid = torch.arange(width * bs, device=dev)[None, :] < md.decode_seq_lens[:, None]
-            md.decode_mask = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(
-                ~valid, float("-inf"))[:, None, None, :]
+            set_decode_tables(md, decode_tables, decode_lens, bs, self.dtype, dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 md, sample_idx, sample_seqs)
 

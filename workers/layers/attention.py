@@ -107,6 +107,27 @@ def block_index(ids: list[int], device) -> torch.Tensor | slice:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+def set_decode_tables(md: AttentionMetadata, tables: list[list[int]], lens: list[int], block_size: int,
+                      dtype: torch.dtype, device) -> None:
+    """Fill ``md``'s decode fields from each decode row's block table (``tables``, block ids)
+    and sequence length (``lens``, tokens incl. the new one): ``decode_block_tables`` (a
+    slice for one row whose blocks are one contiguous run, read as a view; else ``[Bd, W]``
+    int64 padded with block 0), ``decode_seq_lens`` ``[Bd]`` and the additive ``decode_mask``
+    ``[Bd, 1, 1, W * block_size]`` in ``dtype`` hiding each row's padding slots."""
+    width = max(len(t) for t in tables)
+    if len(tables) == 1:
+        md.decode_block_tables = block_index(tables[0], device)
+        if isinstance(md.decode_block_tables, torch.Tensor):
+            md.decode_block_tables = md.decode_block_tables[None]
+    else:
+        md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                              dtype=torch.long, device=device)
+    md.decode_seq_lens = torch.tensor(lens, dtype=torch.long, device=device)
+    valid = torch.arange(width * block_size, device=device)[None, :] < md.decode_seq_lens[:, None]
+    md.decode_mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(
+        ~valid, float("-inf"))[:, None, None, :]
+
+
 def _gather(cache: KVCache, block_table: torch.Tensor | slice, length: int,
             dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence, each ``[KVH, length, D]`` in ``dtype`` (``length=-1``: all blocks)."""

@@ -30,7 +30,7 @@ import torch
 from kvmesh.config import EngineConfig
 from scheduler.request import EngineError, SamplingParams
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
-from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index
+from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
 from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
 from workers.loader import load_config, load_model
 
@@ -164,17 +164,7 @@ class DraftProposer:
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                num_decode_tokens=len(dec_lens), prefills=prefills)
         if dec_lens:
-            width = max(len(t) for t in dec_tables)
-            one = block_index(dec_tables[0], dev) if len(dec_tables) == 1 else None
-            if isinstance(one, slice):
-                md.decode_block_tables = one       # a contiguous run: read as a view
-            else:
-                md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables],
-                                                      dtype=torch.long, device=dev)
-            md.decode_seq_lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
-            valid = torch.arange(width * bs, device=dev)[None, :] < md.decode_seq_lens[:, None]
-            md.decode_mask = torch.zeros(valid.shape, dtype=self.dtype, device=dev).masked_fill_(
-                ~valid, float("-inf"))[:, None, None, :]
+            set_decode_tables(md, dec_tables, dec_lens, bs, self.dtype, dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 md, last)
 
