@@ -210,7 +210,7 @@ class LLMEngine:
     def submit_step(self) -> "InFlightStep | None":
         """Schedule a micro-batch of the requests not already in flight and start it on the
         executor. None when there is nothing to run."""
-        with self.lock:
+        with self.lock, torch.profiler.record_function("schedule"):
             sched = self.scheduler.schedule(busy=self._in_flight)
             if sched.empty:
                 return None
@@ -229,7 +229,7 @@ class LLMEngine:
             result = step.handle.result()
         finally:
             self._settle(step.request_ids)
-        with self.lock:
+        with self.lock, torch.profiler.record_function("update"):
             self.num_steps += 1
             changed = self.scheduler.update(step.sched, result.sampled, result.logprobs)
             if self.cfg.speculative_method:

@@ -247,10 +247,20 @@ class ModelRunner:
         (``[T, hidden_size]``, the previous stage's output, tokens in ``_prepare``'s order).
         A stage that is not the last returns its hidden states; the last samples one token
         per sequence whose chunk ends at its last token and returns a ModelRunnerOutput."""
-        input_ids, positions, md, sample_idx, sample_seqs = self._prepare(step)
-        hidden = self.model(input_ids if hidden is None else hidden, positions, md, self.kv_caches)
+        with torch.profiler.record_function("prepare"):
+            input_ids, positions, md, sample_idx, sample_seqs = self._prepare(step)
+        with torch.profiler.record_function("forward"):
+            hidden = self.model(input_ids if hidden is None else hidden, positions, md, self.kv_caches)
         if not self.model.is_last:
             return hidden
+        with torch.profiler.record_function("sample"):
+            out = self._sample(hidden, sample_idx, sample_seqs)
+        if self.proposer is not None:
+            self._propose(step, out)
+        return out
+
+    def _sample(self, hidden: torch.Tensor, sample_idx: list[int], sample_seqs: list[SeqInput]) -> ModelRunnerOutput:
+        """lm_head over the sampled positions, then sampling or speculative verification."""
         sampled: dict[str, list[int]] = {}
         logprobs = None
         if sample_idx:
@@ -273,10 +283,7 @@ class ModelRunner:
                     logprobs = {s.request_id: lp for s, lp in zip(seqs, so.logprobs) if s.params.logprobs is not None}
             if spec:
                 sampled.update(self._verify([s for s, _ in spec], logits[[i for _, r in spec for i in r]]))
-        out = ModelRunnerOutput(sampled, logprobs)
-        if self.proposer is not None:
-            self._propose(step, out)
-        return out
+        return ModelRunnerOutput(sampled, logprobs)
 
     def _verify(self, seqs: list[SeqInput], logits: torch.Tensor) -> dict[str, list[int]]:
         """New tokens of the speculating sequences. ``logits``: ``[Σ (1 + k), V]``, each
