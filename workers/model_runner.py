@@ -32,6 +32,12 @@ from workers.spec_decode.rejection import VerifyRow, verify
 CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy, no penalties, no logprobs: the next token is the logits' argmax."""
+    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty)
+
+
 @dataclass
 class SeqInput:
     """One sequence of a step, as the workers see it (no scheduler state: it crosses process
@@ -274,11 +280,16 @@ class ModelRunner:
                 seqs = [s for s, _ in plain]
                 pl = logits if not spec else logits[[r[0] for _, r in plain]]
                 self._suppress_stops(pl, seqs)
+                if all(_plain_greedy(s.params) for s in seqs):
+                    # all-greedy fast path: one argmax, no sampling metadata tensors
+                    sampled = {s.request_id: [t] for s, t in zip(seqs, pl.argmax(dim=-1).tolist())}
+                    seqs = []
+            if plain and seqs:
                 smd = SamplingMetadata.build([s.params for s in seqs], [s.prompt_token_ids or [] for s in seqs],
                                              [s.output_token_ids or [] for s in seqs],
                                              [self._generator(s) for s in seqs], self.vocab_size, self.device)
                 so = self.sampler(pl, smd)
-                sampled = {s.request_id: [t] for s, t in zip(seqs, so.token_ids.tolist())}
+                sampled |= {s.request_id: [t] for s, t in zip(seqs, so.token_ids.tolist())}
                 if so.logprobs is not None:
                     logprobs = {s.request_id: lp for s, lp in zip(seqs, so.logprobs) if s.params.logprobs is not None}
             if spec:

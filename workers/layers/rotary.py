@@ -48,14 +48,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table rows of ``positions`` ``[T]`` int64: (cos, sin), each ``[T, 1, D/2]`` in
+        ``dtype``. Gathered once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, D]`` (any strides) by (cos, sin) of :meth:`cos_sin`; the
+        rotation is computed in the activations' dtype, as transformers does. Returns a new
+        contiguous ``[T, heads, D]``."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotation computed in the activations' dtype (as transformers does), from the
-        float32 table."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """Rotated (q ``[T, H, D]``, k ``[T, KVH, D]``) at ``positions`` ``[T]``."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)

@@ -78,17 +78,26 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32. x: ``[T, hidden]``."""
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32. x: ``[T, hidden]``.
+
+    ``forward(x, residual)`` with a residual ``[T, hidden]`` first adds it (``x + residual``,
+    the pre-norm block's skip connection) and returns ``(norm(x + residual), x + residual)``:
+    the residual add and the norm that follows it are one call (vLLM's ``fused_add_rms_norm``),
+    one fused pass under ``torch.compile``."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        out = (xf * self.weight.float()).to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 class Attention(nn.Module):
@@ -101,12 +110,22 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = self.d ** -0.5
 
-    def forward(self, x, positions, md: AttentionMetadata, kv_cache):
+    def forward(self, x, cos_sin, md: AttentionMetadata, kv_cache):
+        """x: ``[T, hidden]``; cos_sin: the step's rotary table rows (:meth:`RotaryEmbedding.cos_sin`)."""
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q, k = self.rope(positions, q.view(T, self.h, self.d), k.view(T, self.kvh, self.d))
-        o = paged_attention(q, k, v.view(T, self.kvh, self.d), kv_cache, md, self.scale)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the projection: one rotation covers both heads' groups
+        qk = self.rope.rotate(qkv[:, : (self.h + self.kvh) * self.d].view(T, self.h + self.kvh, self.d), *cos_sin)
+        q, k = qk[:, : self.h], qk[:, self.h:]
+        v = qkv[:, (self.h + self.kvh) * self.d:].view(T, self.kvh, self.d)
+        o = paged_attention(q, k, v, kv_cache, md, self.scale)
         return self.o_proj(o.reshape(T, self.h * self.d))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a stacked ``[T, 2 * I]`` gate/up projection → ``[T, I]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -118,8 +137,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -130,9 +148,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, md, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, md, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, md, kv_cache):
+        """``(x, residual) -> (x, residual)``: the pre-norm block with its skip connections
+        deferred into the next norm (``residual`` None on the first layer; the caller adds the
+        last layer's pair)."""
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, md, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         self.end_layer = cfg.num_layers if end_layer is None else end_layer
         self.is_first = start_layer == 0
         self.is_last = self.end_layer == cfg.num_layers
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rope = self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.embed_tokens and self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(self.start_layer, self.end_layer))
@@ -161,8 +184,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, x, positions, md: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = self.embed_tokens(x) if self.is_first else x
+        cos_sin = self.rope.cos_sin(positions, h.dtype)      # once per step, not per layer
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, positions, md, kv)
+            h, residual = layer(h, residual, cos_sin, md, kv)
+        if residual is not None:
+            if self.is_last:
+                return self.norm(h, residual)[0]
+            return h + residual
         return self.norm(h) if self.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
