@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from kvmesh.config import WEIGHT_FORMATS
+from kvmesh.config import ATTENTION_BACKENDS, WEIGHT_FORMATS
 from scheduler.request import EngineError, SamplingParams
 from scheduler.router import ROUTING_POLICIES
 from scheduler.scheduler import POLICIES
@@ -101,6 +101,12 @@ ENGINE_FLAGS: list[tuple[str, str, dict]] = [
                                                             help="prefill each prompt in one step")),
     ("--device", "device", dict(help="cpu, cuda, cuda:1 ... (cpu)")),
     ("--num-threads", "num_threads", dict(type=int, metavar="N", help="torch intra-op threads (0 = torch's default)")),
+    ("--attention-backend", "attention_backend", dict(choices=ATTENTION_BACKENDS,
+                                                      help="native (C++ paged-attention kernels, CPU), torch "
+                                                           "(PyTorch reference), auto = native where it builds (auto)")),
+    ("--no-compile", "enable_compile", dict(action="store_const", const=False,
+                                            help="keep decode steps eager (default: torch.compile graphs per "
+                                                 "batch bucket, with the native attention backend)")),
 ]
 
 

@@ -22,6 +22,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 WEIGHT_FORMATS = ("none", "int8", "int4", "fp8", "w8a8-int8")
 SPECULATIVE_METHODS = ("", "ngram", "draft")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -134,6 +135,13 @@ class EngineConfig:
         enable_prefix_caching, enable_chunked_prefill: switches.
         device: ``cpu``, ``cuda``, ``cuda:1`` ...
         num_threads: torch intra-op threads (0 = leave torch's default).
+        attention_backend: ``native`` (the C++ paged-attention kernels of :mod:`workers.kernels`,
+            reading K/V in place through the block tables; CPU only), ``torch`` (the PyTorch
+            reference: gather + SDPA), or ``auto`` (native where it can be built and runs, else
+            torch, with a log line saying why).
+        enable_compile: run decode-only steps as ``torch.compile`` graphs, one per batch bucket
+            (:mod:`workers.compiled_decode`; needs the native attention backend), compiled at
+            start-up; False (``--no-compile``) keeps every step eager.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -161,6 +169,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     device: str = "cpu"
     num_threads: int = 0
+    attention_backend: str = "auto"
+    enable_compile: bool = True
 
     ENV_PREFIX = "KVMESH_"
 
@@ -195,6 +205,8 @@ class EngineConfig:
             raise EngineError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.speculative_method == "draft" and not self.draft_model:
             raise EngineError("speculative_method 'draft' needs draft_model (--draft-model)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise EngineError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.draft_num_layers < 0 or self.draft_max_model_len < 0:
             raise EngineError("draft_num_layers and draft_max_model_len must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -89,11 +89,9 @@ def test_cascade_groups_split_per_document_not_per_system_prompt():
               [400, 401]]
     lens = [len(t) * BS - 1 for t in tables]
     groups = runner._cascade_groups(tables, lens)
-    assert sorted(sorted(g.rows.tolist()) for g in groups) == [[0, 2], [1, 3]]
-    for g in groups:
-        blocks = g.prefix_blocks
-        n = (blocks.stop - blocks.start) if isinstance(blocks, slice) else len(blocks)
-        assert n == len(system) + len(doc_a)
+    assert sorted(sorted(rows) for rows, _ in groups) == [[0, 2], [1, 3]]
+    for rows, shared in groups:
+        assert shared == system + (doc_a if rows[0] == 0 else doc_b)
     assert tables[0] == [300] and lens[0] == BS - 1      # only the row's own block is left
     assert tables[4] == [400, 401]                        # ungrouped row untouched
 

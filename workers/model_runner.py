@@ -15,6 +15,7 @@ proposals for the next step.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -24,12 +25,34 @@ from kvmesh.config import EngineConfig
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
-from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, set_decode_tables
+from workers.layers.attention import (AttentionMetadata, CascadeGroup, NativeMetadata, PrefillChunk, block_index,
+                                      set_decode_tables)
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.loader import load_model, weight_bytes
 from workers.spec_decode.rejection import VerifyRow, verify
 
 CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
+log = logging.getLogger("kvmesh.workers")
+
+
+def resolve_attention_backend(cfg: EngineConfig, device: torch.device) -> str:
+    """``native`` or ``torch`` for ``cfg.attention_backend``. ``auto`` picks native when the
+    kernels are built and run on this device, else torch with a log line saying why.
+    Raises EngineError when ``native`` was asked for and cannot run."""
+    if cfg.attention_backend == "torch":
+        return "torch"
+    if device.type != "cpu":
+        reason = f"the native kernels are CPU kernels (device {device})"
+    else:
+        from workers import kernels
+        reason = None if kernels.available() else kernels.unavailable_reason()
+    if reason is None:
+        return "native"
+    if cfg.attention_backend == "native":
+        from scheduler.request import EngineError
+        raise EngineError(f"attention_backend native cannot run: {reason}")
+    log.warning("kvmesh: attention backend torch (the PyTorch reference): %s", reason)
+    return "torch"
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
@@ -150,6 +173,12 @@ class ModelRunner:
         self.kv_cache_bytes = num_blocks * per_block * stage_layers // m.num_layers
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, cfg.block_size,
                                            m.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
+        self.attention_backend = resolve_attention_backend(cfg, self.device)
+        self.compiled_decode = None
+        if cfg.enable_compile and self.attention_backend == "native":
+            from workers.compiled_decode import CompiledDecode
+            self.compiled_decode = CompiledDecode(self.model, self.kv_caches, cfg.max_num_seqs,
+                                                  -(-cfg.max_model_len // cfg.block_size), self.device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = None           # the draft model (last stage, speculative_method 'draft')
@@ -161,8 +190,16 @@ class ModelRunner:
     # ---- input preparation -----------------------------------------------------------
     def _prepare(self, step: StepInput):
         bs = self.block_size
-        # decodes first (stable); a speculating decode is a chunk of 1 + k tokens
-        seqs = sorted(step.seqs, key=lambda s: len(s.token_ids) + len(s.spec_token_ids) != 1)
+        native = self.attention_backend == "native"
+        quantized = self.kv_caches[0].quantized if self.kv_caches else False
+
+        def order(s: SeqInput) -> tuple[bool, bool]:
+            # decodes first (stable; a speculating decode is a chunk of 1 + k tokens), then the
+            # chunks after cached context; natively, chunks without context (SDPA) go last
+            n = len(s.token_ids) + len(s.spec_token_ids)
+            return n != 1, native and s.start == 0 and not quantized
+
+        seqs = sorted(step.seqs, key=order)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -170,6 +207,7 @@ class ModelRunner:
         sample_seqs = []
         decode_tables, decode_lens = [], []
         prefills: list[PrefillChunk] = []
+        qsl, kv_lens, tables = [0], [], []         # the native kernel's sequences
         for s in seqs:
             start, n, bt = s.start, len(s.token_ids) + len(s.spec_token_ids), s.block_table
             q_start = len(ids)
@@ -182,23 +220,57 @@ class ModelRunner:
             else:
                 prefills.append(PrefillChunk(q_start, q_start + n, start,
                                              block_index(bt[: -(-(start + n) // bs)], self.device)))
+            if native and not order(s)[1]:
+                qsl.append(q_start + n)
+                kv_lens.append(start + n)
+                tables.append(bt[: -(-(start + n) // bs)])
             if s.sample:
                 sample_idx += range(len(ids) - 1 - len(s.spec_token_ids), len(ids))
                 sample_seqs.append(s)
         dev = self.device
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                num_decode_tokens=len(decode_lens), prefills=prefills)
-        if decode_lens:
-            if self.cfg.enable_prefix_caching:
-                md.cascade = self._cascade_groups(decode_tables, decode_lens)
+        groups = []
+        if decode_lens and self.cfg.enable_prefix_caching:
+            groups = self._cascade_groups(decode_tables, decode_lens)
+        if native:
+            md.native = self._native_metadata(qsl, kv_lens, tables, decode_tables, decode_lens, groups)
+        elif decode_lens:
+            md.cascade = [CascadeGroup(torch.tensor(rows, dtype=torch.long, device=dev), block_index(shared, dev))
+                          for rows, shared in groups]
             set_decode_tables(md, decode_tables, decode_lens, bs, self.dtype, dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 md, sample_idx, sample_seqs)
 
-    def _cascade_groups(self, tables: list[list[int]], lens: list[int]) -> list[CascadeGroup]:
+    def _native_metadata(self, qsl: list[int], kv_lens: list[int], tables: list[list[int]],
+                         decode_tables: list[list[int]], decode_lens: list[int],
+                         groups: list[tuple[list[int], list[int]]]) -> NativeMetadata:
+        """Tensors of the native kernel's sequences (the decodes, whose tables and lengths
+        ``_cascade_groups`` may have stripped of a shared prefix, then the chunks after
+        context). A cascade group's prefix is read once for all its rows."""
+        dev, i32 = self.device, torch.int32
+        nd = len(decode_lens)
+        tables[:nd], kv_lens[:nd] = decode_tables, decode_lens
+        width = max((len(t) for t in tables), default=1) or 1
+        nm = NativeMetadata(qsl[-1], torch.tensor(qsl, dtype=i32, device=dev), torch.tensor(kv_lens, dtype=i32, device=dev),
+                            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32, device=dev)
+                            if tables else torch.zeros(0, 1, dtype=i32, device=dev))
+        if groups:
+            member = [-1] * len(kv_lens)
+            for g, (rows, _) in enumerate(groups):
+                for r in rows:
+                    member[r] = g
+            pw = max(len(shared) for _, shared in groups)
+            nm.prefix_group = torch.tensor(member, dtype=i32, device=dev)
+            nm.prefix_block_tables = torch.tensor([sh + [0] * (pw - len(sh)) for _, sh in groups], dtype=i32, device=dev)
+            nm.prefix_lens = torch.tensor([len(sh) * self.block_size for _, sh in groups], dtype=i32, device=dev)
+        return nm
+
+    def _cascade_groups(self, tables: list[list[int]], lens: list[int]) -> list[tuple[list[int], list[int]]]:
         """Group decode rows whose block tables start with the same physical blocks (at least
         ``CASCADE_MIN_BLOCKS``, at least 2 rows); strip the shared blocks from ``tables`` and
-        ``lens`` in place so those rows attend to the shared prefix once, as a group.
+        ``lens`` in place so those rows attend to the shared prefix once, as a group. Returns
+        (rows, shared block ids) per group.
 
         Rows are sorted by block table, so rows sharing long prefixes are neighbours; a group
         grows while the next row still shares at least half of the group's prefix (so a short
@@ -227,14 +299,11 @@ class ModelRunner:
                 close()
             cur, prefix = [r], own
         close()
-        out = []
         for rows, shared in groups:
-            out.append(CascadeGroup(torch.tensor(rows, dtype=torch.long, device=self.device),
-                                    block_index(shared, self.device)))
             for r in rows:
                 tables[r] = tables[r][len(shared):]
                 lens[r] -= len(shared) * bs
-        return out
+        return groups
 
     def _generator(self, s: SeqInput) -> torch.Generator | None:
         seed = s.params.seed
@@ -255,8 +324,12 @@ class ModelRunner:
         per sequence whose chunk ends at its last token and returns a ModelRunnerOutput."""
         with torch.profiler.record_function("prepare"):
             input_ids, positions, md, sample_idx, sample_seqs = self._prepare(step)
+        x = input_ids if hidden is None else hidden
         with torch.profiler.record_function("forward"):
-            hidden = self.model(input_ids if hidden is None else hidden, positions, md, self.kv_caches)
+            if self.compiled_decode is not None and self.compiled_decode.accepts(md, x.shape[0]):
+                hidden = self.compiled_decode(x, positions, md)
+            else:
+                hidden = self.model(x, positions, md, self.kv_caches)
         if not self.model.is_last:
             return hidden
         with torch.profiler.record_function("sample"):

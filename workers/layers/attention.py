@@ -57,6 +57,32 @@ class CascadeGroup:
 
 
 @dataclass
+class NativeMetadata:
+    """Inputs of the native kernels (:mod:`workers.kernels`) for the rows ``[0, num_tokens)`` of
+    the batch: the decodes, then the prefill chunks after cached context (and, with a quantized
+    cache, every prefill chunk); the chunks without context of a float cache come after them
+    and keep the SDPA path (``AttentionMetadata.prefills`` with ``q_start >= num_tokens``).
+
+    Attributes:
+        num_tokens: query rows the native kernel computes.
+        query_start_loc: ``[S + 1]`` int32, sequence s owns rows ``[qsl[s], qsl[s + 1])``.
+        seq_lens: ``[S]`` int32, keys in s's own blocks (its new tokens included).
+        block_tables: ``[S, W]`` int32, padded with 0.
+        prefix_group: ``[S]`` int32 cascade group of each sequence (-1: none), or None.
+        prefix_block_tables: ``[G, P]`` int32, each group's shared prefix blocks (padded), or None.
+        prefix_lens: ``[G]`` int32, tokens of each group's prefix, or None.
+    """
+
+    num_tokens: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    prefix_group: torch.Tensor | None = None
+    prefix_block_tables: torch.Tensor | None = None
+    prefix_lens: torch.Tensor | None = None
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step inputs to every attention layer (built once per step by the model runner).
 
@@ -71,6 +97,8 @@ class AttentionMetadata:
             model dtype, hiding each row's padding slots.
         cascade: groups of decode rows sharing a prefix of blocks.
         prefills: the prefill chunks, in batch order after the decodes.
+        native: set when the native kernels compute this step (then the decode fields above
+            are unset and only the prefills from ``native.num_tokens`` on use SDPA).
     """
 
     slot_mapping: torch.Tensor
@@ -80,6 +108,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     cascade: list[CascadeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    native: NativeMetadata | None = None
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -150,6 +179,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Returns:
         ``[T, H, D]`` in q's dtype.
     """
+    if md.native is not None:
+        return _native_attention(q, k, v, kv_cache, md, scale)
     kv_cache.write(k, v, md.slot_mapping)
     T, H, D = q.shape
     KVH = k.shape[1]
@@ -157,7 +188,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
 
     bd = md.num_decode_tokens
-    if bd:
+    if bd and not md.cascade and q.device.type == "cpu" and q.dtype == torch.float32:
+        # ATen's CPU flash kernel is slow for a few query rows over a long context in float32
+        # (8 ms vs 0.2 ms measured at 1.6k keys): plain matmul + softmax
+        L = md.decode_mask.shape[-1]
+        kb, vb = kv_cache.read(md.decode_block_tables, q.dtype)
+        kc = kb.view(bd, L, KVH, D).transpose(1, 2)
+        vc = vb.view(bd, L, KVH, D).transpose(1, 2)
+        s = torch.matmul(q[:bd].view(bd, KVH, G, D), kc.transpose(-1, -2)).mul_(scale).add_(md.decode_mask)
+        out[:bd] = torch.matmul(torch.softmax(s, dim=-1), vc).reshape(bd, H, D)
+    elif bd:
         # Gather each row's blocks and attend on the strided [Bd, KVH, L, D] view (no copy when a
         # float cache's single row reads a contiguous run; a quantized cache dequantizes here).
         L = md.decode_mask.shape[-1]
@@ -201,5 +241,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril_(diagonal=p.ctx_len)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                                enable_gqa=G > 1)
+        out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                      md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The step through the native kernels: K/V written at the slot mapping in place, then the
+    rows ``[0, native.num_tokens)`` attend over their block tables in place (no gather); the
+    remaining prefill chunks (no cached context, float cache) use SDPA on their own K/V."""
+    # the ops themselves (workers.kernels loaded them; its wrappers document them), so that
+    # torch.compile sees two opaque calls
+    nm = md.native
+    torch.ops.kvmesh.reshape_and_cache(k, v, kv_cache.data, kv_cache.scales, md.slot_mapping)
+    n = nm.num_tokens
+    o = None
+    if n:
+        o = torch.ops.kvmesh.paged_attention(q[:n], kv_cache.data, kv_cache.scales, nm.query_start_loc,
+                                             nm.seq_lens, nm.block_tables, scale, nm.prefix_group,
+                                             nm.prefix_block_tables, nm.prefix_lens)
+        if n == q.shape[0]:
+            return o
+    out = torch.empty_like(q)
+    if o is not None:
+        out[:n] = o
+    G = q.shape[1] // k.shape[1]
+    for p in md.prefills:
+        if p.q_start < n:
+            continue
+        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+        kp = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+        vp = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=G > 1)
         out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
     return out
