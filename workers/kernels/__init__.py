@@ -1,0 +1,222 @@
+"""Native CPU kernels for paged attention and KV cache writes (``torch.ops.kvmesh.*``).
+
+The C++ sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension.load``
+into ``$KVMESH_HOME/torch_extensions/<key>`` (``KVMESH_HOME`` defaults to ``~/.cache/kvmesh``;
+``key`` hashes the sources, the torch and Python versions and the compiler flags), so a build is
+reused by every later process and a changed source builds into a new directory. Several
+processes may load at once: torch's file baton (``<build dir>/lock``) lets one of them build
+while the others wait. A process killed while building leaves that lock file behind; delete it.
+
+Nothing here raises when the kernels cannot be used: :func:`available` returns False (after one
+warning on the ``kvmesh.kernels`` logger naming the reason) when ``KVMESH_NATIVE_KERNELS=0``, on
+a CPU that is not x86-64, or when the build fails (no compiler, no ``ninja``...).
+
+Instruction set: one build carries a scalar, an AVX2+FMA+F16C and an AVX-512F path (each
+translation unit compiled with ``#pragma GCC target``); the best one the CPU supports is chosen
+at run time (``__builtin_cpu_supports``). ``KVMESH_KERNEL_ISA=scalar|avx2|avx512`` selects a
+lower path (a path above what the CPU has is lowered to it); :func:`set_isa` does the same at run
+time. :func:`isa` names the path in use.
+
+Ops (schemas as registered; fake implementations below make them opaque to ``torch.compile``)::
+
+    kvmesh::reshape_and_cache(Tensor k, Tensor v, Tensor(a!) kv_data, Tensor(b!)? scales,
+                              Tensor slot_mapping) -> ()
+    kvmesh::paged_attention(Tensor q, Tensor kv_data, Tensor? scales, Tensor query_start_loc,
+                            Tensor seq_lens, Tensor block_tables, float scale,
+                            Tensor? prefix_group=None, Tensor? prefix_block_tables=None,
+                            Tensor? prefix_lens=None) -> Tensor
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvmesh.kernels")
+
+_CSRC = Path(__file__).parent / "csrc"
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+_LDFLAGS = ["-fopenmp"]
+_lock = threading.Lock()
+_state: dict = {"tried": False, "module": None, "reason": None}
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for p in _sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{_CFLAGS}|{_LDFLAGS}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    """Where this source tree's build lives: ``$KVMESH_HOME/torch_extensions/<key>``."""
+    home = Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh")).expanduser()
+    return home / "torch_extensions" / _build_key()
+
+
+def _load():
+    with _lock:
+        if _state["tried"]:
+            return _state["module"]
+        _state["tried"] = True
+        reason = None
+        if os.environ.get("KVMESH_NATIVE_KERNELS", "1") == "0":
+            reason = "disabled by KVMESH_NATIVE_KERNELS=0"
+        elif platform.machine().lower() not in ("x86_64", "amd64"):
+            reason = f"CPU architecture {platform.machine()} is not x86-64"
+        else:
+            try:
+                _state["module"] = _build()
+            except Exception as e:          # compiler missing, build error, import error
+                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                errs = [ln for ln in lines if "error:" in ln.lower()]
+                reason = f"build failed: {type(e).__name__}: {(errs or lines or [''])[0][:300]}"
+        if reason is not None:
+            _state["reason"] = reason
+            log.warning("kvmesh: native CPU kernels unavailable (%s); using the PyTorch path", reason)
+            return None
+        _register_fakes()
+        want = os.environ.get("KVMESH_KERNEL_ISA", "auto")
+        got = _state["module"].set_isa(want)
+        if want not in ("auto", "", got):
+            log.warning("kvmesh: KVMESH_KERNEL_ISA=%s is not supported by this CPU; using %s", want, got)
+        return _state["module"]
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    bdir = build_directory()
+    bdir.mkdir(parents=True, exist_ok=True)
+    name = "kvmesh_kernels"
+    if not any(bdir.glob(f"{name}*.so")):
+        print(f"kvmesh: compiling native CPU kernels (once; cached in {bdir})", file=sys.stderr, flush=True)
+    sources = [str(p) for p in _sources() if p.suffix == ".cpp"]
+    return cpp_extension.load(name=name, sources=sources, extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                              extra_include_paths=[str(_CSRC)], build_directory=str(bdir), verbose=False)
+
+
+def available() -> bool:
+    """True when the extension is built and loaded (builds it on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True or was not asked yet)."""
+    _load()
+    return _state["reason"]
+
+
+def isa() -> str:
+    """The kernel path in use: ``"avx512"``, ``"avx2"`` or ``"scalar"``; ``"none"`` when the
+    extension is unavailable."""
+    m = _load()
+    return m.active_isa() if m is not None else "none"
+
+
+def cpu_isa() -> str:
+    """The best path this CPU supports (``"none"`` when the extension is unavailable)."""
+    m = _load()
+    return m.cpu_isa() if m is not None else "none"
+
+
+def set_isa(name: str) -> str:
+    """Select the kernel path (``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"auto"``) for this
+    process; one above :func:`cpu_isa` is lowered to it. Returns the path now in use. Raises
+    RuntimeError when the extension is unavailable or the name is unknown."""
+    m = _load()
+    if m is None:
+        raise RuntimeError(f"kvmesh native kernels unavailable: {_state['reason']}")
+    return m.set_isa(name)
+
+
+def _require():
+    if _load() is None:
+        raise RuntimeError(f"kvmesh native kernels unavailable: {_state['reason']}")
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_data: torch.Tensor, scales: torch.Tensor | None,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' K and V into a paged cache, in place (``torch.ops.kvmesh.reshape_and_cache``).
+
+    Args:
+        k, v: ``[T, KVH, D]``, any float dtype, any strides.
+        kv_data: ``[2, NB, BS, KVH, D]`` contiguous (``KVCache.data``): float32 / bfloat16 /
+            float16, or int8 / float8_e4m3fn.
+        scales: ``[2, NB, KVH]`` float32 contiguous (``KVCache.scales``) for a quantized cache,
+            else None. Updated in place.
+        slot_mapping: ``[T]`` int64, slot = block * BS + offset; negative slots are skipped
+            (padding).
+
+    A float cache receives ``k.to(dtype)``. A quantized cache is requantized per touched block
+    exactly as ``workers.kv_cache.KVCache.write`` does (same float32 operations, bit-identical
+    bytes and scales; a block whose slot 0 is written starts over).
+
+    Raises RuntimeError on shape / dtype mismatches or a slot beyond the cache.
+    """
+    _require()
+    torch.ops.kvmesh.reshape_and_cache(k, v, kv_data, scales, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, kv_data: torch.Tensor, scales: torch.Tensor | None,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float, prefix_group: torch.Tensor | None = None,
+                    prefix_block_tables: torch.Tensor | None = None,
+                    prefix_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a batch of query chunks over a paged KV cache
+    (``torch.ops.kvmesh.paged_attention``).
+
+    Args:
+        q: ``[T, H, D]`` float32 / bfloat16 / float16 (D contiguous; D a multiple of 8).
+        kv_data, scales: the cache as in :func:`reshape_and_cache` (int8 / fp8 dequantized in
+            the kernel with the per-(block, head) scales).
+        query_start_loc: ``[S+1]`` int32; sequence ``s`` owns query rows
+            ``[qsl[s], qsl[s+1])`` (``n_s`` rows; decode: 1, prefill or verify chunk: more).
+        seq_lens: ``[S]`` int32, keys of ``s`` in its own blocks, its new tokens included
+            (already written). Query ``j`` of ``s`` sees own keys ``[0, seq_lens[s] - n_s + j]``.
+        block_tables: ``[S, W]`` int32 block ids (only the first ``ceil(seq_lens/BS)`` read).
+        scale: softmax scale (usually ``D ** -0.5``).
+        prefix_group: ``[S]`` int32 or None; ``g >= 0``: sequence ``s``'s keys are the
+            ``prefix_lens[g]`` tokens of ``prefix_block_tables[g]`` followed by its own keys
+            (all prefix keys visible to all its queries); -1: no shared prefix.
+        prefix_block_tables: ``[NG, P]`` int32; prefix_lens: ``[NG]`` int32.
+
+    Returns:
+        ``[T, H, D]`` in q's dtype (rows outside ``[qsl[0], qsl[S])`` are zero).
+
+    Algorithm: FlashAttention-2 online softmax over cache blocks (fp32 accumulation); the H/KVH
+    query heads of a KV head (GQA), and for a cascade group all members' queries, are rows of
+    one work item so each K/V block is loaded once for all of them; long key ranges are split
+    (flash decoding) and partial results merged by log-sum-exp, as is a group's shared prefix
+    with each member's own part (FlashInfer cascade attention, Ye et al. 2024).
+
+    Raises RuntimeError on a dtype / shape mismatch, a block id outside the cache, a table too
+    narrow for its length, or ``n_s > seq_lens[s]``.
+    """
+    _require()
+    return torch.ops.kvmesh.paged_attention(q, kv_data, scales, query_start_loc, seq_lens, block_tables, scale,
+                                            prefix_group, prefix_block_tables, prefix_lens)
+
+
+def _register_fakes() -> None:
+    """Fake (meta) kernels so torch.compile traces the ops as opaque calls."""
+    @torch.library.register_fake("kvmesh::reshape_and_cache")
+    def _(k, v, kv_data, scales, slot_mapping):
+        return None
+
+    @torch.library.register_fake("kvmesh::paged_attention")
+    def _(q, kv_data, scales, query_start_loc, seq_lens, block_tables, scale, prefix_group=None,
+          prefix_block_tables=None, prefix_lens=None):
+        return q.new_empty(q.shape)

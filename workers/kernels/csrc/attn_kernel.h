@@ -1,0 +1,238 @@
+// The paged attention kernel, instantiated once per ISA (attn_{scalar,avx2,avx512}.cpp define
+// KVMESH_ISA and KVMESH_NS, then include this file under their `#pragma GCC target`).
+//
+// One work item = `nrows` query rows (token x query head of one KV head) against the keys
+// [key0, key1) of one key sequence, walked one cache block at a time (FlashAttention-2's online
+// softmax, Dao 2023): per block, K is dequantized/converted to float32 once and transposed to
+// [D, BSp], V to [BSp, D]; then for every row tile S = Q K^T (4 rows x 2 vectors of keys per
+// register tile), the running max / sum / output are rescaled and O += P V (4 rows x 2 vectors
+// of D). All query heads sharing the KV head (GQA) and all members of a cascade group are rows
+// of the same item, so each K/V block is read from memory once per item. Results are either
+// final (written to `out` in q's dtype) or a partial (normalised output + log-sum-exp, merged
+// by the caller as in flash decoding / FlashInfer's cascade attention).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#if KVMESH_ISA > 0
+#include <immintrin.h>
+#endif
+#include "attn_args.h"
+
+namespace kvmesh {
+namespace KVMESH_NS {
+
+#include "isa_traits.h"
+
+constexpr int RT = 4;     // rows per register tile
+
+template <int KVD>
+struct Kernel {
+  using V = Simd::V;
+  static constexpr int W = Simd::W;
+
+  static inline V cvt(const void* base, int64_t off) {
+    if constexpr (KVD == F32) return Simd::cvt_f32((const float*)base + off);
+    else if constexpr (KVD == BF16) return Simd::cvt_bf16((const uint16_t*)base + off);
+    else if constexpr (KVD == F16) return Simd::cvt_f16((const uint16_t*)base + off);
+    else if constexpr (KVD == I8) return Simd::cvt_i8((const int8_t*)base + off);
+    else return Simd::cvt_fp8((const uint8_t*)base + off);
+  }
+
+  // dst[j * D + d] = base[off + j * st + d] * sc for j < n; rows n..R-1 zero
+  static inline void load_rows(const void* base, int64_t off, int64_t st, int n, int R, int D,
+                               float sc, float* dst) {
+    const V s = Simd::set1(sc);
+    for (int j = 0; j < n; ++j)
+      for (int d = 0; d < D; d += W) Simd::store(dst + j * D + d, Simd::mul(cvt(base, off + j * st + d), s));
+    std::memset(dst + n * D, 0, sizeof(float) * (R - n) * D);
+  }
+
+  template <int RR, int NJ>
+  static inline void qk(const float* q, int D, const float* kt, int ld, float* s, int lds) {
+    V acc[RR][NJ];
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; ++r)
+      for (int j = 0; j < NJ; ++j) acc[r][j] = Simd::zero();
+    for (int d = 0; d < D; ++d) {
+      V k[NJ];
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) k[j] = Simd::load(kt + d * ld + j * W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) {
+        V b = Simd::set1(q[r * D + d]);
+        for (int j = 0; j < NJ; ++j) acc[r][j] = Simd::fma(b, k[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int j = 0; j < NJ; ++j) Simd::store(s + r * lds + j * W, acc[r][j]);
+  }
+
+  template <int RR>
+  static inline void qk_rows(const float* q, int D, const float* kt, int ld, float* s, int lds) {
+    int j = 0;
+    for (; j + 2 * W <= ld; j += 2 * W) qk<RR, 2>(q, D, kt + j, ld, s + j, lds);
+    if (j < ld) qk<RR, 1>(q, D, kt + j, ld, s + j, lds);
+  }
+
+  template <int RR, int ND>
+  static inline void pv(const float* p, int ldp, int nj, const float* vf, int D, float* o, const float* alpha) {
+    V acc[RR][ND];
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; ++r) {
+      V a = Simd::set1(alpha[r]);
+      for (int c = 0; c < ND; ++c) acc[r][c] = Simd::mul(Simd::load(o + r * D + c * W), a);
+    }
+    for (int j = 0; j < nj; ++j) {
+      V v[ND];
+#pragma GCC unroll 4
+      for (int c = 0; c < ND; ++c) v[c] = Simd::load(vf + j * D + c * W);
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) {
+        V b = Simd::set1(p[r * ldp + j]);
+        for (int c = 0; c < ND; ++c) acc[r][c] = Simd::fma(b, v[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < RR; ++r)
+      for (int c = 0; c < ND; ++c) Simd::store(o + r * D + c * W, acc[r][c]);
+  }
+
+  template <int RR>
+  static inline void pv_rows(const float* p, int ldp, int nj, const float* vf, int D, float* o, const float* alpha) {
+    int c = 0;
+    for (; c + 2 * W <= D; c += 2 * W) pv<RR, 2>(p, ldp, nj, vf + c, D, o + c, alpha);
+    if (c < D) pv<RR, 1>(p, ldp, nj, vf + c, D, o + c, alpha);
+  }
+
+  static void run(const AttnArgs& a, const WorkItem& it) {
+    const int D = a.D, G = a.G, BS = a.BS, M = it.nrows;
+    const int BSp = (BS + 15) / 16 * 16;
+    const bool own = it.kind == 0;
+    const int32_t* table = own ? a.bt + it.unit * a.bt_st : a.pbt + it.unit * a.pbt_st;
+    int n_tok = 0, kv_shift = 0;   // own rows: token i sees own keys < seq_len - n + i + 1
+    if (own) {
+      n_tok = a.qsl[it.unit + 1] - a.qsl[it.unit];
+      kv_shift = a.seq_lens[it.unit] - n_tok;
+    }
+    // scratch: Q, O [M, D]; S [M, BSp]; m, l, lim [M]; KT [D, BSp]; tmp, Vf [BSp, D]
+    size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * D * 3 + 64;
+    float* buf = (float*)std::aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64);
+    float *Q = buf, *O = Q + M * D, *S = O + M * D, *mx = S + M * BSp, *sum = mx + M;
+    int32_t* lim = (int32_t*)(sum + M);
+    float *KT = (float*)(lim + M), *tmp = KT + BSp * D, *Vf = tmp + BSp * D;
+    int32_t max_lim = -1;
+    for (int r = 0; r < M; ++r) {
+      const int row = it.row0 + r, i = row / G, g = row % G;
+      const int64_t t = own ? a.qsl[it.unit] + i : a.grp_tok[a.grp_tok_start[it.unit] + i];
+      const int64_t qo = t * a.q_st + int64_t(it.head * G + g) * a.q_sh;
+      const V sc = Simd::set1(a.scale);
+      for (int d = 0; d < D; d += W) {
+        V x = a.q_dtype == F32 ? Simd::cvt_f32((const float*)a.q + qo + d)
+              : a.q_dtype == BF16 ? Simd::cvt_bf16((const uint16_t*)a.q + qo + d)
+                                  : Simd::cvt_f16((const uint16_t*)a.q + qo + d);
+        Simd::store(Q + r * D + d, Simd::mul(x, sc));
+        Simd::store(O + r * D + d, Simd::zero());
+      }
+      mx[r] = -INFINITY;
+      sum[r] = 0.f;
+      lim[r] = own ? kv_shift + i : it.key1 - 1;
+      if (lim[r] > max_lim) max_lim = lim[r];
+    }
+    const int key_end = max_lim + 1 < it.key1 ? max_lim + 1 : it.key1;
+    const int64_t tok_st = int64_t(a.KVH) * D;
+    float alpha[RT];
+    for (int b0 = it.key0; b0 < key_end; b0 += BS) {
+      const int64_t pb = table[b0 / BS];
+      const int nj = key_end - b0 < BS ? key_end - b0 : BS;
+      const int64_t off = pb * BS * tok_st + int64_t(it.head) * D;
+      float ks = 1.f, vs = 1.f;
+      if (a.scales) {
+        ks = a.scales[pb * a.KVH + it.head];
+        vs = a.scales[a.sc_half + pb * a.KVH + it.head];
+      }
+      load_rows(a.kv, off, tok_st, nj, BSp, D, ks, tmp);
+      Simd::transpose(tmp, BSp, D, KT, BSp);
+      load_rows(a.kv, a.kv_half + off, tok_st, nj, BSp, D, vs, Vf);
+      for (int r0 = 0; r0 < M; r0 += RT) {
+        const int rr = M - r0 < RT ? M - r0 : RT;
+        float* s = S + r0 * BSp;
+        switch (rr) {
+          case 4: qk_rows<4>(Q + r0 * D, D, KT, BSp, s, BSp); break;
+          case 3: qk_rows<3>(Q + r0 * D, D, KT, BSp, s, BSp); break;
+          case 2: qk_rows<2>(Q + r0 * D, D, KT, BSp, s, BSp); break;
+          default: qk_rows<1>(Q + r0 * D, D, KT, BSp, s, BSp);
+        }
+        for (int r = 0; r < rr; ++r) {
+          float* sr = s + r * BSp;
+          int ve = lim[r0 + r] - b0 + 1;
+          if (ve > nj) ve = nj;
+          if (ve <= 0) {                 // nothing visible in this block
+            std::memset(sr, 0, sizeof(float) * BSp);
+            alpha[r] = 1.f;
+            continue;
+          }
+          for (int j = ve; j < BSp; ++j) sr[j] = -INFINITY;
+          V vm = Simd::load(sr);
+          for (int j = W; j < BSp; j += W) vm = Simd::max(vm, Simd::load(sr + j));
+          const float bm = Simd::hmax(vm);
+          const float mnew = bm > mx[r0 + r] ? bm : mx[r0 + r];
+          alpha[r] = std::exp(mx[r0 + r] - mnew);
+          const V mv = Simd::set1(mnew);
+          V acc = Simd::zero();
+          for (int j = 0; j < BSp; j += W) {
+            V p = Simd::exp(Simd::add(Simd::load(sr + j), Simd::mul(mv, Simd::set1(-1.f))));
+            Simd::store(sr + j, p);
+            acc = Simd::add(acc, p);
+          }
+          sum[r0 + r] = sum[r0 + r] * alpha[r] + Simd::hsum(acc);
+          mx[r0 + r] = mnew;
+        }
+        switch (rr) {
+          case 4: pv_rows<4>(s, BSp, nj, Vf, D, O + r0 * D, alpha); break;
+          case 3: pv_rows<3>(s, BSp, nj, Vf, D, O + r0 * D, alpha); break;
+          case 2: pv_rows<2>(s, BSp, nj, Vf, D, O + r0 * D, alpha); break;
+          default: pv_rows<1>(s, BSp, nj, Vf, D, O + r0 * D, alpha);
+        }
+      }
+    }
+    // finish: normalise; final rows go to out in q's dtype, partial rows keep their lse
+    for (int r = 0; r < M; ++r) {
+      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+      const V iv = Simd::set1(inv);
+      float* o = O + r * D;
+      if (it.part >= 0) {
+        float* po = a.part_o + (it.part + r) * D;
+        for (int d = 0; d < D; d += W) Simd::store(po + d, Simd::mul(Simd::load(o + d), iv));
+        a.part_lse[it.part + r] = sum[r] > 0.f ? mx[r] + std::log(sum[r]) : -INFINITY;
+        continue;
+      }
+      const int row = it.row0 + r, i = row / G, g = row % G;
+      const int64_t t = a.qsl[it.unit] + i;
+      const int64_t oo = (t * a.H + it.head * G + g) * D;
+      for (int d = 0; d < D; d += W) {
+        V x = Simd::mul(Simd::load(o + d), iv);
+        if (a.q_dtype == F32) Simd::store((float*)a.out + oo + d, x);
+        else if (a.q_dtype == BF16) Simd::store_bf16((uint16_t*)a.out + oo + d, x);
+        else Simd::store_f16((uint16_t*)a.out + oo + d, x);
+      }
+    }
+    std::free(buf);
+  }
+};
+
+// Runs items [begin, end) of `items`.
+static void run_items(const AttnArgs& a, const WorkItem* items, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    switch (a.kv_dtype) {
+      case F32: Kernel<F32>::run(a, items[i]); break;
+      case BF16: Kernel<BF16>::run(a, items[i]); break;
+      case F16: Kernel<F16>::run(a, items[i]); break;
+      case I8: Kernel<I8>::run(a, items[i]); break;
+      default: Kernel<FP8>::run(a, items[i]);
+    }
+  }
+}
+
+}  // namespace KVMESH_NS
+}  // namespace kvmesh

@@ -1,0 +1,133 @@
+// kvmesh::reshape_and_cache: store new K/V rows at their cache slots. Float caches: cast and
+// copy. int8 / float8_e4m3fn caches: exactly the read-modify-write of
+// workers/kv_cache.py:KVCache.write, per touched block and for all KV heads of K and V:
+// dequantize (stored * scale, float32), zero the block if this write touches its slot 0
+// (it starts over), place the new tokens (float32), amax over the block's slots and D,
+//   int8: scale = max(amax / 127, 2^-60), q = clamp(round_half_even(x / scale), +-127)
+//   fp8:  scale = exp2(ceil(log2(max(amax / 448, 2^-60)))), q = e4m3(clamp(x / scale, +-448))
+// (same float32 operations in the same order, so the stored bytes and scales are identical).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace kvmesh {
+
+namespace {
+
+template <typename Q>
+void requantize_block(Q* data, float* scales, const float* k, const float* v, const int64_t* toks,
+                      const int32_t* offs, int64_t ntok, int64_t b, int64_t NB, int64_t BS, int64_t KVH,
+                      int64_t D, float* buf) {
+  const bool restart = std::any_of(offs, offs + ntok, [](int32_t o) { return o == 0; });
+  const int64_t half = NB * BS * KVH * D;
+  for (int kv = 0; kv < 2; ++kv) {
+    Q* blk = data + kv * half + b * BS * KVH * D;
+    float* sc = scales + kv * NB * KVH + b * KVH;
+    const float* src = kv == 0 ? k : v;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const float s_old = sc[h];
+      for (int64_t j = 0; j < BS; ++j)
+        for (int64_t d = 0; d < D; ++d)
+          buf[j * D + d] = restart ? 0.f : static_cast<float>(blk[(j * KVH + h) * D + d]) * s_old;
+      for (int64_t i = 0; i < ntok; ++i)
+        std::memcpy(buf + offs[i] * D, src + (toks[i] * KVH + h) * D, sizeof(float) * D);
+      float amax = 0.f;
+      for (int64_t e = 0; e < BS * D; ++e) amax = std::max(amax, std::fabs(buf[e]));
+      float scale;
+      if constexpr (std::is_same_v<Q, int8_t>) {
+        scale = std::max(amax / 127.0f, 0x1p-60f);
+        for (int64_t j = 0; j < BS; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            float x = std::nearbyint(buf[j * D + d] / scale);
+            blk[(j * KVH + h) * D + d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, x)));
+          }
+      } else {
+        scale = std::exp2(std::ceil(std::log2(std::max(amax / 448.0f, 0x1p-60f))));
+        for (int64_t j = 0; j < BS; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            float x = std::min(448.f, std::max(-448.f, buf[j * D + d] / scale));
+            blk[(j * KVH + h) * D + d] = c10::Float8_e4m3fn(x);
+          }
+      }
+      sc[h] = scale;
+    }
+  }
+}
+
+}  // namespace
+
+void reshape_and_cache_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data,
+                           const std::optional<at::Tensor>& scales, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_data.dim() == 5 && kv_data.size(0) == 2 && kv_data.is_contiguous(),
+              "kvmesh::reshape_and_cache: kv_data must be a contiguous [2, NB, BS, KVH, D] tensor");
+  const int64_t NB = kv_data.size(1), BS = kv_data.size(2), KVH = kv_data.size(3), D = kv_data.size(4);
+  TORCH_CHECK(k.dim() == 3 && k.size(1) == KVH && k.size(2) == D && v.sizes() == k.sizes(),
+              "kvmesh::reshape_and_cache: k and v must both be [T, ", KVH, ", ", D, "], got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(at::isFloatingType(k.scalar_type()) && at::isFloatingType(v.scalar_type()),
+              "kvmesh::reshape_and_cache: k and v must be floating point");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0),
+              "kvmesh::reshape_and_cache: slot_mapping must be int64 [T]");
+  const auto dt = kv_data.scalar_type();
+  const bool quant = dt == at::kChar || dt == at::kFloat8_e4m3fn;
+  TORCH_CHECK(quant == (scales.has_value() && scales->defined()),
+              "kvmesh::reshape_and_cache: scales are required for (and only for) an int8/float8 cache");
+  TORCH_CHECK(quant || dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "kvmesh::reshape_and_cache: unsupported cache dtype ", dt);
+  const int64_t T = k.size(0);
+  if (T == 0) return;
+  at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] < NB * BS, "kvmesh::reshape_and_cache: slot ", sl[t], " of token ", t, " is beyond the cache (", NB * BS, " slots)");
+
+  if (!quant) {
+    at::Tensor kc = k.to(dt).contiguous(), vc = v.to(dt).contiguous();
+    const int64_t row = KVH * D * kv_data.element_size();
+    char* base = static_cast<char*>(kv_data.data_ptr());
+    const char* kp = static_cast<const char*>(kc.data_ptr());
+    const char* vp = static_cast<const char*>(vc.data_ptr());
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        if (sl[t] < 0) continue;                 // padding slot
+        std::memcpy(base + sl[t] * row, kp + t * row, row);
+        std::memcpy(base + (NB * BS + sl[t]) * row, vp + t * row, row);
+      }
+    });
+    return;
+  }
+  TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->dim() == 3 &&
+                  scales->size(0) == 2 && scales->size(1) == NB && scales->size(2) == KVH,
+              "kvmesh::reshape_and_cache: scales must be contiguous float32 [2, NB, KVH]");
+  at::Tensor kf = k.to(at::kFloat).contiguous(), vf = v.to(at::kFloat).contiguous();
+  // tokens grouped by block (stable: a slot written twice keeps the later token)
+  std::vector<int64_t> order;
+  for (int64_t t = 0; t < T; ++t)
+    if (sl[t] >= 0) order.push_back(t);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sl[a] / BS < sl[b] / BS; });
+  std::vector<int32_t> offs(order.size());
+  for (size_t i = 0; i < order.size(); ++i) offs[i] = int32_t(sl[order[i]] % BS);
+  std::vector<int64_t> starts;
+  for (size_t i = 0; i < order.size(); ++i)
+    if (i == 0 || sl[order[i]] / BS != sl[order[i - 1]] / BS) starts.push_back(int64_t(i));
+  starts.push_back(int64_t(order.size()));
+  float* sc = scales->data_ptr<float>();
+  const float* kp = kf.data_ptr<float>();
+  const float* vp = vf.data_ptr<float>();
+  at::parallel_for(0, int64_t(starts.size()) - 1, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(BS * D);
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t i0 = starts[u], n = starts[u + 1] - i0, blk = sl[order[i0]] / BS;
+      if (dt == at::kChar)
+        requantize_block(kv_data.data_ptr<int8_t>(), sc, kp, vp, order.data() + i0, offs.data() + i0, n, blk, NB, BS, KVH, D, buf.data());
+      else
+        requantize_block(kv_data.data_ptr<c10::Float8_e4m3fn>(), sc, kp, vp, order.data() + i0, offs.data() + i0, n, blk, NB, BS, KVH, D, buf.data());
+    }
+  });
+}
+
+}  // namespace kvmesh

@@ -1,0 +1,226 @@
+// SIMD traits for the attention kernel, one set per ISA, selected by KVMESH_ISA before inclusion
+// (0 = scalar, 1 = AVX2+FMA+F16C, 2 = AVX-512F). Every function is static inline inside the
+// ISA's own namespace (see attn_kernel.h), so the per-ISA translation units share no symbols.
+//
+// Element conversions (to float32, exact): bfloat16 = upper half of a float32 (shift left 16);
+// float16 via F16C (scalar: bit manipulation); int8 via sign extension; float8 e4m3fn:
+// bits (x & 0x7f) << 20 placed as a float32 and multiplied by 2^120 (= 2^(127-7)) map normals
+// and subnormals exactly; the sign is OR-ed back in. NaN encodings (0x7f/0xff) are not decoded
+// (the cache never stores them: writes clamp to +-448).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if KVMESH_ISA > 0
+#include <immintrin.h>
+#endif
+
+static inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+static inline float bf16_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
+static inline uint16_t f32_bf16(float f) {        // round to nearest even, NaN kept quiet
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float f16_f32(uint16_t h) {
+  uint32_t s = uint32_t(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  float v;
+  if (e == 0) v = std::ldexp(float(m), -24);
+  else if (e == 31) v = m ? NAN : INFINITY;
+  else v = bits_f32(((e + 112) << 23) | (m << 13));
+  return bits_f32(f32_bits(v) | s);
+}
+static inline uint16_t f32_f16(float f) {          // round to nearest even (via _Float16)
+  _Float16 h = (_Float16)f;
+  uint16_t u; std::memcpy(&u, &h, 2); return u;
+}
+static inline float fp8_f32(uint8_t x) {
+  return bits_f32(f32_bits(bits_f32(uint32_t(x & 0x7f) << 20) * 0x1p120f) | (uint32_t(x & 0x80) << 24));
+}
+
+#if KVMESH_ISA == 0
+struct Simd {
+  using V = float;
+  static constexpr int W = 1;
+  static V zero() { return 0.f; }
+  static V set1(float x) { return x; }
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V add(V a, V b) { return a + b; }
+  static V mul(V a, V b) { return a * b; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static V exp(V x) { return std::exp(x); }
+  static float hsum(V v) { return v; }
+  static float hmax(V v) { return v; }
+  static V cvt_f32(const float* p) { return *p; }
+  static V cvt_bf16(const uint16_t* p) { return bf16_f32(*p); }
+  static V cvt_f16(const uint16_t* p) { return f16_f32(*p); }
+  static V cvt_i8(const int8_t* p) { return float(*p); }
+  static V cvt_fp8(const uint8_t* p) { return fp8_f32(*p); }
+  static void store_bf16(uint16_t* p, V v) { *p = f32_bf16(v); }
+  static void store_f16(uint16_t* p, V v) { *p = f32_f16(v); }
+  // dst[d * ld + j] = src[j * D + d] for j < R, d < D
+  static void transpose(const float* src, int R, int D, float* dst, int ld) {
+    for (int j = 0; j < R; ++j)
+      for (int d = 0; d < D; ++d) dst[d * ld + j] = src[j * D + d];
+  }
+};
+#else
+
+// 8x8 float transpose of rows src[0..7] (stride ss) into dst (stride ds); AVX (both ISA paths).
+static inline void transpose8x8(const float* src, int64_t ss, float* dst, int64_t ds) {
+  __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + ss), r2 = _mm256_loadu_ps(src + 2 * ss),
+         r3 = _mm256_loadu_ps(src + 3 * ss), r4 = _mm256_loadu_ps(src + 4 * ss), r5 = _mm256_loadu_ps(src + 5 * ss),
+         r6 = _mm256_loadu_ps(src + 6 * ss), r7 = _mm256_loadu_ps(src + 7 * ss);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+         t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+         t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+         u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+         u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+         u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + ds, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * ds, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * ds, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * ds, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * ds, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * ds, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * ds, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+// R and D multiples of 8
+static inline void transpose_avx(const float* src, int R, int D, float* dst, int ld) {
+  for (int j = 0; j < R; j += 8)
+    for (int d = 0; d < D; d += 8) transpose8x8(src + j * D + d, D, dst + d * ld + j, ld);
+}
+
+#if KVMESH_ISA == 1
+struct Simd {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  // Cephes-style expf: 2^n * p(r), |rel err| ~ 2 ulp; x < -87.3 (incl. -inf) gives 0
+  static V exp(V x) {
+    const V lo = _mm256_set1_ps(-87.3f);
+    V under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+    V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    V p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    V res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, res);
+  }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float hmax(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static V cvt_f32(const float* p) { return _mm256_loadu_ps(p); }
+  static V cvt_bf16(const uint16_t* p) {
+    __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  }
+  static V cvt_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static V cvt_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
+  static V cvt_fp8(const uint8_t* p) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
+    __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    V f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
+    return _mm256_or_ps(f, _mm256_castsi256_ps(sgn));
+  }
+  static void store_bf16(uint16_t* p, V v) {
+    alignas(32) float t[8]; _mm256_store_ps(t, v);
+    for (int i = 0; i < 8; ++i) p[i] = f32_bf16(t[i]);
+  }
+  static void store_f16(uint16_t* p, V v) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
+};
+#elif KVMESH_ISA == 2
+struct Simd {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V exp(V x) {       // same polynomial as the AVX2 path
+    const V lo = _mm512_set1_ps(-87.3f);
+    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
+    V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    V p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+  }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+  static V cvt_f32(const float* p) { return _mm512_loadu_ps(p); }
+  static V cvt_bf16(const uint16_t* p) {
+    __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  }
+  static V cvt_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static V cvt_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  }
+  static V cvt_fp8(const uint8_t* p) {
+    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
+    __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    V f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
+  }
+  static void store_bf16(uint16_t* p, V v) {
+    alignas(64) float t[16]; _mm512_store_ps(t, v);
+    for (int i = 0; i < 16; ++i) p[i] = f32_bf16(t[i]);
+  }
+  static void store_f16(uint16_t* p, V v) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
+};
+#endif
+#endif
