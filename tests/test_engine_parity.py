@@ -41,10 +41,12 @@ def _random_prompts(vocab: int, seed: int):
 # ---------------------------------------------------------------------------------------------
 # tiny random checkpoints
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.fixture(scope="module", params=[("tiny_llama_dir", False), ("tiny_qwen2_dir", False),
+                                        ("tiny_llama_dir", True)], ids=["llama", "qwen2", "llama-compiled"])
 def tiny(request, h):
-    d = request.getfixturevalue(request.param)
-    return request.param, d, _hf(d), h.make_engine(d)
+    name, compile_ = request.param
+    d = request.getfixturevalue(name)
+    return name, d, _hf(d), h.make_engine(d, enable_compile=compile_)
 
 
 def test_tiny_checkpoint_properties(tiny):
@@ -112,9 +114,11 @@ def smol_hf(smollm2_dir):
     return _hf(smollm2_dir)
 
 
-@pytest.fixture(scope="module")
-def smol_engine(smollm2_dir, h):
-    return h.make_engine(smollm2_dir)
+@pytest.fixture(scope="module", params=[False, True], ids=["eager", "compiled"])
+def smol_engine(smollm2_dir, h, request):
+    """The default runtime (native attention where it builds), eager and with the compiled
+    decode step."""
+    return h.make_engine(smollm2_dir, enable_compile=request.param)
 
 
 def _smol_prompts(prose_ids):

@@ -35,7 +35,7 @@ CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
 log = logging.getLogger("kvmesh.workers")
 
 
-def resolve_attention_backend(cfg: EngineConfig, device: torch.device) -> str:
+def resolve_attention_backend(cfg: EngineConfig, device: torch.device, head_dim: int) -> str:
     """``native`` or ``torch`` for ``cfg.attention_backend``. ``auto`` picks native when the
     kernels are built and run on this device, else torch with a log line saying why.
     Raises EngineError when ``native`` was asked for and cannot run."""
@@ -43,6 +43,8 @@ def resolve_attention_backend(cfg: EngineConfig, device: torch.device) -> str:
         return "torch"
     if device.type != "cpu":
         reason = f"the native kernels are CPU kernels (device {device})"
+    elif head_dim % 8:
+        reason = f"head_dim {head_dim} is not a multiple of 8"
     else:
         from workers import kernels
         reason = None if kernels.available() else kernels.unavailable_reason()
@@ -173,7 +175,7 @@ class ModelRunner:
         self.kv_cache_bytes = num_blocks * per_block * stage_layers // m.num_layers
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, cfg.block_size,
                                            m.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
-        self.attention_backend = resolve_attention_backend(cfg, self.device)
+        self.attention_backend = resolve_attention_backend(cfg, self.device, m.head_dim)
         self.compiled_decode = None
         if cfg.enable_compile and self.attention_backend == "native":
             from workers.compiled_decode import CompiledDecode
