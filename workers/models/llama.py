@@ -251,6 +251,41 @@ class LlamaForCausalLM(nn.Module):
             return layer.post_attention_layernorm.weight
         return None
 
+    def allocate_weights(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Replace the tensors of a model built under ``torch.device("meta")`` by real,
+        uninitialised ones on ``device``, already in the serving format :meth:`finalize`
+        produces, so that loading holds one copy of the weights: dense Linears ``dtype``,
+        transposed (:meth:`Linear.allocate`), embeddings ``dtype``, RMSNorm weights float32;
+        the RoPE tables are computed again (on the CPU, as the constructor does, then moved).
+        Quantized Linears are left as they are. Every value except the RoPE tables must then
+        be loaded (:meth:`load_weights` checks that none is missing).
+
+        Raises:
+            RuntimeError: a parameter or buffer is still on the meta device afterwards (a
+                module this method does not know).
+        """
+        device = torch.device(device)
+        ropes: dict[int, RotaryEmbedding] = {}
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.allocate(dtype, device)
+            elif isinstance(mod, RMSNorm):
+                mod.weight = nn.Parameter(torch.empty(mod.weight.shape, dtype=torch.float32, device=device),
+                                          requires_grad=False)
+            elif isinstance(mod, nn.Embedding):
+                mod.weight = nn.Parameter(torch.empty(mod.weight.shape, dtype=dtype, device=device),
+                                          requires_grad=False)
+            elif isinstance(mod, Attention) and mod.rope.cos.is_meta:
+                if id(mod.rope) not in ropes:       # one table shared by all layers, as built
+                    with torch.device("cpu"):
+                        rope = RotaryEmbedding(self.cfg.head_dim, mod.rope.cos.shape[0],
+                                               self.cfg.rope_theta, self.cfg.rope_scaling)
+                    ropes[id(mod.rope)] = rope.to(device)
+                mod.rope = ropes[id(mod.rope)]
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t is not None and t.is_meta]
+        if left:
+            raise RuntimeError(f"allocate_weights does not know how to allocate {left[:5]}")
+
     def finalize(self, dtype: torch.dtype) -> None:
         """Convert every weight to the serving dtype (norm weights stay float32)."""
         for mod in self.modules():
