@@ -151,8 +151,13 @@ class LlamaForCausalLM(nn.Module):
         self.end_layer = cfg.num_layers if end_layer is None else end_layer
         self.is_first = start_layer == 0
         self.is_last = self.end_layer == cfg.num_layers
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        # Under torch.device("meta") (workers.loader) only allocations happen: the RoPE table
+        # is computed on the CPU, the embedding is not initialised (it is always loaded); any
+        # computation on meta tensors would import torch's meta kernels (~75 MB of RSS).
+        with torch.device("cpu"):
+            rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)) if self.is_first else None
         self.embed_tokens and self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(self.start_layer, self.end_layer))
         if self.is_last:
@@ -256,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         uninitialised ones on ``device``, already in the serving format :meth:`finalize`
         produces, so that loading holds one copy of the weights: dense Linears ``dtype``,
         transposed (:meth:`Linear.allocate`), embeddings ``dtype``, RMSNorm weights float32;
-        the RoPE tables are computed again (on the CPU, as the constructor does, then moved).
+        the RoPE tables (computed on the CPU by the constructor) are moved to ``device``.
         Quantized Linears are left as they are. Every value except the RoPE tables must then
         be loaded (:meth:`load_weights` checks that none is missing).
 
@@ -265,7 +270,6 @@ class LlamaForCausalLM(nn.Module):
                 module this method does not know).
         """
         device = torch.device(device)
-        ropes: dict[int, RotaryEmbedding] = {}
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.allocate(dtype, device)
@@ -275,13 +279,8 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(mod, nn.Embedding):
                 mod.weight = nn.Parameter(torch.empty(mod.weight.shape, dtype=dtype, device=device),
                                           requires_grad=False)
-            elif isinstance(mod, Attention) and mod.rope.cos.is_meta:
-                if id(mod.rope) not in ropes:       # one table shared by all layers, as built
-                    with torch.device("cpu"):
-                        rope = RotaryEmbedding(self.cfg.head_dim, mod.rope.cos.shape[0],
-                                               self.cfg.rope_theta, self.cfg.rope_scaling)
-                    ropes[id(mod.rope)] = rope.to(device)
-                mod.rope = ropes[id(mod.rope)]
+            elif isinstance(mod, RotaryEmbedding):
+                mod.to(device)                      # in place: the layers share this module
         left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t is not None and t.is_meta]
         if left:
             raise RuntimeError(f"allocate_weights does not know how to allocate {left[:5]}")
