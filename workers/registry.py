@@ -432,7 +432,8 @@ def _convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progre
         for p in model.parameters():
             if p.dim() >= 2:
                 b = p.data.to(torch.bfloat16)
-                rounded += int((b.float() != p.data).sum())
+                for rb, rf in zip(b.split(1024), p.data.split(1024)):   # no float32 temp of the whole matrix
+                    rounded += int((rb.float() != rf).sum())
                 matrix_values += p.numel()
                 p.data = b
         out.mkdir(parents=True, exist_ok=True)
