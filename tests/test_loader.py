@@ -103,3 +103,25 @@ def test_bfloat16_load_peak_memory(smollm2_dir):
     assert growth >= 0.95 * r["weight_bytes"], r         # the window saw the weights arrive
     assert growth <= LOAD_RATIO * r["weight_bytes"] + LOAD_SLACK, r
     assert r["rss_after"] - r["baseline_rss"] <= 1.05 * r["weight_bytes"] + LOAD_SLACK, r   # one copy stays
+
+
+def test_safetensors_reader_matches_safetensors(tmp_path):
+    """SafetensorsFile (plain reads, no mmap) returns what safetensors returns, whole or by
+    rows, in the stored dtype; a damaged file is an EngineError naming it."""
+    from workers.loader import SafetensorsFile
+    g = torch.Generator().manual_seed(0)
+    ts = {"a": torch.randn(7, 5, generator=g).bfloat16(), "b": torch.randn(3, generator=g),
+          "c": torch.arange(12, dtype=torch.int8).reshape(2, 3, 2), "empty": torch.zeros(0, 4)}
+    f = tmp_path / "x.safetensors"
+    save_file(ts, str(f))
+    with SafetensorsFile(f) as sf:
+        assert sorted(sf.keys()) == sorted(ts) and "a" in sf and "z" not in sf
+        for k, t in ts.items():
+            got = sf.get(k)
+            assert got.dtype == t.dtype and torch.equal(got, t), k
+        assert torch.equal(sf.get("a", 2, 6), ts["a"][2:6]) and torch.equal(sf.get("c", 1), ts["c"][1:])
+        with pytest.raises(ValueError, match="rows 5:9"):
+            sf.get("a", 5, 9)
+    f.write_bytes(f.read_bytes()[:-10])                      # cut short: offsets past the end
+    with pytest.raises(EngineError, match="x.safetensors: not a valid safetensors file"):
+        SafetensorsFile(f)

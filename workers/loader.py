@@ -112,10 +112,22 @@ class SafetensorsFile:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read tensor ``name`` into a new CPU tensor of its stored dtype and shape.
-        Raises KeyError for an unknown name, EngineError when the file is cut short."""
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Stored shape of tensor ``name``. Raises KeyError for an unknown name."""
+        return self._entries[name][1]
+
+    def get(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Read tensor ``name``, or its rows ``[start, stop)`` along dim 0, into a new CPU
+        tensor of its stored dtype. Raises KeyError for an unknown name, ValueError for rows
+        out of range, EngineError when the file is cut short."""
         dtype, shape, begin, end = self._entries[name]
+        if start or stop is not None:
+            rows = shape[0] if shape else 0
+            stop = rows if stop is None else stop
+            if not 0 <= start <= stop <= rows:
+                raise ValueError(f"rows {start}:{stop} of {name!r} with {rows} rows")
+            row_bytes = (end - begin) // rows if rows else 0
+            begin, end, shape = begin + start * row_bytes, begin + stop * row_bytes, (stop - start, *shape[1:])
         buf = torch.empty(end - begin, dtype=torch.uint8)
         view, done = memoryview(buf.numpy()), 0
         self._fh.seek(self._base + begin)

@@ -206,6 +206,11 @@ def load_quantized(qdir: str | Path, *, dtype: torch.dtype, device: str | torch.
             g = _global_name(name, start_layer)
             if g not in sf:
                 raise EngineError(f"{qdir}: quantized checkpoint lacks {g!r}")
-            p.data.copy_(sf.get(g))
+            if p.dim() == 0 or tuple(p.shape) != sf.shape(g):
+                p.data.copy_(sf.get(g))         # a shape mismatch raises here
+                continue
+            step = max(1, (16 << 20) // max(1, p[0].numel() * 4))   # ~16 MiB of float32 rows at a time
+            for i in range(0, p.shape[0], step):
+                p.data[i:i + step].copy_(sf.get(g, i, min(i + step, p.shape[0])))
     model.finalize(dtype)
     return model.to(device).eval()
