@@ -156,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
         # computation on meta tensors would import torch's meta kernels (~75 MB of RSS).
         with torch.device("cpu"):
             rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)) if self.is_first else None
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+                             if self.is_first else None)
         self.embed_tokens and self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(self.start_layer, self.end_layer))
         if self.is_last:
