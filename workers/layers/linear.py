@@ -50,6 +50,21 @@ class Linear(nn.Module):
             start += n
         raise KeyError(f"no shard {shard!r} in {list(self.shards)}")
 
+    def allocate(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Give the layer uninitialised dense storage already in its serving format, so that
+        :meth:`finalize` does not copy: ``weight`` becomes the ``[out_features, in_features]``
+        transposed view of a contiguous ``[in_features, out_features]`` tensor of ``dtype`` on
+        ``device`` (:meth:`load_shard` writes through the view), ``bias`` ``[out_features]`` of
+        ``dtype``. Used on a layer built on the ``meta`` device, whose tensors hold no memory.
+        A quantized layer (:meth:`set_quantized`) is left as it is."""
+        if self.format != "none":
+            return
+        storage = torch.empty(self.in_features, self.out_features, dtype=dtype, device=device)
+        self.weight = nn.Parameter(storage.t(), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device),
+                                     requires_grad=False)
+
     def load_shard(self, param: str, shard: str, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor into rows of ``weight`` or ``bias``.
 
@@ -63,7 +78,12 @@ class Linear(nn.Module):
         dst = target.data[rows]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
-        dst.copy_(tensor)
+        tensor = tensor.to(dst.device)      # a no-op on the CPU; one transfer per tensor otherwise
+        if dst.is_contiguous() or dst.device.type != "cpu":
+            dst.copy_(tensor)
+        else:   # transposed storage (allocate): 256-row blocks, ~4x faster than one strided copy here
+            for i in range(0, dst.shape[0], 256):
+                dst[i:i + 256].copy_(tensor[i:i + 256])
         self._loaded.add((param, shard))
 
     def missing(self) -> list[str]:
@@ -110,7 +130,8 @@ class Linear(nn.Module):
         """Convert loaded weights to the serving format: dense, ``dtype``, stored transposed
         (``[in_features, out_features]`` contiguous), which measured ~20% faster than
         ``F.linear`` on ``[out, in]`` for batch-1 decode on this CPU (bench notes in docs/).
-        A quantized layer (:meth:`set_quantized`) is left as it is."""
+        After :meth:`allocate` with the same ``dtype`` the weight is already in that layout
+        and nothing is copied. A quantized layer (:meth:`set_quantized`) is left as it is."""
         if self.format != "none":
             return
         self.weight = nn.Parameter(self.weight.data.to(dtype).t().contiguous(), requires_grad=False)

@@ -174,8 +174,14 @@ class LlamaForCausalLM(nn.Module):
         self.end_layer = cfg.num_layers if end_layer is None else end_layer
         self.is_first = start_layer == 0
         self.is_last = self.end_layer == cfg.num_layers
-        rope = self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        # Under torch.device("meta") (workers.loader) only allocations happen: the RoPE table
+        # is computed on the CPU, the embedding is not initialised (it is always loaded); any
+        # computation on meta tensors would import torch's meta kernels (~75 MB of RSS).
+        with torch.device("cpu"):
+            rope = self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+                             if self.is_first else None)
         self.embed_tokens and self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(self.start_layer, self.end_layer))
         if self.is_last:
@@ -279,6 +285,35 @@ class LlamaForCausalLM(nn.Module):
         if rest == "post_attention_layernorm.weight":
             return layer.post_attention_layernorm.weight
         return None
+
+    def allocate_weights(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Replace the tensors of a model built under ``torch.device("meta")`` by real,
+        uninitialised ones on ``device``, already in the serving format :meth:`finalize`
+        produces, so that loading holds one copy of the weights: dense Linears ``dtype``,
+        transposed (:meth:`Linear.allocate`), embeddings ``dtype``, RMSNorm weights float32;
+        the RoPE tables (computed on the CPU by the constructor) are moved to ``device``.
+        Quantized Linears are left as they are. Every value except the RoPE tables must then
+        be loaded (:meth:`load_weights` checks that none is missing).
+
+        Raises:
+            RuntimeError: a parameter or buffer is still on the meta device afterwards (a
+                module this method does not know).
+        """
+        device = torch.device(device)
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.allocate(dtype, device)
+            elif isinstance(mod, RMSNorm):
+                mod.weight = nn.Parameter(torch.empty(mod.weight.shape, dtype=torch.float32, device=device),
+                                          requires_grad=False)
+            elif isinstance(mod, nn.Embedding):
+                mod.weight = nn.Parameter(torch.empty(mod.weight.shape, dtype=dtype, device=device),
+                                          requires_grad=False)
+            elif isinstance(mod, RotaryEmbedding):
+                mod.to(device)                      # in place: the layers share this module
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t is not None and t.is_meta]
+        if left:
+            raise RuntimeError(f"allocate_weights does not know how to allocate {left[:5]}")
 
     def finalize(self, dtype: torch.dtype) -> None:
         """Convert every weight to the serving dtype (norm weights stay float32)."""

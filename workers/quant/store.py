@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from scheduler.request import EngineError
 from workers.layers import quant
 from workers.layers.linear import Linear
+from workers.loader import SafetensorsFile
 
 VERSION = 1
 LM_HEAD_FORMAT = {"int8": "int8", "int4": "int8", "fp8": "fp8", "w8a8-int8": "int8"}
@@ -190,22 +190,27 @@ def load_quantized(qdir: str | Path, *, dtype: torch.dtype, device: str | torch.
     meta = json.loads((qdir / "quant.json").read_text())
     cfg = load_config(qdir)
     check_servable(qdir, cfg, max_positions)
-    with torch.device("cpu"):
+    with torch.device("meta"):           # no storage; the quantized tensors replace the Linears'
         model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
     device = torch.device(device)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    with safe_open(str(qdir / "model.safetensors"), framework="pt") as sf:
-        keys = set(sf.keys())
+    with SafetensorsFile(qdir / "model.safetensors") as sf:     # one tensor in memory at a time
         for name, lin in linears.items():
             g = _global_name(name, start_layer)
-            ts = {k: sf.get_tensor(f"{g}.{k}") for k in QUANT_KEYS if f"{g}.{k}" in keys}
+            ts = {k: sf.get(f"{g}.{k}") for k in QUANT_KEYS if f"{g}.{k}" in sf}
             lin.set_quantized(meta["layer_formats"][g], ts, dtype, device, meta["group_size"])
+        model.allocate_weights(dtype, device)     # embeddings, norms, RoPE tables
         for name, p in model.named_parameters():
             if name.rsplit(".", 1)[0] in linears:
                 continue
             g = _global_name(name, start_layer)
-            if g not in keys:
+            if g not in sf:
                 raise EngineError(f"{qdir}: quantized checkpoint lacks {g!r}")
-            p.data.copy_(sf.get_tensor(g))
+            if p.dim() == 0 or tuple(p.shape) != sf.shape(g):
+                p.data.copy_(sf.get(g))         # a shape mismatch raises here
+                continue
+            step = max(1, (16 << 20) // max(1, p[0].numel() * 4))   # ~16 MiB of float32 rows at a time
+            for i in range(0, p.shape[0], step):
+                p.data[i:i + step].copy_(sf.get(g, i, min(i + step, p.shape[0])))
     model.finalize(dtype)
     return model.to(device).eval()
