@@ -2,9 +2,9 @@
 // KVMESH_ISA and KVMESH_NS, then include this file under their `#pragma GCC target`).
 //
 // One work item = `nrows` query rows (token x query head of one KV head) against the keys
-// [key0, key1) of one key sequence, walked one cache block at a time (FlashAttention-2's online
-// softmax, Dao 2023): per block, K is dequantized/converted to float32 once and transposed to
-// [D, BSp], V to [BSp, D]; then for every row tile S = Q K^T (4 rows x 2 vectors of keys per
+// [key0, key1) of one key sequence, walked in chunks of whole cache blocks (>= 64 keys) (FlashAttention-2's online
+// softmax, Dao 2023): per chunk, K is dequantized/converted to float32 once and transposed to
+// [D, keys], V to [keys, D]; then for every row tile S = Q K^T (4 rows x 2 vectors of keys per
 // register tile), the running max / sum / output are rescaled and O += P V (4 rows x 2 vectors
 // of D). All query heads sharing the KV head (GQA) and all members of a cascade group are rows
 // of the same item, so each K/V block is read from memory once per item. Results are either
@@ -40,13 +40,11 @@ struct Kernel {
     else return Simd::cvt_fp8((const uint8_t*)base + off);
   }
 
-  // dst[j * D + d] = base[off + j * st + d] * sc for j < n; rows n..R-1 zero
-  static inline void load_rows(const void* base, int64_t off, int64_t st, int n, int R, int D,
-                               float sc, float* dst) {
+  // dst[j * D + d] = base[off + j * st + d] * sc for j < n
+  static inline void load_rows(const void* base, int64_t off, int64_t st, int n, int D, float sc, float* dst) {
     const V s = Simd::set1(sc);
     for (int j = 0; j < n; ++j)
       for (int d = 0; d < D; d += W) Simd::store(dst + j * D + d, Simd::mul(cvt(base, off + j * st + d), s));
-    std::memset(dst + n * D, 0, sizeof(float) * (R - n) * D);
   }
 
   template <int RR, int NJ>
@@ -107,7 +105,9 @@ struct Kernel {
 
   static void run(const AttnArgs& a, const WorkItem& it) {
     const int D = a.D, G = a.G, BS = a.BS, M = it.nrows;
-    const int BSp = (BS + 15) / 16 * 16;
+    // keys are processed in chunks of whole blocks, >= 64 keys (fewer softmax rescales)
+    const int CK = BS >= 64 ? BS : (64 / BS) * BS + (64 % BS ? BS : 0);
+    const int BSp = (CK + 15) / 16 * 16;
     const bool own = it.kind == 0;
     const int32_t* table = own ? a.bt + it.unit * a.bt_st : a.pbt + it.unit * a.pbt_st;
     int n_tok = 0, kv_shift = 0;   // own rows: token i sees own keys < seq_len - n + i + 1
@@ -141,19 +141,37 @@ struct Kernel {
     }
     const int key_end = max_lim + 1 < it.key1 ? max_lim + 1 : it.key1;
     const int64_t tok_st = int64_t(a.KVH) * D;
+    constexpr int64_t esize = KVD == F32 ? 4 : (KVD == BF16 || KVD == F16) ? 2 : 1;
     float alpha[RT];
-    for (int b0 = it.key0; b0 < key_end; b0 += BS) {
-      const int64_t pb = table[b0 / BS];
-      const int nj = key_end - b0 < BS ? key_end - b0 : BS;
-      const int64_t off = pb * BS * tok_st + int64_t(it.head) * D;
-      float ks = 1.f, vs = 1.f;
-      if (a.scales) {
-        ks = a.scales[pb * a.KVH + it.head];
-        vs = a.scales[a.sc_half + pb * a.KVH + it.head];
+    for (int b0 = it.key0; b0 < key_end; b0 += CK) {
+      const int nj = key_end - b0 < CK ? key_end - b0 : CK;
+      for (int j0 = 0; j0 < nj; j0 += BS) {
+        const int64_t pb = table[(b0 + j0) / BS];
+        const int n = nj - j0 < BS ? nj - j0 : BS;
+        const int64_t off = pb * BS * tok_st + int64_t(it.head) * D;
+        float ks = 1.f, vs = 1.f;
+        if (a.scales) {
+          ks = a.scales[pb * a.KVH + it.head];
+          vs = a.scales[a.sc_half + pb * a.KVH + it.head];
+        }
+        load_rows(a.kv, off, tok_st, n, D, ks, tmp + j0 * D);
+        load_rows(a.kv, a.kv_half + off, tok_st, n, D, vs, Vf + j0 * D);
       }
-      load_rows(a.kv, off, tok_st, nj, BSp, D, ks, tmp);
+      std::memset(tmp + nj * D, 0, sizeof(float) * (BSp - nj) * D);
+      std::memset(Vf + nj * D, 0, sizeof(float) * (BSp - nj) * D);
       Simd::transpose(tmp, BSp, D, KT, BSp);
-      load_rows(a.kv, a.kv_half + off, tok_st, nj, BSp, D, vs, Vf);
+      // prefetch the next chunk's K/V rows while this one is computed
+      const int pend = key_end - (b0 + CK) < CK ? key_end - (b0 + CK) : CK;
+      for (int j = 0; j < pend; ++j) {
+        const int key = b0 + CK + j;
+        const int64_t e = (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D;
+        const char* kp = (const char*)a.kv + e * esize;
+        const char* vp = (const char*)a.kv + (a.kv_half + e) * esize;
+        for (int64_t c = 0; c < int64_t(D) * esize; c += 64) {
+          __builtin_prefetch(kp + c);
+          __builtin_prefetch(vp + c);
+        }
+      }
       for (int r0 = 0; r0 < M; r0 += RT) {
         const int rr = M - r0 < RT ? M - r0 : RT;
         float* s = S + r0 * BSp;
@@ -167,7 +185,7 @@ struct Kernel {
           float* sr = s + r * BSp;
           int ve = lim[r0 + r] - b0 + 1;
           if (ve > nj) ve = nj;
-          if (ve <= 0) {                 // nothing visible in this block
+          if (ve <= 0) {                 // nothing visible in this chunk
             std::memset(sr, 0, sizeof(float) * BSp);
             alpha[r] = 1.f;
             continue;
@@ -178,10 +196,10 @@ struct Kernel {
           const float bm = Simd::hmax(vm);
           const float mnew = bm > mx[r0 + r] ? bm : mx[r0 + r];
           alpha[r] = std::exp(mx[r0 + r] - mnew);
-          const V mv = Simd::set1(mnew);
+          const V mneg = Simd::set1(-mnew);
           V acc = Simd::zero();
           for (int j = 0; j < BSp; j += W) {
-            V p = Simd::exp(Simd::add(Simd::load(sr + j), Simd::mul(mv, Simd::set1(-1.f))));
+            V p = Simd::exp(Simd::add(Simd::load(sr + j), mneg));
             Simd::store(sr + j, p);
             acc = Simd::add(acc, p);
           }
