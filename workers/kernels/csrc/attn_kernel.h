@@ -2,9 +2,9 @@
 // KVMESH_ISA and KVMESH_NS, then include this file under their `#pragma GCC target`).
 //
 // One work item = `nrows` query rows (token x query head of one KV head) against the keys
-// [key0, key1) of one key sequence, walked one cache block at a time (FlashAttention-2's online
-// softmax, Dao 2023): per block, K is dequantized/converted to float32 once and transposed to
-// [D, BSp], V to [BSp, D]; then for every row tile S = Q K^T (4 rows x 2 vectors of keys per
+// [key0, key1) of one key sequence, walked in chunks of whole cache blocks (>= 64 keys) (FlashAttention-2's online
+// softmax, Dao 2023): per chunk, K is dequantized/converted to float32 once and transposed to
+// [D, keys], V to [keys, D]; then for every row tile S = Q K^T (4 rows x 2 vectors of keys per
 // register tile), the running max / sum / output are rescaled and O += P V (4 rows x 2 vectors
 // of D). All query heads sharing the KV head (GQA) and all members of a cascade group are rows
 // of the same item, so each K/V block is read from memory once per item. Results are either
@@ -40,13 +40,15 @@ struct Kernel {
     else return Simd::cvt_fp8((const uint8_t*)base + off);
   }
 
-  // dst[j * D + d] = base[off + j * st + d] * sc for j < n; rows n..R-1 zero
-  static inline void load_rows(const void* base, int64_t off, int64_t st, int n, int R, int D,
-                               float sc, float* dst) {
+  // dst[j * D + d] = base[off + j * st + d] * sc for j < n
+  static inline void load_rows(const void* base, int64_t off, int64_t st, int n, int D, float sc, float* dst) {
     const V s = Simd::set1(sc);
     for (int j = 0; j < n; ++j)
-      for (int d = 0; d < D; d += W) Simd::store(dst + j * D + d, Simd::mul(cvt(base, off + j * st + d), s));
-    std::memset(dst + n * D, 0, sizeof(float) * (R - n) * D);
+#pragma GCC unroll 8
+      for (int d = 0; d < D; d += W) {
+        if constexpr (KVD == I8 || KVD == FP8) Simd::store(dst + j * D + d, Simd::mul(cvt(base, off + j * st + d), s));
+        else Simd::store(dst + j * D + d, cvt(base, off + j * st + d));
+      }
   }
 
   template <int RR, int NJ>
@@ -76,8 +78,11 @@ struct Kernel {
     if (j < ld) qk<RR, 1>(q, D, kt + j, ld, s + j, lds);
   }
 
-  template <int RR, int ND>
-  static inline void pv(const float* p, int ldp, int nj, const float* vf, int D, float* o, const float* alpha) {
+  // o[r] = o[r] * alpha[r] + sum_j p[r][j] * V[j]; V[j] is vf + j * D (float32 scratch) or,
+  // DIRECT, the cache row at element offset voff[j] (converted here; scale folded into p)
+  template <int RR, int ND, bool DIRECT>
+  static inline void pv(const float* p, int ldp, int nj, const float* vf, const void* kv, const int64_t* voff,
+                        int col, int D, float* o, const float* alpha) {
     V acc[RR][ND];
 #pragma GCC unroll 8
     for (int r = 0; r < RR; ++r) {
@@ -87,7 +92,7 @@ struct Kernel {
     for (int j = 0; j < nj; ++j) {
       V v[ND];
 #pragma GCC unroll 4
-      for (int c = 0; c < ND; ++c) v[c] = Simd::load(vf + j * D + c * W);
+      for (int c = 0; c < ND; ++c) v[c] = DIRECT ? cvt(kv, voff[j] + col + c * W) : Simd::load(vf + j * D + c * W);
 #pragma GCC unroll 8
       for (int r = 0; r < RR; ++r) {
         V b = Simd::set1(p[r * ldp + j]);
@@ -98,16 +103,26 @@ struct Kernel {
       for (int c = 0; c < ND; ++c) Simd::store(o + r * D + c * W, acc[r][c]);
   }
 
-  template <int RR>
-  static inline void pv_rows(const float* p, int ldp, int nj, const float* vf, int D, float* o, const float* alpha) {
+  template <int RR, bool DIRECT>
+  static inline void pv_rows(const float* p, int ldp, int nj, const float* vf, const void* kv, const int64_t* voff,
+                             int D, float* o, const float* alpha) {
     int c = 0;
-    for (; c + 2 * W <= D; c += 2 * W) pv<RR, 2>(p, ldp, nj, vf + c, D, o + c, alpha);
-    if (c < D) pv<RR, 1>(p, ldp, nj, vf + c, D, o + c, alpha);
+    for (; c + 2 * W <= D; c += 2 * W) pv<RR, 2, DIRECT>(p, ldp, nj, vf + c, kv, voff, c, D, o + c, alpha);
+    if (c < D) pv<RR, 1, DIRECT>(p, ldp, nj, vf + c, kv, voff, c, D, o + c, alpha);
+  }
+
+  template <int RR>
+  static inline void pv_any(bool direct, const float* p, int ldp, int nj, const float* vf, const void* kv,
+                            const int64_t* voff, int D, float* o, const float* alpha) {
+    if (direct) pv_rows<RR, true>(p, ldp, nj, vf, kv, voff, D, o, alpha);
+    else pv_rows<RR, false>(p, ldp, nj, vf, kv, voff, D, o, alpha);
   }
 
   static void run(const AttnArgs& a, const WorkItem& it) {
     const int D = a.D, G = a.G, BS = a.BS, M = it.nrows;
-    const int BSp = (BS + 15) / 16 * 16;
+    // keys are processed in chunks of whole blocks, >= 64 keys (fewer softmax rescales)
+    const int CK = BS >= 64 ? BS : (64 / BS) * BS + (64 % BS ? BS : 0);
+    const int BSp = (CK + 15) / 16 * 16;
     const bool own = it.kind == 0;
     const int32_t* table = own ? a.bt + it.unit * a.bt_st : a.pbt + it.unit * a.pbt_st;
     int n_tok = 0, kv_shift = 0;   // own rows: token i sees own keys < seq_len - n + i + 1
@@ -116,11 +131,12 @@ struct Kernel {
       kv_shift = a.seq_lens[it.unit] - n_tok;
     }
     // scratch: Q, O [M, D]; S [M, BSp]; m, l, lim [M]; KT [D, BSp]; tmp, Vf [BSp, D]
-    size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * D * 3 + 64;
+    size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * (D * 3 + 4) + 64;
     float* buf = (float*)std::aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64);
     float *Q = buf, *O = Q + M * D, *S = O + M * D, *mx = S + M * BSp, *sum = mx + M;
     int32_t* lim = (int32_t*)(sum + M);
-    float *KT = (float*)(lim + M), *tmp = KT + BSp * D, *Vf = tmp + BSp * D;
+    float *KT = (float*)(lim + M), *tmp = KT + BSp * D, *Vf = tmp + BSp * D, *vsc = Vf + BSp * D;
+    int64_t* voff = (int64_t*)(((uintptr_t)(vsc + BSp) + 7) & ~uintptr_t(7));
     int32_t max_lim = -1;
     for (int r = 0; r < M; ++r) {
       const int row = it.row0 + r, i = row / G, g = row % G;
@@ -141,23 +157,55 @@ struct Kernel {
     }
     const int key_end = max_lim + 1 < it.key1 ? max_lim + 1 : it.key1;
     const int64_t tok_st = int64_t(a.KVH) * D;
+    constexpr int64_t esize = KVD == F32 ? 4 : (KVD == BF16 || KVD == F16) ? 2 : 1;
     float alpha[RT];
-    for (int b0 = it.key0; b0 < key_end; b0 += BS) {
-      const int64_t pb = table[b0 / BS];
-      const int nj = key_end - b0 < BS ? key_end - b0 : BS;
-      const int64_t off = pb * BS * tok_st + int64_t(it.head) * D;
-      float ks = 1.f, vs = 1.f;
-      if (a.scales) {
-        ks = a.scales[pb * a.KVH + it.head];
-        vs = a.scales[a.sc_half + pb * a.KVH + it.head];
+    // few rows (decode): dot products on row-major K and V read from the cache inside P V;
+    // else K transposed for the 4 x 2W register tiles and V converted once per chunk
+    const bool rowdot = Simd::kRowDot && M <= RT;
+    for (int b0 = it.key0; b0 < key_end; b0 += CK) {
+      const int nj = key_end - b0 < CK ? key_end - b0 : CK;
+      for (int j0 = 0; j0 < nj; j0 += BS) {
+        const int64_t pb = table[(b0 + j0) / BS];
+        const int n = nj - j0 < BS ? nj - j0 : BS;
+        const int64_t off = pb * BS * tok_st + int64_t(it.head) * D;
+        float ks = 1.f, vs = 1.f;
+        if (a.scales) {
+          ks = a.scales[pb * a.KVH + it.head];
+          vs = a.scales[a.sc_half + pb * a.KVH + it.head];
+        }
+        load_rows(a.kv, off, tok_st, n, D, ks, tmp + j0 * D);
+        if (rowdot) {
+          for (int j = 0; j < n; ++j) {
+            voff[j0 + j] = a.kv_half + off + j * tok_st;
+            vsc[j0 + j] = vs;
+          }
+        } else {
+          load_rows(a.kv, a.kv_half + off, tok_st, n, D, vs, Vf + j0 * D);
+        }
       }
-      load_rows(a.kv, off, tok_st, nj, BSp, D, ks, tmp);
-      Simd::transpose(tmp, BSp, D, KT, BSp);
-      load_rows(a.kv, a.kv_half + off, tok_st, nj, BSp, D, vs, Vf);
+      std::memset(tmp + nj * D, 0, sizeof(float) * (BSp - nj) * D);
+      if (!rowdot) {
+        std::memset(Vf + nj * D, 0, sizeof(float) * (BSp - nj) * D);
+        Simd::transpose(tmp, BSp, D, KT, BSp);
+      }
+      // prefetch the next chunk's K/V rows while this one is computed
+      const int pend = key_end - (b0 + CK) < CK ? key_end - (b0 + CK) : CK;
+      for (int j = 0; j < pend; ++j) {
+        const int key = b0 + CK + j;
+        const int64_t e = (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D;
+        const char* kp = (const char*)a.kv + e * esize;
+        const char* vp = (const char*)a.kv + (a.kv_half + e) * esize;
+        for (int64_t c = 0; c < int64_t(D) * esize; c += 64) {
+          __builtin_prefetch(kp + c);
+          __builtin_prefetch(vp + c);
+        }
+      }
       for (int r0 = 0; r0 < M; r0 += RT) {
         const int rr = M - r0 < RT ? M - r0 : RT;
         float* s = S + r0 * BSp;
-        switch (rr) {
+        if (rowdot) {
+          for (int r = 0; r < rr; ++r) Simd::dots(Q + (r0 + r) * D, tmp, D, (nj + 7) / 8 * 8, s + r * BSp);
+        } else switch (rr) {
           case 4: qk_rows<4>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 3: qk_rows<3>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 2: qk_rows<2>(Q + r0 * D, D, KT, BSp, s, BSp); break;
@@ -167,7 +215,7 @@ struct Kernel {
           float* sr = s + r * BSp;
           int ve = lim[r0 + r] - b0 + 1;
           if (ve > nj) ve = nj;
-          if (ve <= 0) {                 // nothing visible in this block
+          if (ve <= 0) {                 // nothing visible in this chunk
             std::memset(sr, 0, sizeof(float) * BSp);
             alpha[r] = 1.f;
             continue;
@@ -178,21 +226,24 @@ struct Kernel {
           const float bm = Simd::hmax(vm);
           const float mnew = bm > mx[r0 + r] ? bm : mx[r0 + r];
           alpha[r] = std::exp(mx[r0 + r] - mnew);
-          const V mv = Simd::set1(mnew);
+          const V mneg = Simd::set1(-mnew);
           V acc = Simd::zero();
           for (int j = 0; j < BSp; j += W) {
-            V p = Simd::exp(Simd::add(Simd::load(sr + j), Simd::mul(mv, Simd::set1(-1.f))));
+            V p = Simd::exp(Simd::add(Simd::load(sr + j), mneg));
             Simd::store(sr + j, p);
             acc = Simd::add(acc, p);
           }
           sum[r0 + r] = sum[r0 + r] * alpha[r] + Simd::hsum(acc);
+          if constexpr (KVD == I8 || KVD == FP8)
+            if (rowdot)
+              for (int j = 0; j < nj; ++j) sr[j] *= vsc[j];
           mx[r0 + r] = mnew;
         }
         switch (rr) {
-          case 4: pv_rows<4>(s, BSp, nj, Vf, D, O + r0 * D, alpha); break;
-          case 3: pv_rows<3>(s, BSp, nj, Vf, D, O + r0 * D, alpha); break;
-          case 2: pv_rows<2>(s, BSp, nj, Vf, D, O + r0 * D, alpha); break;
-          default: pv_rows<1>(s, BSp, nj, Vf, D, O + r0 * D, alpha);
+          case 4: pv_any<4>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
+          case 3: pv_any<3>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
+          case 2: pv_any<2>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
+          default: pv_any<1>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha);
         }
       }
     }

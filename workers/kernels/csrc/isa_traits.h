@@ -61,6 +61,15 @@ struct Simd {
   static V cvt_fp8(const uint8_t* p) { return fp8_f32(*p); }
   static void store_bf16(uint16_t* p, V v) { *p = f32_bf16(v); }
   static void store_f16(uint16_t* p, V v) { *p = f32_f16(v); }
+  static constexpr bool kRowDot = true;
+  // s[j] = dot(q, k + j * D) for j < nk (nk a multiple of 8)
+  static void dots(const float* q, const float* k, int D, int nk, float* s) {
+    for (int j = 0; j < nk; ++j) {
+      float acc = 0.f;
+      for (int d = 0; d < D; ++d) acc += q[d] * k[j * D + d];
+      s[j] = acc;
+    }
+  }
   // dst[d * ld + j] = src[j * D + d] for j < R, d < D
   static void transpose(const float* src, int R, int D, float* dst, int ld) {
     for (int j = 0; j < R; ++j)
@@ -163,6 +172,29 @@ struct Simd {
   static void store_f16(uint16_t* p, V v) {
     _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  static constexpr bool kRowDot = true;
+  // s[j] = dot(q, k + j * D) for j < nk (nk a multiple of 8): 8 keys at a time, the eight
+  // accumulators reduced to one vector of sums by a horizontal-add tree
+  static void dots(const float* q, const float* k, int D, int nk, float* s) {
+    for (int j = 0; j < nk; j += 8) {
+      const float* kj = k + j * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + D + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 7 * D + d), a7);
+      }
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+      _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    }
+  }
   static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
 };
 #elif KVMESH_ISA == 2
@@ -220,6 +252,8 @@ struct Simd {
   static void store_f16(uint16_t* p, V v) {
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  static constexpr bool kRowDot = false;      // transposed K only (see attn_kernel.h)
+  static void dots(const float*, const float*, int, int, float*) {}
   static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
 };
 #endif

@@ -1,0 +1,302 @@
+"""Native CPU kernels (workers/kernels) against the PyTorch reference.
+
+- ``kvmesh::paged_attention`` vs gather (``KVCache.read``) + SDPA
+  (``workers.kernels.reference``) on random non-contiguous block tables with shared prefixes,
+  mixed decode / verify / prefill-after-context batches, cascade groups, every cache dtype, GQA
+  ratios 1/3/4/8, head dims 64/128, block sizes 16/32, on every ISA path this CPU has.
+  Tolerances: float32 and quantized caches (dequantized exactly alike) 1e-5; bfloat16 / float16
+  q and cache vs a float32 reference of the same inputs: the output's rounding (rtol 2^-8).
+- ``kvmesh::reshape_and_cache`` bit-identical to ``KVCache.write`` (bytes and scales).
+- ``torch.compile(fullgraph=True)`` calls the mutating op in place (no copy of the cache).
+- The loader: cached build reused, ``KVMESH_KERNEL_ISA``, ``KVMESH_NATIVE_KERNELS=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from workers import kernels
+from workers.kernels.reference import paged_attention_ref
+from workers.kv_cache import KVCache
+
+if not kernels.available():
+    pytest.skip(f"native kernels cannot be built here: {kernels.unavailable_reason()}", allow_module_level=True)
+
+RANK = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISAS = [i for i in RANK if RANK[i] <= RANK[kernels.cpu_isa()]]
+QUANT = (torch.int8, torch.float8_e4m3fn)
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    assert kernels.set_isa(request.param) == request.param
+    yield request.param
+    kernels.set_isa("auto")
+
+
+def make_cache(nb, bs, kvh, d, dtype, gen, magnitude=1.0):
+    vals = torch.randn(2, nb, bs, kvh, d, generator=gen) * magnitude
+    if dtype in QUANT:
+        cache = KVCache(torch.zeros(2, nb, bs, kvh, d, dtype=dtype), torch.zeros(2, nb, kvh))
+        cache.write(vals[0].reshape(-1, kvh, d), vals[1].reshape(-1, kvh, d), torch.arange(nb * bs))
+        return cache
+    return KVCache(vals.to(dtype))
+
+
+def make_batch(lens, ns, bs, nb, gen, shared=None):
+    """Block tables ([S, W] int32, random distinct blocks, padded with -1 so that a read past
+    a sequence's blocks would fail); ``shared``: {seq: (other seq, blocks)} copies the first
+    blocks of another sequence's table (a shared prefix)."""
+    width = max((n + bs - 1) // bs for n in lens) + 1
+    perm = torch.randperm(nb, generator=gen).tolist()
+    tables = []
+    for n in lens:
+        need = (n + bs - 1) // bs
+        tables.append([perm.pop() for _ in range(need)])
+    for s, (o, k) in (shared or {}).items():
+        tables[s][:k] = tables[o][:k]
+    bt = torch.full((len(lens), width), -1, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl = torch.tensor([0] + torch.tensor(ns).cumsum(0).tolist(), dtype=torch.int32)
+    return qsl, torch.tensor(lens, dtype=torch.int32), bt
+
+
+def check(out, ref, low_precision):
+    """``ref``: float32 reference of the same (possibly bfloat16) inputs; a low-precision
+    ``out`` may differ by its own rounding (half an ulp: relative 2^-9 for bfloat16)."""
+    assert out.shape == ref.shape
+    if low_precision:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -8, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# (H, KVH, D, BS): GQA ratios 1, 3, 4, 8; head dims 64, 128; block sizes 16, 32
+SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 32), (8, 1, 64, 32), (12, 4, 128, 16)]
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+          (torch.bfloat16, torch.int8), (torch.float32, torch.int8), (torch.float32, torch.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}KVH{}D{}BS{}".format(*s))
+@pytest.mark.parametrize("qdt,kvdt", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
+def test_mixed_batch_matches_reference(isa, shape, qdt, kvdt):
+    h, kvh, d, bs = shape
+    gen = torch.Generator().manual_seed(hash((shape, str(kvdt))) % 2 ** 31)
+    # decodes of length 1, 15, 16, 17, 31, 33 and 1,100; a 4-token verify chunk; a 40-token
+    # chunk after 60 cached; a chunk that is a whole fresh prompt (no context)
+    lens = [1, 15, 16, 17, 31, 33, 1100, 37, 100, 24]
+    ns = [1, 1, 1, 1, 1, 1, 1, 4, 40, 24]
+    nb = sum((n + bs - 1) // bs for n in lens) + 20
+    cache = make_cache(nb, bs, kvh, d, kvdt, gen)
+    qsl, sl, bt = make_batch(lens, ns, bs, nb, gen, shared={5: (4, 1), 8: (6, 3)})
+    q = torch.randn(int(qsl[-1]), h, d, generator=gen).to(qdt)
+    out = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5)
+    ref = paged_attention_ref(q.float(), cache.data, cache.scales, qsl, sl, bt, d ** -0.5, compute_dtype=torch.float32)
+    check(out, ref, qdt != torch.float32 or kvdt in (torch.bfloat16, torch.float16))
+
+
+@pytest.mark.parametrize("kvdt", [torch.float32, torch.int8], ids=str)
+def test_long_prefill_after_context_and_a_single_long_decode(isa, kvdt):
+    """A 300-token chunk after 1,300 cached (query tiles, causal diagonal across items) and a
+    lone 1,600-token decode with 3 KV heads (split into several KV ranges, merged by LSE)."""
+    h, kvh, d, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(7)
+    for lens, ns in (([1600], [300]), ([1600], [1])):
+        nb = 110
+        cache = make_cache(nb, bs, kvh, d, kvdt, gen)
+        qsl, sl, bt = make_batch(lens, ns, bs, nb, gen)
+        q = torch.randn(int(qsl[-1]), h, d, generator=gen)
+        out = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, 0.125)
+        check(out, paged_attention_ref(q, cache.data, cache.scales, qsl, sl, bt, 0.125), False)
+
+
+@pytest.mark.parametrize("qdt,kvdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                      (torch.float32, torch.float8_e4m3fn)], ids=str)
+def test_cascade_groups(isa, qdt, kvdt):
+    """Group 0: 3 decodes and a 5-token chunk share a 5-block prefix; group 1: 2 decodes share
+    a 100-token prefix (not a whole number of blocks); one sequence is in no group. Equal to
+    the reference over prefix + own keys, and to the same batch without cascade."""
+    h, kvh, d, bs = 8, 2, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    own_lens = [6, 1, 11, 9, 20, 3, 50]
+    ns = [1, 1, 1, 5, 1, 1, 1]
+    groups = [0, 0, 0, 0, 1, 1, -1]
+    plens = [5 * bs, 100]
+    nb = 80
+    cache = make_cache(nb, bs, kvh, d, kvdt, gen)
+    qsl, sl, bt = make_batch(own_lens, ns, bs, nb, gen)
+    pool = [b for b in torch.randperm(nb, generator=gen).tolist() if b not in set(bt.flatten().tolist())]
+    pbt = torch.tensor([pool[:7], pool[7:14]], dtype=torch.int32)
+    pg, pl = torch.tensor(groups, dtype=torch.int32), torch.tensor(plens, dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), h, d, generator=gen).to(qdt)
+    out = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, 0.3, pg, pbt, pl)
+    ref = paged_attention_ref(q.float(), cache.data, cache.scales, qsl, sl, bt, 0.3, pg, pbt, pl, compute_dtype=torch.float32)
+    low = qdt != torch.float32 or kvdt == torch.bfloat16
+    check(out, ref, low)
+    if plens[0] % bs == 0:      # group 0 as plain sequences: prefix blocks + own blocks in one table
+        rows = [0, 1, 2, 3]
+        full = torch.full((4, 8), -1, dtype=torch.int32)
+        for i in rows:
+            nown = (own_lens[i] + bs - 1) // bs
+            full[i, :5] = pbt[0, :5]
+            full[i, 5:5 + nown] = bt[i, :nown]
+        sub_qsl = qsl[:5] - qsl[0]
+        plain = kernels.paged_attention(q[:int(qsl[4])], cache.data, cache.scales, sub_qsl,
+                                        sl[:4] + plens[0], full, 0.3)
+        # both outputs rounded to q's dtype: equal up to one rounding each
+        torch.testing.assert_close(out[:int(qsl[4])].float(), plain.float(), rtol=2 ** -7 if low else 1e-5, atol=1e-5)
+
+
+def test_decode_attends_only_to_its_own_tokens():
+    """Keys past seq_lens and in other sequences' blocks must not matter: poisoning them with
+    huge values leaves the output unchanged."""
+    gen = torch.Generator().manual_seed(11)
+    cache = make_cache(40, 16, 2, 64, torch.float32, gen)
+    qsl, sl, bt = make_batch([20, 7, 33], [1, 3, 1], 16, 40, gen)
+    q = torch.randn(5, 4, 64, generator=gen)
+    before = kernels.paged_attention(q, cache.data, None, qsl, sl, bt, 0.125)
+    used = set()
+    for s, n in enumerate(sl.tolist()):
+        for p in range(n):
+            used.add(int(bt[s, p // 16]) * 16 + p % 16)
+    flat = cache.data.view(2, -1, 2, 64)
+    for slot in range(flat.shape[1]):
+        if slot not in used:
+            flat[:, slot] = 1e4
+    after = kernels.paged_attention(q, cache.data, None, qsl, sl, bt, 0.125)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_invalid_arguments_raise():
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache(8, 16, 2, 64, torch.float32, gen)
+    qsl, sl, bt = make_batch([20], [1], 16, 8, gen)
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="block"):
+        kernels.paged_attention(q, cache.data, None, qsl, sl, bt.clone().fill_(99), 0.1)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.paged_attention(q, cache.data, None, qsl, sl.long(), bt, 0.1)
+    with pytest.raises(RuntimeError, match="queries but seq_len"):
+        kernels.paged_attention(torch.randn(30, 4, 64), cache.data, None, torch.tensor([0, 30], dtype=torch.int32),
+                                sl, bt, 0.1)
+    with pytest.raises(RuntimeError, match="scales"):
+        kernels.paged_attention(q, cache.data, torch.ones(2, 8, 2), qsl, sl, bt, 0.1)
+    with pytest.raises(RuntimeError, match="beyond the cache"):
+        kernels.reshape_and_cache(torch.randn(1, 2, 64), torch.randn(1, 2, 64), cache.data, None,
+                                  torch.tensor([8 * 16]))
+
+
+# ---- reshape_and_cache -------------------------------------------------------------------
+
+def _write_steps(bs, gen):
+    """(slots, magnitude) of successive writes: prefill chunks spanning several blocks, one
+    starting mid-block, decodes of several sequences (one per sequence, some at slot 0 of a
+    block holding a previous owner's values), a chunk restarting a used block."""
+    return [
+        (list(range(3 * bs, 3 * bs + 2 * bs + 5)), 1.0),             # 2 full blocks + 5 tokens
+        (list(range(3 * bs + 2 * bs + 5, 3 * bs + 4 * bs)), 3.0),     # rest of the chunk, mid-block start
+        ([10 * bs + 4, 7 * bs, 3 * bs + 4 * bs], 0.5),                # decodes; 7*bs restarts block 7
+        ([5 * bs + 1], 100.0),                                        # decode raising a block's scale
+        ([7 * bs + 1, 10 * bs + 5, 12 * bs], 1e-3),                   # decodes with tiny values
+        (list(range(4 * bs, 4 * bs + bs // 2)), 2.0),                 # chunk restarting block 4
+    ]
+
+
+@pytest.mark.parametrize("kvdt", [torch.int8, torch.float8_e4m3fn, torch.float32, torch.bfloat16, torch.float16],
+                         ids=str)
+@pytest.mark.parametrize("indt", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bs", [16, 32])
+def test_reshape_and_cache_is_bit_identical_to_kvcache_write(kvdt, indt, bs):
+    kvh, d, nb = 3, 64, 16
+    gen = torch.Generator().manual_seed(bs)
+    init = make_cache(nb, bs, kvh, d, kvdt, gen, magnitude=2.0)   # a previous owner's values
+    ref = KVCache(init.data.clone(), None if init.scales is None else init.scales.clone())
+    nat = KVCache(init.data.clone(), None if init.scales is None else init.scales.clone())
+    for slots, mag in _write_steps(bs, gen):
+        k = (torch.randn(len(slots), kvh, d, generator=gen) * mag).to(indt)
+        v = (torch.randn(len(slots), kvh, d, generator=gen) * mag).to(indt)
+        sm = torch.tensor(slots)
+        ref.write(k, v, sm)
+        kernels.reshape_and_cache(k, v, nat.data, nat.scales, sm)
+        assert torch.equal(nat.data.view(torch.uint8), ref.data.view(torch.uint8))
+        if kvdt in QUANT:
+            assert torch.equal(nat.scales, ref.scales)
+
+
+def test_fp8_scale_at_powers_of_two():
+    """Block amax / 448 exactly at and one float above / below a power of two (where
+    ceil(log2(.)) is decided by the last bit) gives the same scale as KVCache.write."""
+    kvh, d, bs = 1, 8, 16
+    for k in (-20, -3, 0, 1, 5):
+        for step in (-1, 0, 1):
+            p = torch.tensor(448.0 * 2.0 ** k)
+            amax = p if step == 0 else torch.nextafter(p, torch.tensor(float("inf") if step > 0 else 0.0))
+            x = torch.zeros(1, kvh, d)
+            x[0, 0, 3] = amax
+            caches = [KVCache(torch.zeros(2, 2, bs, kvh, d, dtype=torch.float8_e4m3fn), torch.zeros(2, 2, kvh))
+                      for _ in range(2)]
+            caches[0].write(x, -x, torch.tensor([bs]))
+            kernels.reshape_and_cache(x, -x, caches[1].data, caches[1].scales, torch.tensor([bs]))
+            assert torch.equal(caches[0].scales, caches[1].scales), (k, step)
+            assert torch.equal(caches[0].data.view(torch.uint8), caches[1].data.view(torch.uint8))
+
+
+# ---- torch.compile ------------------------------------------------------------------------
+
+def test_compiled_write_and_attend_mutate_the_cache_in_place():
+    """fullgraph compile of write + attention: outputs equal eager, the cache and scales are
+    updated in place, and the generated code allocates nothing of the cache's size (no clone
+    by auto-functionalization)."""
+    from torch._inductor.utils import run_and_get_code
+
+    nb, bs, kvh, d = 4096, 16, 3, 64            # a 75 MiB int8 cache would show in any clone
+    gen = torch.Generator().manual_seed(5)
+    data = torch.zeros(2, nb, bs, kvh, d, dtype=torch.int8)
+    scales = torch.zeros(2, nb, kvh)
+    qsl, sl, bt = make_batch([40, 1], [8, 1], bs, nb, gen)
+    slots = torch.tensor([int(bt[0, p // bs]) * bs + p % bs for p in range(32, 40)]
+                         + [int(bt[1, 0]) * bs], dtype=torch.long)
+
+    def step(q, k, v, data, scales):
+        torch.ops.kvmesh.reshape_and_cache(k, v, data, scales, slots)
+        return torch.ops.kvmesh.paged_attention(q, data, scales, qsl, sl, bt, 0.125) * 2
+
+    q, k, v = torch.randn(9, 9, d, generator=gen), torch.randn(9, kvh, d, generator=gen), torch.randn(9, kvh, d, generator=gen)
+    eager_data, eager_scales = data.clone(), scales.clone()
+    expect = step(q, k, v, eager_data, eager_scales)
+    ptr = data.data_ptr()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    got, codes = run_and_get_code(compiled, q, k, v, data, scales)
+    torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    assert data.data_ptr() == ptr
+    assert torch.equal(data, eager_data) and torch.equal(scales, eager_scales)
+    code = "\n".join(codes)
+    assert "kvmesh.reshape_and_cache" in code and "kvmesh.paged_attention" in code
+    assert not any(f"{2}, {nb}, {bs}, {kvh}, {d}" in ln and ("empty" in ln or "clone" in ln or "copy" in ln)
+                   for ln in code.splitlines())
+
+
+# ---- loader ---------------------------------------------------------------------------------
+
+def _child(env_extra: dict) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **env_extra)
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stderr, level=logging.WARNING)\n"
+            "from workers import kernels; print(kernels.available(), kernels.isa())")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_loader_reuses_the_build_and_honours_the_isa_and_off_switches():
+    r = _child({"KVMESH_KERNEL_ISA": "scalar"})
+    assert r.stdout.split() == ["True", "scalar"], r.stderr
+    assert "compiling" not in r.stderr                   # the build directory's library is reused
+    r = _child({"KVMESH_NATIVE_KERNELS": "0"})
+    assert r.stdout.split() == ["False", "none"], r.stderr
+    assert "KVMESH_NATIVE_KERNELS=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert str(kernels.build_directory()).startswith(os.environ.get("KVMESH_HOME", os.path.expanduser("~/.cache/kvmesh")))
