@@ -8,7 +8,9 @@ Logits tolerance (float32 on both sides, CPU): measured max |ours - transformers
 SmolLM2-135M was 2.6e-5 .. 1.4e-4 (logits of magnitude ~20-35) over prefill, decode and
 prefix-cache-hit/chunked steps; the tiny models reached 1.1e-5. We assert 1e-3 (SmolLM2) and
 1e-4 (tiny models): 7-9x margin over the measurement, still far below any real defect (a wrong
-rope, bias or mask moves logits by >1e-1).
+rope, bias or mask moves logits by >1e-1). The compiled decode step (Inductor's fused loops sum
+in another order; each fused op is within 1 ulp of eager) measured up to 1.3e-3 on SmolLM2 (a
+one-token prompt) and 1.1e-4 typically; its variant asserts 5e-3 (SMOL_ATOL_COMPILED).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 LENGTHS = [1, 15, 16, 17, 31, 32, 33, 100]
 SMOL_ATOL = 1e-3
+SMOL_ATOL_COMPILED = 5e-3
 TINY_ATOL = 1e-4
 
 
@@ -155,7 +158,8 @@ def test_smollm2_logits_close_to_transformers(smol_engine, smol_hf, prose_ids, h
             assert len(captured) == 2
             for k, lg in enumerate(captured):
                 diff = (lg[0] - ref[len(p) - 1 + k]).abs().max().item()
-                assert diff < SMOL_ATOL, f"{rid} step {k}: max abs diff {diff}"
+                atol = SMOL_ATOL_COMPILED if smol_engine.cfg.enable_compile else SMOL_ATOL
+                assert diff < atol, f"{rid} step {k}: max abs diff {diff}"
     finally:
         del smol_engine.executor.runner.model.compute_logits
 

@@ -199,7 +199,7 @@ class ModelRunner:
             # decodes first (stable; a speculating decode is a chunk of 1 + k tokens), then the
             # chunks after cached context; natively, chunks without context (SDPA) go last
             n = len(s.token_ids) + len(s.spec_token_ids)
-            return n != 1, native and s.start == 0 and not quantized
+            return n != 1, native and n != 1 and s.start == 0 and not quantized
 
         seqs = sorted(step.seqs, key=order)
         ids: list[int] = []
