@@ -12,8 +12,9 @@ block tables:
 The reference is the engine's own path, ``workers.layers.attention.paged_attention`` (gather
 through ``KVCache.read`` — dequantizing an int8 cache — then SDPA), called with no new tokens
 to write. Reported: median milliseconds per call over ``--repeats`` runs (after one warm-up),
-the speedup, and the achieved bandwidth of the native kernel in GB/s of K and V read (each
-sequence's K/V bytes once, scales excluded). The CPU model (/proc/cpuinfo) and the kernel path
+the speedup, and for the native kernel the achieved bandwidth in GB/s of K and V read (each
+sequence's K/V bytes once, scales excluded) and GFLOP/s (4 * H * D per query and visible key:
+QK^T and PV). The CPU model (/proc/cpuinfo) and the kernel path
 are printed first.
 """
 
@@ -90,7 +91,8 @@ def case(model: str, kv_dtype: torch.dtype, batch: int, ctx: int, n_new: int, re
     ref_ms = _median_ms(lambda: paged_attention(q, empty, empty, cache, md, scale), repeats)
     nat_ms = _median_ms(lambda: kernels.paged_attention(q, cache.data, cache.scales, qsl, lens, bt, scale), repeats)
     kv_bytes = 2 * batch * total * kvh * d * cache.data.element_size()
-    return {"model": model, "kv": str(kv_dtype).removeprefix("torch."), "batch": batch, "ctx": ctx, "new": n_new,
+    flops = 4 * batch * h * d * sum(ctx + i + 1 for i in range(n_new))      # QK^T and PV, causal
+    return {"gflops": flops / nat_ms / 1e6, "model": model, "kv": str(kv_dtype).removeprefix("torch."), "batch": batch, "ctx": ctx, "new": n_new,
             "ref_ms": ref_ms, "native_ms": nat_ms, "speedup": ref_ms / nat_ms, "gbps": kv_bytes / nat_ms / 1e6}
 
 
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {cpu_model()}  threads: {torch.get_num_threads()}  kernel path: {kernels.isa()} "
           f"(CPU supports {kernels.cpu_isa()})  torch {torch.__version__}")
     print("q bfloat16, block size 16, median of", args.repeats, "calls per layer\n")
-    hdr = f"{'model':14} {'kv':9} {'batch':>5} {'ctx':>5} {'new':>4} {'ref ms':>8} {'native ms':>9} {'speedup':>7} {'GB/s':>6}"
+    hdr = f"{'model':14} {'kv':9} {'batch':>5} {'ctx':>5} {'new':>4} {'ref ms':>8} {'native ms':>9} {'speedup':>7} {'GB/s':>6} {'GFLOP/s':>7}"
     print(hdr)
     print("-" * len(hdr))
     gen = torch.Generator().manual_seed(0)
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             for batch, ctx, new in ((1, 1599, 1), (8, 1599, 1), (32, 1599, 1), (1, 1400, 256)):
                 r = case(model, kv, batch, ctx, new, args.repeats, gen)
                 print(f"{r['model']:14} {r['kv']:9} {r['batch']:5d} {r['ctx'] + r['new']:5d} {r['new']:4d} "
-                      f"{r['ref_ms']:8.3f} {r['native_ms']:9.3f} {r['speedup']:6.2f}x {r['gbps']:6.1f}", flush=True)
+                      f"{r['ref_ms']:8.3f} {r['native_ms']:9.3f} {r['speedup']:6.2f}x {r['gbps']:6.1f} {r['gflops']:7.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ struct Kernel {
     float alpha[RT];
     // few rows (decode): dot products on row-major K and V read from the cache inside P V;
     // else K transposed for the 4 x 2W register tiles and V converted once per chunk
-    const bool rowdot = Simd::kRowDot && M <= RT;
+    const bool rowdot = Simd::kRowDot && M <= 2 * RT;
     for (int b0 = it.key0; b0 < key_end; b0 += CK) {
       const int nj = key_end - b0 < CK ? key_end - b0 : CK;
       for (int j0 = 0; j0 < nj; j0 += BS) {
