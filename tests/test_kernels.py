@@ -263,9 +263,9 @@ def test_compiled_write_and_attend_mutate_the_cache_in_place():
     slots = torch.tensor([int(bt[0, p // bs]) * bs + p % bs for p in range(32, 40)]
                          + [int(bt[1, 0]) * bs], dtype=torch.long)
 
-    def step(q, k, v, data, scales):
-        torch.ops.kvmesh.reshape_and_cache(k, v, data, scales, slots)
-        return torch.ops.kvmesh.paged_attention(q, data, scales, qsl, sl, bt, 0.125) * 2
+    def step(q, k, v, data, scales):            # through the Python wrappers (traced without breaks)
+        kernels.reshape_and_cache(k, v, data, scales, slots)
+        return kernels.paged_attention(q, data, scales, qsl, sl, bt, 0.125) * 2
 
     q, k, v = torch.randn(9, 9, d, generator=gen), torch.randn(9, kvh, d, generator=gen), torch.randn(9, kvh, d, generator=gen)
     eager_data, eager_scales = data.clone(), scales.clone()

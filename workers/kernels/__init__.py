@@ -143,6 +143,8 @@ def set_isa(name: str) -> str:
 
 
 def _require():
+    if torch.compiler.is_compiling():     # traced by torch.compile: the ops were loaded to get here
+        return
     if _load() is None:
         raise RuntimeError(f"kvmesh native kernels unavailable: {_state['reason']}")
 
