@@ -296,6 +296,8 @@ def test_loader_reuses_the_build_and_honours_the_isa_and_off_switches():
     r = _child({"KVMESH_KERNEL_ISA": "scalar"})
     assert r.stdout.split() == ["True", "scalar"], r.stderr
     assert "compiling" not in r.stderr                   # the build directory's library is reused
+    r = _child({"KVMESH_KERNEL_ISA": "avx9000"})
+    assert r.stdout.split() == ["True", kernels.cpu_isa()] and "unknown KVMESH_KERNEL_ISA" in r.stderr, r.stderr
     r = _child({"KVMESH_NATIVE_KERNELS": "0"})
     assert r.stdout.split() == ["False", "none"], r.stderr
     assert "KVMESH_NATIVE_KERNELS=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #if KVMESH_ISA > 0
 #include <immintrin.h>
 #endif
@@ -133,6 +134,7 @@ struct Kernel {
     // scratch: Q, O [M, D]; S [M, BSp]; m, l, lim [M]; KT [D, BSp]; tmp, Vf [BSp, D]
     size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * (D * 3 + 4) + 64;
     float* buf = (float*)std::aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64);
+    if (buf == nullptr) throw std::bad_alloc();    // at::parallel_for rethrows it to the caller
     float *Q = buf, *O = Q + M * D, *S = O + M * D, *mx = S + M * BSp, *sum = mx + M;
     int32_t* lim = (int32_t*)(sum + M);
     float *KT = (float*)(lim + M), *tmp = KT + BSp * D, *Vf = tmp + BSp * D, *vsc = Vf + BSp * D;
@@ -173,6 +175,17 @@ struct Kernel {
           ks = a.scales[pb * a.KVH + it.head];
           vs = a.scales[a.sc_half + pb * a.KVH + it.head];
         }
+        // prefetch the matching block of the next chunk while this one is converted and used
+        if (b0 + CK + j0 < key_end) {
+          const int pn = key_end - (b0 + CK + j0) < BS ? key_end - (b0 + CK + j0) : BS;
+          const char* kp = (const char*)a.kv + (int64_t(table[(b0 + CK + j0) / BS]) * BS * tok_st + int64_t(it.head) * D) * esize;
+          const char* vp = kp + a.kv_half * esize;
+          for (int j = 0; j < pn; ++j)
+            for (int64_t c = 0; c < int64_t(D) * esize; c += 64) {
+              __builtin_prefetch(kp + j * tok_st * esize + c);
+              __builtin_prefetch(vp + j * tok_st * esize + c);
+            }
+        }
         load_rows(a.kv, off, tok_st, n, D, ks, tmp + j0 * D);
         if (rowdot) {
           for (int j = 0; j < n; ++j) {
@@ -187,18 +200,6 @@ struct Kernel {
       if (!rowdot) {
         std::memset(Vf + nj * D, 0, sizeof(float) * (BSp - nj) * D);
         Simd::transpose(tmp, BSp, D, KT, BSp);
-      }
-      // prefetch the next chunk's K/V rows while this one is computed
-      const int pend = key_end - (b0 + CK) < CK ? key_end - (b0 + CK) : CK;
-      for (int j = 0; j < pend; ++j) {
-        const int key = b0 + CK + j;
-        const int64_t e = (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D;
-        const char* kp = (const char*)a.kv + e * esize;
-        const char* vp = (const char*)a.kv + (a.kv_half + e) * esize;
-        for (int64_t c = 0; c < int64_t(D) * esize; c += 64) {
-          __builtin_prefetch(kp + c);
-          __builtin_prefetch(vp + c);
-        }
       }
       for (int r0 = 0; r0 < M; r0 += RT) {
         const int rr = M - r0 < RT ? M - r0 : RT;
