@@ -4,8 +4,8 @@
 // One work item = `nrows` query rows (token x query head of one KV head) against the keys
 // [key0, key1) of one key sequence, walked in chunks of whole cache blocks (>= 64 keys) (FlashAttention-2's online
 // softmax, Dao 2023): per chunk, K is dequantized/converted to float32 once and transposed to
-// [D, keys], V to [keys, D]; then for every row tile S = Q K^T (4 rows x 2 vectors of keys per
-// register tile), the running max / sum / output are rescaled and O += P V (4 rows x 2 vectors
+// [D, keys], V to [keys, D]; then for every row tile S = Q K^T (6 rows x 2 vectors of keys per
+// register tile), the running max / sum / output are rescaled and O += P V (6 rows x 2 vectors
 // of D). All query heads sharing the KV head (GQA) and all members of a cascade group are rows
 // of the same item, so each K/V block is read from memory once per item. Results are either
 // final (written to `out` in q's dtype) or a partial (normalised output + log-sum-exp, merged
@@ -26,7 +26,7 @@ namespace KVMESH_NS {
 
 #include "isa_traits.h"
 
-constexpr int RT = 4;     // rows per register tile
+constexpr int RT = 6;     // rows per register tile (6 x 2 vectors: 12 accumulators)
 
 template <int KVD>
 struct Kernel {
@@ -163,7 +163,7 @@ struct Kernel {
     float alpha[RT];
     // few rows (decode): dot products on row-major K and V read from the cache inside P V;
     // else K transposed for the 4 x 2W register tiles and V converted once per chunk
-    const bool rowdot = Simd::kRowDot && M <= 2 * RT;
+    const bool rowdot = Simd::kRowDot && M <= 8;
     for (int b0 = it.key0; b0 < key_end; b0 += CK) {
       const int nj = key_end - b0 < CK ? key_end - b0 : CK;
       for (int j0 = 0; j0 < nj; j0 += BS) {
@@ -207,6 +207,8 @@ struct Kernel {
         if (rowdot) {
           for (int r = 0; r < rr; ++r) Simd::dots(Q + (r0 + r) * D, tmp, D, (nj + 7) / 8 * 8, s + r * BSp);
         } else switch (rr) {
+          case 6: qk_rows<6>(Q + r0 * D, D, KT, BSp, s, BSp); break;
+          case 5: qk_rows<5>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 4: qk_rows<4>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 3: qk_rows<3>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 2: qk_rows<2>(Q + r0 * D, D, KT, BSp, s, BSp); break;
@@ -241,6 +243,8 @@ struct Kernel {
           mx[r0 + r] = mnew;
         }
         switch (rr) {
+          case 6: pv_any<6>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
+          case 5: pv_any<5>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
           case 4: pv_any<4>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
           case 3: pv_any<3>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
           case 2: pv_any<2>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
