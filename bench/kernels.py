@@ -12,9 +12,11 @@ block tables:
 The reference is the engine's own path, ``workers.layers.attention.paged_attention`` (gather
 through ``KVCache.read`` — dequantizing an int8 cache — then SDPA), called with no new tokens
 to write. Reported: median milliseconds per call over ``--repeats`` runs (after one warm-up),
-the speedup, and the achieved bandwidth of the native kernel in GB/s of K and V read (each
-sequence's K/V bytes once, scales excluded). The CPU model (/proc/cpuinfo) and the kernel path
-are printed first.
+the speedup, and for the native kernel the achieved bandwidth in GB/s of K and V read (each
+sequence's K/V bytes once, scales excluded) and GFLOP/s (4 * H * D per query and visible key:
+QK^T and PV). The CPU model (/proc/cpuinfo) and the kernel path
+are printed first. A second table times the KV cache write (``kvmesh::reshape_and_cache`` vs
+``KVCache.write``) for 32 decode tokens and one 256-token chunk.
 """
 
 from __future__ import annotations
@@ -90,8 +92,31 @@ def case(model: str, kv_dtype: torch.dtype, batch: int, ctx: int, n_new: int, re
     ref_ms = _median_ms(lambda: paged_attention(q, empty, empty, cache, md, scale), repeats)
     nat_ms = _median_ms(lambda: kernels.paged_attention(q, cache.data, cache.scales, qsl, lens, bt, scale), repeats)
     kv_bytes = 2 * batch * total * kvh * d * cache.data.element_size()
-    return {"model": model, "kv": str(kv_dtype).removeprefix("torch."), "batch": batch, "ctx": ctx, "new": n_new,
+    flops = 4 * batch * h * d * sum(ctx + i + 1 for i in range(n_new))      # QK^T and PV, causal
+    return {"gflops": flops / nat_ms / 1e6, "model": model, "kv": str(kv_dtype).removeprefix("torch."), "batch": batch, "ctx": ctx, "new": n_new,
             "ref_ms": ref_ms, "native_ms": nat_ms, "speedup": ref_ms / nat_ms, "gbps": kv_bytes / nat_ms / 1e6}
+
+
+def write_case(model: str, kv_dtype: torch.dtype, batch: int, n_new: int, repeats: int, gen: torch.Generator) -> dict:
+    """``KVCache.write`` vs ``kvmesh::reshape_and_cache``: ``batch`` sequences writing
+    ``n_new`` tokens each at random positions of their own blocks (bfloat16 K/V)."""
+    from workers import kernels
+
+    _, kvh, d = MODELS[model]
+    per_seq = (n_new + BS - 1) // BS + 1
+    cache = _cache(batch * per_seq + 8, kvh, d, kv_dtype, gen)
+    perm = torch.randperm(cache.data.shape[1], generator=gen)
+    slots = []
+    for i in range(batch):
+        start = int(torch.randint(1, BS, (1,), generator=gen))      # mid-block, as in decode
+        blocks = perm[i * per_seq:(i + 1) * per_seq]
+        slots += [int(blocks[(start + j) // BS]) * BS + (start + j) % BS for j in range(n_new)]
+    sm = torch.tensor(slots)
+    k = torch.randn(len(slots), kvh, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(len(slots), kvh, d, generator=gen).to(torch.bfloat16)
+    ref_ms = _median_ms(lambda: cache.write(k, v, sm), repeats)
+    nat_ms = _median_ms(lambda: kernels.reshape_and_cache(k, v, cache.data, cache.scales, sm), repeats)
+    return {"ref_ms": ref_ms, "native_ms": nat_ms}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU: {cpu_model()}  threads: {torch.get_num_threads()}  kernel path: {kernels.isa()} "
           f"(CPU supports {kernels.cpu_isa()})  torch {torch.__version__}")
     print("q bfloat16, block size 16, median of", args.repeats, "calls per layer\n")
-    hdr = f"{'model':14} {'kv':9} {'batch':>5} {'ctx':>5} {'new':>4} {'ref ms':>8} {'native ms':>9} {'speedup':>7} {'GB/s':>6}"
+    hdr = f"{'model':14} {'kv':9} {'batch':>5} {'ctx':>5} {'new':>4} {'ref ms':>8} {'native ms':>9} {'speedup':>7} {'GB/s':>6} {'GFLOP/s':>7}"
     print(hdr)
     print("-" * len(hdr))
     gen = torch.Generator().manual_seed(0)
@@ -120,7 +145,14 @@ def main(argv: list[str] | None = None) -> None:
             for batch, ctx, new in ((1, 1599, 1), (8, 1599, 1), (32, 1599, 1), (1, 1400, 256)):
                 r = case(model, kv, batch, ctx, new, args.repeats, gen)
                 print(f"{r['model']:14} {r['kv']:9} {r['batch']:5d} {r['ctx'] + r['new']:5d} {r['new']:4d} "
-                      f"{r['ref_ms']:8.3f} {r['native_ms']:9.3f} {r['speedup']:6.2f}x {r['gbps']:6.1f}", flush=True)
+                      f"{r['ref_ms']:8.3f} {r['native_ms']:9.3f} {r['speedup']:6.2f}x {r['gbps']:6.1f} {r['gflops']:7.1f}", flush=True)
+    print("\nKV cache write (reshape_and_cache vs KVCache.write), bfloat16 K/V, per layer call")
+    for model in args.models:
+        for kv in (torch.bfloat16, torch.int8):
+            for batch, new in ((32, 1), (1, 256)):
+                r = write_case(model, kv, batch, new, args.repeats, gen)
+                print(f"{model:14} {str(kv).removeprefix('torch.'):9} {batch:5d} seqs x {new:3d} tokens "
+                      f"{r['ref_ms']:8.3f} ms -> {r['native_ms']:7.3f} ms  {r['ref_ms'] / r['native_ms']:6.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def check(out, ref, low_precision):
 
 # (H, KVH, D, BS): GQA ratios 1, 3, 4, 8; head dims 64, 128; block sizes 16, 32
 SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 32), (8, 1, 64, 32), (12, 4, 128, 16)]
-DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
           (torch.bfloat16, torch.int8), (torch.float32, torch.int8), (torch.float32, torch.float8_e4m3fn)]
 
 
@@ -98,7 +98,7 @@ def test_mixed_batch_matches_reference(isa, shape, qdt, kvdt):
     q = torch.randn(int(qsl[-1]), h, d, generator=gen).to(qdt)
     out = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5)
     ref = paged_attention_ref(q.float(), cache.data, cache.scales, qsl, sl, bt, d ** -0.5, compute_dtype=torch.float32)
-    check(out, ref, qdt != torch.float32 or kvdt in (torch.bfloat16, torch.float16))
+    check(out, ref, qdt != torch.float32 or kvdt == torch.bfloat16)
 
 
 @pytest.mark.parametrize("kvdt", [torch.float32, torch.int8], ids=str)
@@ -212,7 +212,7 @@ def _write_steps(bs, gen):
                          ids=str)
 @pytest.mark.parametrize("indt", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bs", [16, 32])
-def test_reshape_and_cache_is_bit_identical_to_kvcache_write(kvdt, indt, bs):
+def test_reshape_and_cache_is_bit_identical_to_kvcache_write(isa, kvdt, indt, bs):
     kvh, d, nb = 3, 64, 16
     gen = torch.Generator().manual_seed(bs)
     init = make_cache(nb, bs, kvh, d, kvdt, gen, magnitude=2.0)   # a previous owner's values
@@ -229,7 +229,7 @@ def test_reshape_and_cache_is_bit_identical_to_kvcache_write(kvdt, indt, bs):
             assert torch.equal(nat.scales, ref.scales)
 
 
-def test_fp8_scale_at_powers_of_two():
+def test_fp8_scale_at_powers_of_two(isa):
     """Block amax / 448 exactly at and one float above / below a power of two (where
     ceil(log2(.)) is decided by the last bit) gives the same scale as KVCache.write."""
     kvh, d, bs = 1, 8, 16
@@ -263,9 +263,9 @@ def test_compiled_write_and_attend_mutate_the_cache_in_place():
     slots = torch.tensor([int(bt[0, p // bs]) * bs + p % bs for p in range(32, 40)]
                          + [int(bt[1, 0]) * bs], dtype=torch.long)
 
-    def step(q, k, v, data, scales):
-        torch.ops.kvmesh.reshape_and_cache(k, v, data, scales, slots)
-        return torch.ops.kvmesh.paged_attention(q, data, scales, qsl, sl, bt, 0.125) * 2
+    def step(q, k, v, data, scales):            # through the Python wrappers (traced without breaks)
+        kernels.reshape_and_cache(k, v, data, scales, slots)
+        return kernels.paged_attention(q, data, scales, qsl, sl, bt, 0.125) * 2
 
     q, k, v = torch.randn(9, 9, d, generator=gen), torch.randn(9, kvh, d, generator=gen), torch.randn(9, kvh, d, generator=gen)
     eager_data, eager_scales = data.clone(), scales.clone()
@@ -296,6 +296,8 @@ def test_loader_reuses_the_build_and_honours_the_isa_and_off_switches():
     r = _child({"KVMESH_KERNEL_ISA": "scalar"})
     assert r.stdout.split() == ["True", "scalar"], r.stderr
     assert "compiling" not in r.stderr                   # the build directory's library is reused
+    r = _child({"KVMESH_KERNEL_ISA": "avx9000"})
+    assert r.stdout.split() == ["True", kernels.cpu_isa()] and "unknown KVMESH_KERNEL_ISA" in r.stderr, r.stderr
     r = _child({"KVMESH_NATIVE_KERNELS": "0"})
     assert r.stdout.split() == ["False", "none"], r.stderr
     assert "KVMESH_NATIVE_KERNELS=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1

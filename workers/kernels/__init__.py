@@ -89,9 +89,14 @@ def _load():
             return None
         _register_fakes()
         want = os.environ.get("KVMESH_KERNEL_ISA", "auto")
-        got = _state["module"].set_isa(want)
-        if want not in ("auto", "", got):
-            log.warning("kvmesh: KVMESH_KERNEL_ISA=%s is not supported by this CPU; using %s", want, got)
+        try:
+            got = _state["module"].set_isa(want)
+        except RuntimeError:
+            got = _state["module"].set_isa("auto")
+            log.warning("kvmesh: unknown KVMESH_KERNEL_ISA=%s (scalar, avx2, avx512 or auto); using %s", want, got)
+        else:
+            if want not in ("auto", "", got):
+                log.warning("kvmesh: KVMESH_KERNEL_ISA=%s is not supported by this CPU; using %s", want, got)
         return _state["module"]
 
 
@@ -143,6 +148,8 @@ def set_isa(name: str) -> str:
 
 
 def _require():
+    if torch.compiler.is_compiling():     # traced by torch.compile: the ops were loaded to get here
+        return
     if _load() is None:
         raise RuntimeError(f"kvmesh native kernels unavailable: {_state['reason']}")
 

@@ -154,15 +154,16 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
 
   Plan plan;
   // prefix items first (their partials are needed by every member's merge)
-  std::vector<int64_t> prefix_part;   // [g * KVH + h] -> list start in prefix_srcs
   std::vector<std::vector<int64_t>> prefix_srcs(NG * KVH);
   for (int64_t g = 0; g < NG; ++g) {
     const int rows = (gstart[g + 1] - gstart[g]) * G;
     if (rows == 0 || pl[g] == 0) continue;
     auto b = cut(pl[g], nsplit(pl[g], rows), int(BS));
-    for (int64_t h = 0; h < KVH; ++h)
-      for (size_t i = 0; i + 1 < b.size(); ++i) {
-        prefix_srcs[g * KVH + h].push_back(plan.part_rows);
+    const size_t ns = b.size() - 1;
+    for (int64_t h = 0; h < KVH; ++h) prefix_srcs[g * KVH + h].resize(ns);
+    for (size_t i = 0; i < ns; ++i)            // heads of one key range adjacent: they share cache lines
+      for (int64_t h = 0; h < KVH; ++h) {
+        prefix_srcs[g * KVH + h][i] = plan.part_rows;
         plan.items.push_back({1, int32_t(g), int32_t(h), 0, rows, b[i], b[i + 1], plan.part_rows});
         plan.part_rows += rows;
       }
@@ -176,17 +177,19 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
       const int32_t keys = sl[s] - n + (r0 + nr - 1) / G + 1;     // keys the chunk's last row sees
       auto b = cut(keys, nsplit(keys, nr), int(BS));
       const bool direct = b.size() == 2 && !has_prefix(s);
+      const size_t ns = b.size() - 1;
+      std::vector<int64_t> parts(KVH * ns);
+      for (size_t i = 0; i < ns; ++i)          // heads of one key range adjacent: they share cache lines
+        for (int64_t h = 0; h < KVH; ++h) {
+          const int64_t part = direct ? -1 : plan.part_rows;
+          parts[h * ns + i] = part;
+          plan.items.push_back({0, int32_t(s), int32_t(h), r0, nr, b[i], b[i + 1], part});
+          if (!direct) plan.part_rows += nr;
+        }
+      if (direct) continue;
       for (int64_t h = 0; h < KVH; ++h) {
         Plan::Merge m{int32_t(s), int32_t(h), r0, nr, int32_t(plan.srcs.size()), 0};
-        for (size_t i = 0; i + 1 < b.size(); ++i) {
-          int64_t part = direct ? -1 : plan.part_rows;
-          plan.items.push_back({0, int32_t(s), int32_t(h), r0, nr, b[i], b[i + 1], part});
-          if (!direct) {
-            plan.srcs.push_back(part);
-            plan.part_rows += nr;
-          }
-        }
-        if (direct) continue;
+        for (size_t i = 0; i < ns; ++i) plan.srcs.push_back(parts[h * ns + i]);
         if (has_prefix(s))
           for (int64_t p : prefix_srcs[pg[s] * KVH + h]) plan.srcs.push_back(p + member_row0[s] + r0);
         m.src1 = int32_t(plan.srcs.size());

@@ -4,8 +4,8 @@
 // One work item = `nrows` query rows (token x query head of one KV head) against the keys
 // [key0, key1) of one key sequence, walked in chunks of whole cache blocks (>= 64 keys) (FlashAttention-2's online
 // softmax, Dao 2023): per chunk, K is dequantized/converted to float32 once and transposed to
-// [D, keys], V to [keys, D]; then for every row tile S = Q K^T (4 rows x 2 vectors of keys per
-// register tile), the running max / sum / output are rescaled and O += P V (4 rows x 2 vectors
+// [D, keys], V to [keys, D]; then for every row tile S = Q K^T (6 rows x 2 vectors of keys per
+// register tile), the running max / sum / output are rescaled and O += P V (6 rows x 2 vectors
 // of D). All query heads sharing the KV head (GQA) and all members of a cascade group are rows
 // of the same item, so each K/V block is read from memory once per item. Results are either
 // final (written to `out` in q's dtype) or a partial (normalised output + log-sum-exp, merged
@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #if KVMESH_ISA > 0
 #include <immintrin.h>
 #endif
@@ -25,7 +26,7 @@ namespace KVMESH_NS {
 
 #include "isa_traits.h"
 
-constexpr int RT = 4;     // rows per register tile
+constexpr int RT = 6;     // rows per register tile (6 x 2 vectors: 12 accumulators)
 
 template <int KVD>
 struct Kernel {
@@ -133,6 +134,7 @@ struct Kernel {
     // scratch: Q, O [M, D]; S [M, BSp]; m, l, lim [M]; KT [D, BSp]; tmp, Vf [BSp, D]
     size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * (D * 3 + 4) + 64;
     float* buf = (float*)std::aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64);
+    if (buf == nullptr) throw std::bad_alloc();    // at::parallel_for rethrows it to the caller
     float *Q = buf, *O = Q + M * D, *S = O + M * D, *mx = S + M * BSp, *sum = mx + M;
     int32_t* lim = (int32_t*)(sum + M);
     float *KT = (float*)(lim + M), *tmp = KT + BSp * D, *Vf = tmp + BSp * D, *vsc = Vf + BSp * D;
@@ -161,7 +163,7 @@ struct Kernel {
     float alpha[RT];
     // few rows (decode): dot products on row-major K and V read from the cache inside P V;
     // else K transposed for the 4 x 2W register tiles and V converted once per chunk
-    const bool rowdot = Simd::kRowDot && M <= RT;
+    const bool rowdot = Simd::kRowDot && M <= 8;
     for (int b0 = it.key0; b0 < key_end; b0 += CK) {
       const int nj = key_end - b0 < CK ? key_end - b0 : CK;
       for (int j0 = 0; j0 < nj; j0 += BS) {
@@ -172,6 +174,17 @@ struct Kernel {
         if (a.scales) {
           ks = a.scales[pb * a.KVH + it.head];
           vs = a.scales[a.sc_half + pb * a.KVH + it.head];
+        }
+        // prefetch the matching block of the next chunk while this one is converted and used
+        if (b0 + CK + j0 < key_end) {
+          const int pn = key_end - (b0 + CK + j0) < BS ? key_end - (b0 + CK + j0) : BS;
+          const char* kp = (const char*)a.kv + (int64_t(table[(b0 + CK + j0) / BS]) * BS * tok_st + int64_t(it.head) * D) * esize;
+          const char* vp = kp + a.kv_half * esize;
+          for (int j = 0; j < pn; ++j)
+            for (int64_t c = 0; c < int64_t(D) * esize; c += 64) {
+              __builtin_prefetch(kp + j * tok_st * esize + c);
+              __builtin_prefetch(vp + j * tok_st * esize + c);
+            }
         }
         load_rows(a.kv, off, tok_st, n, D, ks, tmp + j0 * D);
         if (rowdot) {
@@ -188,24 +201,14 @@ struct Kernel {
         std::memset(Vf + nj * D, 0, sizeof(float) * (BSp - nj) * D);
         Simd::transpose(tmp, BSp, D, KT, BSp);
       }
-      // prefetch the next chunk's K/V rows while this one is computed
-      const int pend = key_end - (b0 + CK) < CK ? key_end - (b0 + CK) : CK;
-      for (int j = 0; j < pend; ++j) {
-        const int key = b0 + CK + j;
-        const int64_t e = (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D;
-        const char* kp = (const char*)a.kv + e * esize;
-        const char* vp = (const char*)a.kv + (a.kv_half + e) * esize;
-        for (int64_t c = 0; c < int64_t(D) * esize; c += 64) {
-          __builtin_prefetch(kp + c);
-          __builtin_prefetch(vp + c);
-        }
-      }
       for (int r0 = 0; r0 < M; r0 += RT) {
         const int rr = M - r0 < RT ? M - r0 : RT;
         float* s = S + r0 * BSp;
         if (rowdot) {
           for (int r = 0; r < rr; ++r) Simd::dots(Q + (r0 + r) * D, tmp, D, (nj + 7) / 8 * 8, s + r * BSp);
         } else switch (rr) {
+          case 6: qk_rows<6>(Q + r0 * D, D, KT, BSp, s, BSp); break;
+          case 5: qk_rows<5>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 4: qk_rows<4>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 3: qk_rows<3>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 2: qk_rows<2>(Q + r0 * D, D, KT, BSp, s, BSp); break;
@@ -240,6 +243,8 @@ struct Kernel {
           mx[r0 + r] = mnew;
         }
         switch (rr) {
+          case 6: pv_any<6>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
+          case 5: pv_any<5>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
           case 4: pv_any<4>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
           case 3: pv_any<3>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
           case 2: pv_any<2>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;

@@ -5,56 +5,42 @@
 // (it starts over), place the new tokens (float32), amax over the block's slots and D,
 //   int8: scale = max(amax / 127, 2^-60), q = clamp(round_half_even(x / scale), +-127)
 //   fp8:  scale = exp2(ceil(log2(max(amax / 448, 2^-60)))), q = e4m3(clamp(x / scale, +-448))
-// (same float32 operations in the same order, so the stored bytes and scales are identical).
+// (same float32 operations in the same order, so the stored bytes and scales are identical;
+// the per-element loops are in requant.h, scalar and AVX2 by the active ISA path).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "dispatch.h"
+
 namespace kvmesh {
+
+float requantize_scalar(int q8, uint8_t* blk, int64_t st, int64_t BS, int64_t D, float s_old, bool restart,
+                        const float* const* rows, const int32_t* offs, int64_t n, float* buf);
+float requantize_avx2(int q8, uint8_t* blk, int64_t st, int64_t BS, int64_t D, float s_old, bool restart,
+                      const float* const* rows, const int32_t* offs, int64_t n, float* buf);
 
 namespace {
 
-template <typename Q>
-void requantize_block(Q* data, float* scales, const float* k, const float* v, const int64_t* toks,
-                      const int32_t* offs, int64_t ntok, int64_t b, int64_t NB, int64_t BS, int64_t KVH,
-                      int64_t D, float* buf) {
+// One touched block: K and V, every KV head (see the file comment)
+void requantize_block(int q8, uint8_t* data, float* scales, const float* k, const float* v, const int64_t* toks,
+                      const int32_t* offs, int64_t ntok, int64_t b, int64_t NB, int64_t BS, int64_t KVH, int64_t D,
+                      float* buf, std::vector<const float*>& rows, bool avx2) {
   const bool restart = std::any_of(offs, offs + ntok, [](int32_t o) { return o == 0; });
   const int64_t half = NB * BS * KVH * D;
+  rows.resize(ntok);
   for (int kv = 0; kv < 2; ++kv) {
-    Q* blk = data + kv * half + b * BS * KVH * D;
+    uint8_t* blk = data + kv * half + b * BS * KVH * D;
     float* sc = scales + kv * NB * KVH + b * KVH;
     const float* src = kv == 0 ? k : v;
     for (int64_t h = 0; h < KVH; ++h) {
-      const float s_old = sc[h];
-      for (int64_t j = 0; j < BS; ++j)
-        for (int64_t d = 0; d < D; ++d)
-          buf[j * D + d] = restart ? 0.f : static_cast<float>(blk[(j * KVH + h) * D + d]) * s_old;
-      for (int64_t i = 0; i < ntok; ++i)
-        std::memcpy(buf + offs[i] * D, src + (toks[i] * KVH + h) * D, sizeof(float) * D);
-      float amax = 0.f;
-      for (int64_t e = 0; e < BS * D; ++e) amax = std::max(amax, std::fabs(buf[e]));
-      float scale;
-      if constexpr (std::is_same_v<Q, int8_t>) {
-        scale = std::max(amax / 127.0f, 0x1p-60f);
-        for (int64_t j = 0; j < BS; ++j)
-          for (int64_t d = 0; d < D; ++d) {
-            float x = std::nearbyint(buf[j * D + d] / scale);
-            blk[(j * KVH + h) * D + d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, x)));
-          }
-      } else {
-        scale = std::exp2(std::ceil(std::log2(std::max(amax / 448.0f, 0x1p-60f))));
-        for (int64_t j = 0; j < BS; ++j)
-          for (int64_t d = 0; d < D; ++d) {
-            float x = std::min(448.f, std::max(-448.f, buf[j * D + d] / scale));
-            blk[(j * KVH + h) * D + d] = c10::Float8_e4m3fn(x);
-          }
-      }
-      sc[h] = scale;
+      for (int64_t i = 0; i < ntok; ++i) rows[i] = src + (toks[i] * KVH + h) * D;
+      sc[h] = (avx2 ? requantize_avx2 : requantize_scalar)(q8, blk + h * D, KVH * D, BS, D, sc[h], restart,
+                                                            rows.data(), offs, ntok, buf);
     }
   }
 }
@@ -118,14 +104,16 @@ void reshape_and_cache_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor&
   float* sc = scales->data_ptr<float>();
   const float* kp = kf.data_ptr<float>();
   const float* vp = vf.data_ptr<float>();
+  const int q8 = dt == at::kChar ? 0 : 1;
+  const bool avx2 = active_isa() >= ISA_AVX2;
+  uint8_t* data = static_cast<uint8_t*>(kv_data.data_ptr());
   at::parallel_for(0, int64_t(starts.size()) - 1, 1, [&](int64_t b, int64_t e) {
     std::vector<float> buf(BS * D);
+    std::vector<const float*> rows;
     for (int64_t u = b; u < e; ++u) {
       const int64_t i0 = starts[u], n = starts[u + 1] - i0, blk = sl[order[i0]] / BS;
-      if (dt == at::kChar)
-        requantize_block(kv_data.data_ptr<int8_t>(), sc, kp, vp, order.data() + i0, offs.data() + i0, n, blk, NB, BS, KVH, D, buf.data());
-      else
-        requantize_block(kv_data.data_ptr<c10::Float8_e4m3fn>(), sc, kp, vp, order.data() + i0, offs.data() + i0, n, blk, NB, BS, KVH, D, buf.data());
+      requantize_block(q8, data, sc, kp, vp, order.data() + i0, offs.data() + i0, n, blk, NB, BS, KVH, D,
+                       buf.data(), rows, avx2);
     }
   });
 }
