@@ -106,7 +106,7 @@ def available() -> bool:
 
 
 def _require() -> None:
-    if not available():
+    if _state.get("lib") is None and not available():
         raise RuntimeError("kvmesh gemm kernels are not available (see the warning above)")
 
 
@@ -142,8 +142,10 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
             unknown or unsupported ``KVMESH_KERNEL_ISA``.
     """
     _require()
+    if x.dim() == 2:      # the decode path: no reshapes (each costs ~1 us of Python)
+        return torch.ops.kvmesh.bf16_linear.default(x, packed, n, bias)
     lead = x.shape[:-1]
-    y = torch.ops.kvmesh.bf16_linear(x.reshape(-1, x.shape[-1]), packed, n, bias)
+    y = torch.ops.kvmesh.bf16_linear.default(x.reshape(-1, x.shape[-1]), packed, n, bias)
     return y.reshape(*lead, n)
 
 

@@ -6,8 +6,9 @@
 // MC rows x 32 columns (two 16-column panels), contiguous task ranges go to threads
 // (at::parallel_for), and each thread loops k-blocks (KC) outside its panel groups so that its
 // MC x KC slice of x stays in L2 while the KC x 32 weight slice of a group stays in L1 across
-// the MR-row blocks of the micro-kernel. For M <= kSmallM the whole K is one block and each
-// thread streams its contiguous share of the packed weight once (decode is bandwidth-bound).
+// the MR-row blocks of the micro-kernel. While a task's x slice (MC x K fp32) fits in L2 -- always
+// at decode sizes -- the whole K is one block and each thread streams its contiguous share of
+// the packed weight once (decode is bandwidth-bound).
 // The micro-kernel (micro_*.cpp) is chosen at run time from the CPU's features.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,9 +68,9 @@ const MicroTable& table_for(Isa isa) {
   return scalar_table();
 }
 
-constexpr int64_t kSmallM = 16;   // up to this many rows: one k-block, one row chunk
-constexpr int64_t kMC = 96;       // rows per task for larger M (x slice MC x KC fp32 in L2)
-constexpr int64_t kKCP = 192;     // k-pairs per k-block for larger M (KC = 384)
+constexpr int64_t kMC = 120;           // rows per task (a multiple of every MR: 4, 5, 8)
+constexpr int64_t kKCP = 192;          // k-pairs per k-block when x's slice needs blocking
+constexpr int64_t kXSlice = 256 << 10; // bytes of fp32 x a task may touch without k-blocking
 constexpr int64_t kMinWork = 1 << 16;   // multiply-adds below which a thread is not worth it
 
 struct Problem {
@@ -212,8 +213,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     xk = at::zeros({M, 2 * kp}, x.options().dtype(xt));
     xk.narrow(1, 0, K).copy_(x);
   }
-  const int64_t MC = M <= kSmallM ? M : std::min(M, kMC);
-  const int64_t KCP = M <= kSmallM ? kp : kKCP;
+  // Blocking (see the top of this file): a task's rows; the whole K as one block while the
+  // task's x slice fits L2 (always at decode sizes, so the weight streams contiguously).
+  const int64_t MC = std::min(M, kMC);
+  const int64_t KCP = MC * 2 * kp * 4 <= kXSlice ? kp : std::min(kp, kKCP);
   at::Tensor acc;
   if (bf16_in && KCP < kp) acc = at::empty({M, N}, x.options().dtype(at::kFloat));
 

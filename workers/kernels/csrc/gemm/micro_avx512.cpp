@@ -55,7 +55,7 @@ KV_TARGET void micro_dp(const uint16_t* __restrict x, int64_t ldx, const uint16_
     __m512bh wv[NP];
 #pragma GCC unroll 2
     for (int p = 0; p < NP; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + p * pstride + 16 * 2 * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + p * pstride + 8 * 2 * kPanel), _MM_HINT_T0);
       wv[p] = (__m512bh)_mm512_loadu_si512(row + p * pstride);
     }
 #pragma GCC unroll 16
