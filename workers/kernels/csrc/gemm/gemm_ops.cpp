@@ -155,6 +155,20 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
   });
 }
 
+// dst[i, j] = src[i, j] for j < K (converted), dst[i, K] = 0 when ld > K.
+template <typename S, typename D>
+void copy_rows(const S* src, int64_t s0, int64_t s1, int64_t M, int64_t K, D* dst, int64_t ld) {
+  for (int64_t i = 0; i < M; ++i) {
+    const S* a = src + i * s0;
+    D* d = dst + i * ld;
+    if (s1 == 1)
+      for (int64_t j = 0; j < K; ++j) d[j] = static_cast<D>(static_cast<float>(a[j]));
+    else
+      for (int64_t j = 0; j < K; ++j) d[j] = static_cast<D>(static_cast<float>(a[j * s1]));
+    for (int64_t j = K; j < ld; ++j) d[j] = D(0.f);
+  }
+}
+
 void check_packed(const at::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.size(2) == kPanel && packed.size(3) == 2 && packed.size(0) > 0 &&
@@ -206,15 +220,22 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const Isa isa = selected_isa();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   const bool use_dp = isa == Isa::kAvx512Bf16 && bf16_in;
-  // The micro-kernels read whole k-pairs: pad an odd K with a zero column.
-  const at::ScalarType xt = use_dp ? at::kBFloat16 : at::kFloat;
+  // The micro-kernels read whole, contiguous k-pairs: copy (and convert) x unless it already
+  // is fp32 [M, 2 kp] contiguous; an odd K gets a zero column. A plain loop: this runs for
+  // every decode-step projection, where each extra ATen op costs microseconds.
   at::Tensor xk = x;
-  if (x.scalar_type() != xt || !x.is_contiguous() || K != 2 * kp) {
-    xk = at::zeros({M, 2 * kp}, x.options().dtype(xt));
-    xk.narrow(1, 0, K).copy_(x);
+  if (use_dp ? !(x.is_contiguous() && K == 2 * kp)
+             : !(x.scalar_type() == at::kFloat && x.is_contiguous() && K == 2 * kp)) {
+    xk = at::empty({M, 2 * kp}, x.options().dtype(use_dp ? at::kBFloat16 : at::kFloat));
+    if (use_dp)
+      copy_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), M, K,
+                xk.data_ptr<c10::BFloat16>(), 2 * kp);
+    else if (bf16_in)
+      copy_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), M, K,
+                xk.data_ptr<float>(), 2 * kp);
+    else
+      copy_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, xk.data_ptr<float>(), 2 * kp);
   }
-  // Blocking (see the top of this file): a task's rows; the whole K as one block while the
-  // task's x slice fits L2 (always at decode sizes, so the weight streams contiguously).
   const int64_t MC = std::min(M, kMC);
   const int64_t KCP = MC * 2 * kp * 4 <= kXSlice ? kp : std::min(kp, kKCP);
   at::Tensor acc;
