@@ -24,6 +24,7 @@ Chains (Linear shapes ``[out, in]``):
 Usage::
 
     python -m bench.gemm [--models smollm2 qwen2.5-0.5b] [--m 1 8 32 256] [--runs 5] [--json out.json]
+    python -m bench.gemm --threads 1 --clock thread     # per-core numbers on a busy machine
 """
 
 from __future__ import annotations
@@ -69,13 +70,16 @@ def read_bandwidth(runs: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+_clock = time.perf_counter
+
+
 def _time(fn, runs: int) -> float:
     fn()
     times = []
     for _ in range(runs):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
 
 
@@ -128,15 +132,27 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=list(CHAINS), choices=list(CHAINS))
     ap.add_argument("--m", nargs="+", type=int, default=[1, 8, 32, 256])
     ap.add_argument("--runs", type=int, default=5, help="timed passes per cell (median)")
-    ap.add_argument("--max-seconds", type=float, default=8.0,
+    ap.add_argument("--max-seconds", type=float, default=5.0,
                     help="skip a column whose predicted pass time (linear in M) exceeds this")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread: CPU time of the calling thread, immune to preemption on a "
+                         "shared machine; only with --threads 1")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
+    global _clock
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "thread":
+        if torch.get_num_threads() != 1:
+            ap.error("--clock thread needs --threads 1")
+        _clock = time.thread_time
     if not gemm.available():
         raise SystemExit("kvmesh gemm kernels unavailable")
     bw = read_bandwidth()
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"kernel ISA {gemm.isa()}; read bandwidth {bw:.1f} GB/s (sum over 1 GiB fp32)")
+          f"kernel ISA {gemm.isa()}; read bandwidth {bw:.1f} GB/s (sum over 1 GiB fp32); "
+          f"{args.clock} clock, median of {args.runs}")
     print("| model         |     M | " + " | ".join(f"{c:>22s}" for c in COLUMNS) + " |")
     print("|---|---:|" + "---:|" * len(COLUMNS))
     rows = []
@@ -145,7 +161,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_model(), "threads": torch.get_num_threads(), "isa": gemm.isa(),
-                       "read_gb_s": bw, "rows": rows}, f, indent=1)
+                       "read_gb_s": bw, "clock": args.clock, "rows": rows}, f, indent=1)
     return 0
 
 
