@@ -33,7 +33,9 @@ Isa detected_isa() {
     __builtin_cpu_init();
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     if (avx2 && __builtin_cpu_supports("avx512f"))
-      return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
+      // GCC's avx512bf16 target implies AVX512BW (it emits vmovdqu16); every such CPU has it.
+      return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+                 ? Isa::kAvx512Bf16 : Isa::kAvx512;
     if (avx2) return Isa::kAvx2;
 #endif
     return Isa::kScalar;

@@ -41,7 +41,7 @@ struct Ops {
 
 // bf16 activations: acc[m][p] += sum_j x[m][2t + j] * W_p[t][c][j] in one vdpbf16ps per
 // (row, panel, k-pair); x's pair is broadcast as one 32-bit lane.
-#define KV_TARGET __attribute__((target("avx512f,avx512bf16,avx2,fma")))
+#define KV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
 template <int MR, int NP>
 KV_TARGET void micro_dp(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w,
                         int64_t pstride, int64_t kp, float* __restrict tile) {

@@ -54,8 +54,8 @@ KV_TARGET void micro(const float* __restrict x, int64_t ldx, const uint16_t* __r
         for (int j = 0; j < NV; ++j) acc[0][m][j] = Ops::fma(b, w0[j], acc[0][m][j]);
       }
     }
-    // Reload rather than keep the raw vectors live: with MR = 6 on AVX2 the 12 accumulators
-    // leave no room for them (the lines are in L1 by now).
+    // Reload (the lines are in L1 by now) rather than keep the raw vectors live across the
+    // FMAs above: on AVX2 the accumulators leave too few of the 16 registers for them.
     asm volatile("" ::: "memory");
     {
       V w1[NV];
