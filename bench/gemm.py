@@ -26,6 +26,7 @@ Usage::
 
     python -m bench.gemm [--models smollm2 qwen2.5-0.5b] [--m 1 8 32 256] [--runs 5] [--json out.json]
     python -m bench.gemm --threads 1 --clock thread     # per-core numbers on a busy machine
+    python -m bench.gemm --m 2048 --runs 1 --columns "aten fp32" "kernel fp32 x"   # prefill
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def _time(fn, runs: int) -> float:
     return _stat(times)
 
 
-def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float) -> list[dict]:
+def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float,
+                columns=COLUMNS) -> list[dict]:
     """Rows ``{model, M, <column>: (ms, GB/s) or None}`` for one chain."""
     layers, shapes = CHAINS[name]
     g = torch.Generator().manual_seed(0)
@@ -109,6 +111,9 @@ def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float) -> list
         row = {"model": name, "M": m}
         for col, (fn, nbytes) in fns.items():
             prev = last.get(col)
+            if col not in columns:
+                row[col] = None
+                continue
             if prev is not None and prev[1] * m / prev[0] > max_seconds:
                 row[col] = None
                 continue
@@ -133,6 +138,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(CHAINS), choices=list(CHAINS))
     ap.add_argument("--m", nargs="+", type=int, default=[1, 8, 32, 256])
+    ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS,
+                    help="what to time (e.g. leave out 'aten bf16' at prefill sizes)")
     ap.add_argument("--runs", type=int, default=5, help="timed passes per cell (median)")
     ap.add_argument("--max-seconds", type=float, default=5.0,
                     help="skip a column whose predicted pass time (linear in M) exceeds this")
@@ -163,7 +170,7 @@ def main(argv=None) -> int:
     print("|---|---:|" + "---:|" * len(COLUMNS))
     rows = []
     for name in args.models:
-        rows += bench_chain(name, args.m, args.runs, args.max_seconds)
+        rows += bench_chain(name, args.m, args.runs, args.max_seconds, args.columns)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_model(), "threads": torch.get_num_threads(), "isa": gemm.isa(),
