@@ -1,0 +1,50 @@
+// Micro-kernel interface of the kvmesh bf16-weight GEMM (no torch headers here: the ISA
+// files that implement it are compiled with per-function target attributes and must not pull
+// in inline torch code, see micro_avx2.cpp).
+//
+// Packed weight layout ("VNNI-2", as oneDNN/SGLang use for bf16): for a weight W [N, K]
+// (PyTorch Linear layout), N is padded to Np = 16 * ceil(N / 16) and K to Kp = 2 * ceil(K / 2)
+// with zeros, and the bf16 bits are stored as uint16 [Np / 16][Kp / 2][16][2]:
+//   packed[p][t][c][j] = bf16(W[16 p + c][2 t + j]).
+// One "panel" p is 16 output columns; one k-pair row of a panel (t) is 64 bytes, i.e. exactly
+// one cache line, holding (W[n][2t], W[n][2t+1]) for its 16 columns. A 32-bit lane holds one
+// pair: `lane << 16` is W[n][2t] as fp32 and `lane & 0xffff0000` is W[n][2t+1] (bf16 is the
+// high half of fp32), so widening costs one integer op per 8 (AVX2) or 16 (AVX-512) weights,
+// and AVX512-BF16's vdpbf16ps consumes the pairs as they are.
+#pragma once
+#include <cstdint>
+
+namespace kvmesh_gemm {
+
+constexpr int kPanel = 16;      // output columns per panel
+constexpr int kGroup = 2;       // panels per micro-kernel call (32 columns)
+constexpr int kMaxMR = 8;       // largest row block of any ISA
+
+// tile[m * ldt + c] = sum_{t < kp} sum_{j < 2} x[m * ldx + 2 t + j] * W_p[t][c % 16][j]
+// for m < MR and c < 16 * NP, where W_p = w + (c / 16) * pstride (uint16 elements) is the
+// panel at the current k-pair offset. ldt = 16 * NP. x: fp32, 2 * kp readable per row.
+// The tile is overwritten (not accumulated).
+using MicroFn = void (*)(const float* x, int64_t ldx, const uint16_t* w, int64_t pstride,
+                         int64_t kp, float* tile);
+
+// Same for bf16 activations on AVX512-BF16 (vdpbf16ps): x holds bf16 bits, 2 * kp per row.
+using MicroBf16Fn = void (*)(const uint16_t* x, int64_t ldx, const uint16_t* w,
+                             int64_t pstride, int64_t kp, float* tile);
+
+struct MicroTable {
+  const char* name;
+  int mr_max;                              // largest MR with a kernel (<= kMaxMR)
+  MicroFn fn[kMaxMR + 1][kGroup + 1];      // fn[MR][NP], MR in [1, mr_max], NP in {1, 2}
+};
+
+// Each returns its table; the caller must only use one whose ISA the CPU supports.
+const MicroTable& scalar_table();
+const MicroTable& avx2_table();
+const MicroTable& avx512_table();
+struct MicroBf16Table {
+  int mr_max;
+  MicroBf16Fn fn[kMaxMR + 1][kGroup + 1];
+};
+const MicroBf16Table& avx512bf16_table();
+
+}  // namespace kvmesh_gemm

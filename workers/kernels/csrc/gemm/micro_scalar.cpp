@@ -1,0 +1,62 @@
+// Portable micro-kernels (any CPU): the reference the SIMD paths are tested against, and the
+// path used when the CPU has no AVX2+FMA. Plain loops over the packed layout of micro.h; the
+// compiler may auto-vectorise them with the baseline ISA (SSE2 on x86-64).
+#include <cstring>
+
+#include "micro.h"
+
+namespace kvmesh_gemm {
+namespace {
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <int MR, int NP>
+void micro_scalar(const float* x, int64_t ldx, const uint16_t* w, int64_t pstride, int64_t kp,
+                  float* tile) {
+  constexpr int NC = NP * kPanel;
+  float acc[MR][NC] = {};
+  for (int64_t t = 0; t < kp; ++t) {
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* row = w + p * pstride + t * 2 * kPanel;
+      float w0[kPanel], w1[kPanel];
+      for (int c = 0; c < kPanel; ++c) {
+        w0[c] = bf16_bits_to_float(row[2 * c]);
+        w1[c] = bf16_bits_to_float(row[2 * c + 1]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float a0 = x[m * ldx + 2 * t], a1 = x[m * ldx + 2 * t + 1];
+        for (int c = 0; c < kPanel; ++c) acc[m][p * kPanel + c] += a0 * w0[c] + a1 * w1[c];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(tile + m * NC, acc[m], sizeof acc[m]);
+}
+
+constexpr int kScalarMR = 4;
+
+template <int MR>
+constexpr void fill(MicroTable& t) {
+  t.fn[MR][1] = &micro_scalar<MR, 1>;
+  t.fn[MR][2] = &micro_scalar<MR, 2>;
+  if constexpr (MR > 1) fill<MR - 1>(t);
+}
+
+MicroTable make() {
+  MicroTable t{"scalar", kScalarMR, {}};
+  fill<kScalarMR>(t);
+  return t;
+}
+
+}  // namespace
+
+const MicroTable& scalar_table() {
+  static const MicroTable t = make();
+  return t;
+}
+
+}  // namespace kvmesh_gemm
