@@ -175,17 +175,3 @@ def test_torch_compile_fullgraph(best_isa):
     expect = torch.relu(2.0 * ref - b.double()) + 1.0   # (2 x) W^T + b; x * 2 is exact
     err = (y.double() - expect).abs()
     assert (err <= 2e-4 * scale).all(), (err / scale).max()
-
-
-def test_build_disabled(monkeypatch):
-    monkeypatch.setenv("KVMESH_NATIVE_KERNELS", "0")
-    with pytest.warns(RuntimeWarning, match="KVMESH_NATIVE_KERNELS=0"):
-        assert gemm._build() is None
-
-
-def test_build_dir_keyed_by_sources(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVMESH_HOME", str(tmp_path))
-    d = gemm._build_dir()
-    assert d.parent == tmp_path / "torch_extensions" and d.name.startswith("gemm-")
-    monkeypatch.setattr(gemm, "_CFLAGS", gemm._CFLAGS + ["-DX"])
-    assert gemm._build_dir() != d

@@ -1,11 +1,14 @@
-"""Native CPU kernels for paged attention and KV cache writes (``torch.ops.kvmesh.*``).
+"""Native CPU kernels (``torch.ops.kvmesh.*``): paged attention and KV cache writes (here), the
+bf16-weight GEMM (:mod:`workers.kernels.gemm`, sources in ``csrc/gemm/``).
 
-The C++ sources in ``csrc/`` are compiled on first use with ``torch.utils.cpp_extension.load``
-into ``$KVMESH_HOME/torch_extensions/<key>`` (``KVMESH_HOME`` defaults to ``~/.cache/kvmesh``;
-``key`` hashes the sources, the torch and Python versions and the compiler flags), so a build is
-reused by every later process and a changed source builds into a new directory. Several
-processes may load at once: torch's file baton (``<build dir>/lock``) lets one of them build
-while the others wait. A process killed while building leaves that lock file behind; delete it.
+The C++ sources under ``csrc/`` are compiled, as one extension, on first use with
+``torch.utils.cpp_extension.load`` into ``$KVMESH_HOME/torch_extensions/<key>`` (``KVMESH_HOME``
+defaults to ``~/.cache/kvmesh``; ``key`` hashes the sources, the torch and Python versions and
+the compiler flags), so a build is reused by every later process and a changed source builds
+into a new directory. Several processes may load at once: an exclusive ``flock`` on
+``<build dir>.flock`` lets one of them build while the others wait; the kernel releases it when
+its holder dies, and the holder clears a baton file (``<build dir>/lock``) that a process
+killed mid-build left behind, so an interrupted build never blocks later ones.
 
 Nothing here raises when the kernels cannot be used: :func:`available` returns False (after one
 warning on the ``kvmesh.kernels`` logger naming the reason) when ``KVMESH_NATIVE_KERNELS=0``, on
@@ -42,20 +45,20 @@ import torch
 log = logging.getLogger("kvmesh.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
-_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
 _LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict = {"tried": False, "module": None, "reason": None}
 
 
 def _sources() -> list[Path]:
-    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+    return sorted(p for p in _CSRC.rglob("*") if p.suffix in (".cpp", ".h"))
 
 
 def _build_key() -> str:
     h = hashlib.sha256()
     for p in _sources():
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+        h.update(str(p.relative_to(_CSRC)).encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{_CFLAGS}|{_LDFLAGS}".encode())
     return h.hexdigest()[:16]
 
@@ -109,8 +112,13 @@ def _build():
     if not any(bdir.glob(f"{name}*.so")):
         print(f"kvmesh: compiling native CPU kernels (once; cached in {bdir})", file=sys.stderr, flush=True)
     sources = [str(p) for p in _sources() if p.suffix == ".cpp"]
-    return cpp_extension.load(name=name, sources=sources, extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                              extra_include_paths=[str(_CSRC)], build_directory=str(bdir), verbose=False)
+    import fcntl
+    with open(bdir.with_name(bdir.name + ".flock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # released by the kernel if this process dies
+        (bdir / "lock").unlink(missing_ok=True)   # a baton left by a build that was killed
+        return cpp_extension.load(name=name, sources=sources, extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                                  extra_include_paths=[str(_CSRC), str(_CSRC / "gemm")],
+                                  build_directory=str(bdir), verbose=False)
 
 
 def available() -> bool:

@@ -10,9 +10,8 @@ for bf16 activations where the CPU has AVX512-BF16), AVX2+FMA or a scalar path a
 BLIS register and cache blocking (Goto & van de Geijn, TOMS 2008); weight layout: the
 "VNNI-2" bf16 pair layout of oneDNN and SGLang's CPU kernels.
 
-The extension is compiled on first use with :func:`torch.utils.cpp_extension.load` into
-``$KVMESH_HOME/torch_extensions/gemm-<hash of sources, flags and torch version>``.
-``KVMESH_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
+The sources are part of the one kvmesh extension that :mod:`workers.kernels` builds on first
+use; ``KVMESH_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
 
 Ops (also reachable as ``torch.ops.kvmesh.*`` once :func:`available` returned True; both have
 fake implementations, so ``torch.compile(fullgraph=True)`` treats them as opaque calls)::
@@ -24,64 +23,23 @@ fake implementations, so ``torch.compile(fullgraph=True)`` treats them as opaque
 
 from __future__ import annotations
 
-import hashlib
-import os
-import pathlib
-import sys
 import threading
-import warnings
 
 import torch
 
-_CSRC = pathlib.Path(__file__).parent / "csrc" / "gemm"
-_SOURCES = ("gemm_ops.cpp", "micro_scalar.cpp", "micro_avx2.cpp", "micro_avx512.cpp")
-_HEADERS = ("micro.h", "micro_simd.h")
-_CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-Wno-psabi"]
-_LDFLAGS = ["-fopenmp"]
-
 _lock = threading.Lock()
-_state: dict[str, object] = {}    # "lib": path of the loaded library, or None after a failure
+_state: dict[str, object] = {}    # "lib": True once loaded, None after a failure
 
 
-def _build_dir() -> pathlib.Path:
-    h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update(name.encode())
-        h.update((_CSRC / name).read_bytes())
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    h.update(torch.__version__.encode())
-    from workers.registry import kvmesh_home
-    return kvmesh_home() / "torch_extensions" / f"gemm-{h.hexdigest()[:16]}"
-
-
-def _build() -> str | None:
-    """Compile (once per source/torch version) and load the extension; register the fakes.
-
-    Returns the loaded library's path, or None with a :class:`RuntimeWarning` when
-    ``KVMESH_NATIVE_KERNELS=0``, the platform is not x86-64 Linux, or compilation fails.
-    Prints one line to stderr while compiling (about a minute on 2 cores).
-    """
-    if os.environ.get("KVMESH_NATIVE_KERNELS", "1") == "0":
-        warnings.warn("kvmesh gemm kernels disabled by KVMESH_NATIVE_KERNELS=0", RuntimeWarning)
-        return None
-    try:
-        from torch.utils import cpp_extension
-        build_dir = _build_dir()
-        name = f"kvmesh_gemm_{build_dir.name.split('-', 1)[1]}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not (build_dir / f"{name}.so").exists():
-            print(f"kvmesh: compiling the native gemm kernels into {build_dir} (once, ~1 min)",
-                  file=sys.stderr, flush=True)
-        lib = cpp_extension.load(
-            name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=_CFLAGS,
-            extra_ldflags=_LDFLAGS, build_directory=str(build_dir), is_python_module=False,
-            verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
-        warnings.warn(f"kvmesh gemm kernels unavailable ({type(e).__name__}: {e})",
-                      RuntimeWarning)
+def _build() -> bool | None:
+    """Load the kvmesh extension (:mod:`workers.kernels` builds every source under ``csrc/``,
+    these included, into one library) and register the fakes. None when it is unavailable
+    (the loader logged why: ``KVMESH_NATIVE_KERNELS=0``, not x86-64, build failure)."""
+    from workers import kernels
+    if not kernels.available():
         return None
     _register_fakes()
-    return str(lib) if lib is not None else str(build_dir / f"{name}.so")
+    return True
 
 
 def _register_fakes() -> None:
@@ -107,7 +65,8 @@ def available() -> bool:
 
 def _require() -> None:
     if _state.get("lib") is None and not available():
-        raise RuntimeError("kvmesh gemm kernels are not available (see the warning above)")
+        from workers import kernels
+        raise RuntimeError(f"kvmesh gemm kernels are not available: {kernels.unavailable_reason()}")
 
 
 def pack_bf16_weight(w: torch.Tensor) -> torch.Tensor:
