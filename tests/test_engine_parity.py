@@ -49,7 +49,7 @@ def _random_prompts(vocab: int, seed: int):
 def tiny(request, h):
     name, compile_ = request.param
     d = request.getfixturevalue(name)
-    return name, d, _hf(d), h.make_engine(d, enable_compile=compile_)
+    return name, d, _hf(d), h.make_engine(d, enable_compile=compile_, max_num_seqs=8)
 
 
 def test_tiny_checkpoint_properties(tiny):
@@ -121,7 +121,7 @@ def smol_hf(smollm2_dir):
 def smol_engine(smollm2_dir, h, request):
     """The default runtime (native attention where it builds), eager and with the compiled
     decode step."""
-    return h.make_engine(smollm2_dir, enable_compile=request.param)
+    return h.make_engine(smollm2_dir, enable_compile=request.param, max_num_seqs=8)
 
 
 def _smol_prompts(prose_ids):

@@ -18,7 +18,8 @@ and replayed; padding rows decode token 0 at position 0 with their K/V slot -1 (
 and a one-token context, and their outputs are dropped. Block tables are padded to the
 widest a sequence can need (``max_model_len / block_size``), so their width never changes
 the graph. Inductor's compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR``, default
-``$KVMESH_HOME/inductor``), so a restart only re-traces.
+``$KVMESH_HOME/inductor``), so a restart only re-traces. Every bucket is compiled when the
+model runner starts (:meth:`CompiledDecode.warmup`, a line on stderr before and after).
 
 Prefill steps, mixed steps, steps with speculative verify chunks and the torch attention
 backend stay eager.
@@ -78,7 +79,11 @@ class CompiledDecode:
         self.device = device
         self.hidden_size = model.cfg.hidden_size
         self.compiled: set[int] = set()
+        self.calls = 0                      # steps run (warm-up included)
         from workers.models.llama import DecoderLayer
+        # two graphs per bucket (the first layer has no residual yet); Dynamo's default limit
+        # of 8 graphs per function would stop at the fifth bucket
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 2)
         self._layer = torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True)
 
     def _fn(self, x, positions, slot_mapping, qsl, seq_lens, block_tables, prefix_group,
@@ -111,6 +116,7 @@ class CompiledDecode:
         (first stage) or ``[T, hidden]`` hidden states (later stages)."""
         n = x.shape[0]
         b = self.bucket(n)
+        self.calls += 1
         nm = md.native
         pad = b - n
         dev, i32 = self.device, torch.int32
@@ -145,7 +151,11 @@ class CompiledDecode:
 
     def warmup(self, first_stage: bool, dtype: torch.dtype, progress=None) -> float:
         """Compile every bucket now with padding-only batches (nothing is written to the KV
-        cache). ``progress(done, total, bucket)`` is called after each; returns seconds."""
+        cache), with a line on stderr before and after. ``progress(done, total, bucket)`` is
+        called after each bucket; returns seconds."""
+        import sys
+        print(f"kvmesh: compiling the decode step for batch buckets {self.buckets} "
+              f"(Inductor cache: {inductor_cache_dir()})", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         md_dtype = torch.int32
         for i, b in enumerate(self.buckets):
@@ -159,4 +169,6 @@ class CompiledDecode:
             self(x, torch.zeros(b, dtype=torch.long, device=self.device), md)
             if progress is not None:
                 progress(i + 1, len(self.buckets), b)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        print(f"kvmesh: decode step compiled in {took:.1f} s", file=sys.stderr, flush=True)
+        return took

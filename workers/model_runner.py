@@ -181,6 +181,7 @@ class ModelRunner:
             from workers.compiled_decode import CompiledDecode
             self.compiled_decode = CompiledDecode(self.model, self.kv_caches, cfg.max_num_seqs,
                                                   -(-cfg.max_model_len // cfg.block_size), self.device)
+            self.compiled_decode.warmup(self.model.is_first, self.dtype)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = None           # the draft model (last stage, speculative_method 'draft')
