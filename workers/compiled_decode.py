@@ -81,9 +81,11 @@ class CompiledDecode:
         self.compiled: set[int] = set()
         self.calls = 0                      # steps run (warm-up included)
         from workers.models.llama import DecoderLayer
-        # two graphs per bucket (the first layer has no residual yet); Dynamo's default limit
-        # of 8 graphs per function would stop at the fifth bucket
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 2)
+        # two graphs per bucket (the first layer has no residual yet), for every engine of the
+        # process (each model's layers are new modules): Dynamo's default limit of 8 graphs per
+        # function would stop at the fifth bucket
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
         self._layer = torch.compile(DecoderLayer.forward, dynamic=False, fullgraph=True)
 
     def _fn(self, x, positions, slot_mapping, qsl, seq_lens, block_tables, prefix_group,

@@ -198,9 +198,11 @@ class ModelRunner:
 
         def order(s: SeqInput) -> tuple[bool, bool]:
             # decodes first (stable; a speculating decode is a chunk of 1 + k tokens), then the
-            # chunks after cached context; natively, chunks without context (SDPA) go last
+            # chunks after cached context, then chunks without context (SDPA on the native
+            # backend). The order does not depend on the backend, so pipeline stages agree on
+            # the rows of the hidden states they pass on whatever backend each one resolved.
             n = len(s.token_ids) + len(s.spec_token_ids)
-            return n != 1, native and n != 1 and s.start == 0 and not quantized
+            return n != 1, n != 1 and s.start == 0 and not quantized
 
         seqs = sorted(step.seqs, key=order)
         ids: list[int] = []
