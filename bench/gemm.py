@@ -39,6 +39,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.machine import cpu_model, read_bandwidth
+
 from workers.kernels import gemm
 
 CHAINS = {
@@ -46,30 +48,6 @@ CHAINS = {
     "qwen2.5-0.5b": (24, [(1152, 896), (896, 896), (9728, 896), (896, 4864)]),
 }
 COLUMNS = ("aten fp32", "aten bf16", "kernel fp32 x", "kernel bf16 x")
-
-
-def cpu_model() -> str:
-    """``model name`` of /proc/cpuinfo's first CPU ("unknown" if unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def read_bandwidth(runs: int = 5) -> float:
-    """GB/s of ``x.sum()`` over a 1 GiB fp32 tensor (median of ``runs`` after a warm-up)."""
-    x = torch.ones(1 << 28)
-    x.sum()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 _clock = time.perf_counter
@@ -162,7 +140,7 @@ def main(argv=None) -> int:
         _clock = time.thread_time
     if not gemm.available():
         raise SystemExit("kvmesh gemm kernels unavailable")
-    bw = read_bandwidth()
+    bw = read_bandwidth() / 1e9
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"kernel ISA {gemm.isa()}; read bandwidth {bw:.1f} GB/s (sum over 1 GiB fp32); "
           f"{args.clock} clock, {args.stat} of {args.runs}")

@@ -22,28 +22,18 @@ are printed first. A second table times the KV cache write (``kvmesh::reshape_an
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
+
+from bench.machine import cpu_model
 
 from workers.kv_cache import KVCache
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, paged_attention, set_decode_tables
 
 MODELS = {"smollm2-135m": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}
 BS = 16
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -27,39 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 
-
-def cpu_model() -> str:
-    """The CPU's model name and its ISA flags that matter to our kernels."""
-    name, flags = platform.processor() or "unknown", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and name in ("unknown", "x86_64", ""):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
-    return f"{name} ({os.cpu_count()} cpus; {', '.join(isa) or 'no avx2'})"
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: median time of ``sum`` over a ``gib`` GiB float32 tensor."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        ts.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(ts)
+from bench.machine import cpu_model, read_bandwidth
 
 
 def _prompts(tokenizer, n: int, context: int, shared: bool) -> list[list[int]]:
