@@ -104,9 +104,9 @@ ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--attention-backend", "attention_backend", dict(choices=ATTENTION_BACKENDS,
                                                       help="native (C++ paged-attention kernels, CPU), torch "
                                                            "(PyTorch reference), auto = native where it builds (auto)")),
-    ("--no-compile", "enable_compile", dict(action="store_const", const=False,
-                                            help="keep decode steps eager (default: torch.compile graphs per "
-                                                 "batch bucket, with the native attention backend)")),
+    ("--compile", "enable_compile", dict(action="store_const", const=True,
+                                         help="compile decode steps with torch.compile, one graph per batch bucket "
+                                              "(native attention backend; compiled at start-up). Default: eager")),
 ]
 
 

@@ -139,9 +139,11 @@ class EngineConfig:
             reading K/V in place through the block tables; CPU only), ``torch`` (the PyTorch
             reference: gather + SDPA), or ``auto`` (native where it can be built and runs, else
             torch, with a log line saying why).
-        enable_compile: run decode-only steps as ``torch.compile`` graphs, one per batch bucket
-            (:mod:`workers.compiled_decode`; needs the native attention backend), compiled at
-            start-up; False (``--no-compile``) keeps every step eager.
+        enable_compile: run decode-only steps with ``torch.compile``d layers, one graph per batch
+            bucket (:mod:`workers.compiled_decode`; needs the native attention backend), compiled
+            at start-up (``--compile``). Off by default for now: Dynamo keeps each engine's
+            graphs (keyed to that engine's modules) for the life of the process, so a process
+            that creates many engines (tests, restarts) accumulates them.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -170,7 +172,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int = 0
     attention_backend: str = "auto"
-    enable_compile: bool = True
+    enable_compile: bool = False
 
     ENV_PREFIX = "KVMESH_"
 

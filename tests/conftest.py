@@ -33,9 +33,6 @@ from workers.executor import Completed
 torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
 # Parity with transformers is checked in float32; `auto` picks bfloat16 on CPUs with native bf16.
 os.environ.setdefault("KVMESH_DTYPE", "float32")
-# Compiling the decode step costs seconds per batch bucket and engine: tests run eager unless
-# they ask (tests/test_native_runtime.py and the parity tests' compiled variants do).
-os.environ.setdefault("KVMESH_ENABLE_COMPILE", "0")
 
 BLOCK = 16
 
@@ -139,7 +136,6 @@ def make_engine(model, **kw):
     kw.setdefault("kv_cache_memory", 96 * 2**20)    # SmolLM2: 136 blocks of 16 tokens
     kw.setdefault("max_model_len", 512)
     kw.setdefault("dtype", os.environ["KVMESH_DTYPE"])
-    kw.setdefault("enable_compile", os.environ["KVMESH_ENABLE_COMPILE"] not in ("0", "false"))
     return LLMEngine(EngineConfig(model=str(model), **kw), num_blocks=num_blocks)
 
 

@@ -147,7 +147,7 @@ def test_bf16_model_uses_the_native_gemm_where_aten_lacks_bf16(smollm2_dir, pros
     for dtype in ("float32", "bfloat16"):
         eng = h.make_engine(smollm2_dir, dtype=dtype)
         linears = [m for m in eng.executor.runner.model.modules() if isinstance(m, Linear)]
-        packed = [m.packed is not None for m in linears]
+        packed = [m.bf16_panels is not None for m in linears]
         if dtype == "bfloat16" and not cpu_has_native_bf16():
             assert all(packed) and all(m.weight is None for m in linears)
         elif dtype == "float32":

@@ -22,7 +22,7 @@ the graph. Inductor's compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR
 model runner starts (:meth:`CompiledDecode.warmup`, a line on stderr before and after).
 
 Prefill steps, mixed steps, steps with speculative verify chunks and the torch attention
-backend stay eager.
+backend stay eager, and so does every step after a compile failure (logged once).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class CompiledDecode:
         self.hidden_size = model.cfg.hidden_size
         self.compiled: set[int] = set()
         self.calls = 0                      # steps run (warm-up included)
+        self.failed: str | None = None      # why compiled steps stopped (run_or_none)
         from workers.models.llama import DecoderLayer
         # two graphs per bucket (the first layer has no residual yet), for every engine of the
         # process (each model's layers are new modules): Dynamo's default limit of 8 graphs per
@@ -151,6 +152,19 @@ class CompiledDecode:
             out = self._fn(*args)
         return out[:n]
 
+    def run_or_none(self, x: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor | None:
+        """:meth:`__call__`, or None (the caller runs the step eagerly) once compiling has failed:
+        the first failure is logged and compiled steps stop for this engine. A compile failure
+        happens before any K/V is written (Dynamo traces and compiles before the graph runs)."""
+        if self.failed is not None:
+            return None
+        try:
+            return self(x, positions, md)
+        except Exception as e:       # noqa: BLE001 - torch._dynamo raises many kinds
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("kvmesh: compiled decode step failed (%s); decode steps run eager from now on", self.failed)
+            return None
+
     def warmup(self, first_stage: bool, dtype: torch.dtype, progress=None) -> float:
         """Compile every bucket now with padding-only batches (nothing is written to the KV
         cache), with a line on stderr before and after. ``progress(done, total, bucket)`` is
@@ -168,7 +182,8 @@ class CompiledDecode:
                                 torch.zeros(b, 1, dtype=md_dtype, device=self.device))
             md = AttentionMetadata(slot_mapping=torch.full((b,), -1, dtype=torch.long, device=self.device),
                                    num_decode_tokens=b, native=nm)
-            self(x, torch.zeros(b, dtype=torch.long, device=self.device), md)
+            if self.run_or_none(x, torch.zeros(b, dtype=torch.long, device=self.device), md) is None:
+                break
             if progress is not None:
                 progress(i + 1, len(self.buckets), b)
         took = time.perf_counter() - t0

@@ -222,6 +222,4 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     except ValueError as e:
         raise EngineError(f"{model_dir}: {e}") from None
     model.finalize(dtype)
-    from workers.layers.linear import pack_bf16_linears
-    pack_bf16_linears(model, dtype, torch.device(device))
     return model.to(device).eval()

@@ -28,6 +28,7 @@ from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, k
 from workers.layers.attention import (AttentionMetadata, CascadeGroup, NativeMetadata, PrefillChunk, block_index,
                                       set_decode_tables)
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
+from workers.layers.linear import pack_bf16_linears
 from workers.loader import load_model, weight_bytes
 from workers.spec_decode.rejection import VerifyRow, verify
 
@@ -158,6 +159,7 @@ class ModelRunner:
                                 start_layer=start_layer, end_layer=end_layer, weight_format=cfg.weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
+        pack_bf16_linears(self.model, self.dtype, self.device)   # the native bf16 GEMM where ATen has no bf16 path
         self.weight_bytes = weight_bytes(self.model)   # stored weights incl. scales/zeros (bytes)
         m = self.model.cfg
         self.vocab_size = m.vocab_size
@@ -331,9 +333,10 @@ class ModelRunner:
             input_ids, positions, md, sample_idx, sample_seqs = self._prepare(step)
         x = input_ids if hidden is None else hidden
         with torch.profiler.record_function("forward"):
+            hidden = None
             if self.compiled_decode is not None and self.compiled_decode.accepts(md, x.shape[0]):
-                hidden = self.compiled_decode(x, positions, md)
-            else:
+                hidden = self.compiled_decode.run_or_none(x, positions, md)
+            if hidden is None:
                 hidden = self.model(x, positions, md, self.kv_caches)
         if not self.model.is_last:
             return hidden

@@ -40,7 +40,7 @@ class Linear(nn.Module):
         self.format = "none"
         self.group_size = 0
         self.register_buffer("input_scale", None)     # [in_features]: x * input_scale first
-        self.register_buffer("packed", None)          # bf16 panels of the native GEMM (pack_bf16)
+        self.register_buffer("bf16_panels", None)     # weight panels of the native bf16 GEMM (pack_bf16)
         self._qnames: list[str] = []
 
     def _rows(self, shard: str) -> slice:
@@ -124,7 +124,7 @@ class Linear(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of the stored weight: dense weight or quantized tensors incl. scales/zeros,
         bias and input scale."""
-        ts = [self.weight, self.bias, self.input_scale, self.packed] + [getattr(self, n) for n in self._qnames]
+        ts = [self.weight, self.bias, self.input_scale, self.bf16_panels] + [getattr(self, n) for n in self._qnames]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def finalize(self, dtype: torch.dtype) -> None:
@@ -142,18 +142,18 @@ class Linear(nn.Module):
     def pack_bf16(self) -> None:
         """Serve a dense bfloat16 layer through the native bf16-weight GEMM
         (:mod:`workers.kernels.gemm`): the weight is re-laid out into its panels (``packed``,
-        ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16, the same bytes) and the ATen layout dropped.
+        ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 in ``bf16_panels``) and the ATen layout dropped.
         For CPUs whose ATen bf16 matmul has no hardware path (see :func:`pack_bf16_linears`)."""
         from workers.kernels import gemm
         if self.format != "none" or self.weight is None or self.weight.dtype != torch.bfloat16:
             raise ValueError("pack_bf16 needs a dense bfloat16 layer")
-        self.packed = gemm.pack_bf16_weight(self.weight.data.t())     # stored [in, out]: W = .t()
+        self.bf16_panels = gemm.pack_bf16_weight(self.weight.data.t())     # stored [in, out]: W = .t()
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, in_features]`` → ``[T, out_features]`` in x's dtype."""
-        if self.packed is not None:
-            return torch.ops.kvmesh.bf16_linear(x, self.packed, self.out_features, self.bias)
+        if self.bf16_panels is not None:
+            return torch.ops.kvmesh.bf16_linear(x, self.bf16_panels, self.out_features, self.bias)
         if self.format != "none":
             return self._forward_quantized(x)
         if self.bias is not None:

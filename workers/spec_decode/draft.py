@@ -32,6 +32,7 @@ from scheduler.request import EngineError, SamplingParams
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
 from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
+from workers.layers.linear import pack_bf16_linears
 from workers.loader import load_config, load_model
 
 
@@ -127,6 +128,7 @@ class DraftProposer:
                                 num_layers=cfg.draft_num_layers or None, weight_format=cfg.weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
+        pack_bf16_linears(self.model, self.dtype, self.device)
         m = self.model.cfg
         self.vocab_size = m.vocab_size
         self.kv_cache_bytes = num_blocks * bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim,
