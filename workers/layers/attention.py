@@ -188,16 +188,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
 
     bd = md.num_decode_tokens
-    if bd and not md.cascade and q.device.type == "cpu" and q.dtype == torch.float32:
-        # ATen's CPU flash kernel is slow for a few query rows over a long context in float32
-        # (8 ms vs 0.2 ms measured at 1.6k keys): plain matmul + softmax
-        L = md.decode_mask.shape[-1]
-        kb, vb = kv_cache.read(md.decode_block_tables, q.dtype)
-        kc = kb.view(bd, L, KVH, D).transpose(1, 2)
-        vc = vb.view(bd, L, KVH, D).transpose(1, 2)
-        s = torch.matmul(q[:bd].view(bd, KVH, G, D), kc.transpose(-1, -2)).mul_(scale).add_(md.decode_mask)
-        out[:bd] = torch.matmul(torch.softmax(s, dim=-1), vc).reshape(bd, H, D)
-    elif bd:
+    if bd:
         # Gather each row's blocks and attend on the strided [Bd, KVH, L, D] view (no copy when a
         # float cache's single row reads a contiguous run; a quantized cache dequantizes here).
         L = md.decode_mask.shape[-1]
@@ -205,7 +196,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         kc = kb.view(bd, L, KVH, D).transpose(1, 2)
         vc = vb.view(bd, L, KVH, D).transpose(1, 2)
         qd = q[:bd].view(bd, KVH, G, D)
-        if not md.cascade:
+        if not md.cascade and q.device.type == "cpu" and q.dtype == torch.float32:
+            # ATen's CPU flash kernel is slow for a few query rows over a long context in
+            # float32 (8 ms vs 0.2 ms measured at 1.6k keys): plain matmul + softmax
+            s = torch.matmul(qd, kc.transpose(-1, -2)).mul_(scale).add_(md.decode_mask)
+            out[:bd] = torch.matmul(torch.softmax(s, dim=-1), vc).reshape(bd, H, D)
+        elif not md.cascade:
             o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=md.decode_mask, scale=scale)
             out[:bd] = o.reshape(bd, H, D)
         else:
