@@ -229,8 +229,9 @@ class ModelRunner:
                                              block_index(bt[: -(-(start + n) // bs)], self.device)))
             if native and not order(s)[1]:
                 qsl.append(q_start + n)
-                kv_lens.append(start + n)
-                tables.append(bt[: -(-(start + n) // bs)])
+                if n != 1:             # decodes take decode_tables / decode_lens (maybe cascade-stripped)
+                    kv_lens.append(start + n)
+                    tables.append(bt[: -(-(start + n) // bs)])
             if s.sample:
                 sample_idx += range(len(ids) - 1 - len(s.spec_token_ids), len(ids))
                 sample_seqs.append(s)
@@ -252,12 +253,12 @@ class ModelRunner:
     def _native_metadata(self, qsl: list[int], kv_lens: list[int], tables: list[list[int]],
                          decode_tables: list[list[int]], decode_lens: list[int],
                          groups: list[tuple[list[int], list[int]]]) -> NativeMetadata:
-        """Tensors of the native kernel's sequences (the decodes, whose tables and lengths
-        ``_cascade_groups`` may have stripped of a shared prefix, then the chunks after
-        context). A cascade group's prefix is read once for all its rows."""
+        """Tensors of the native kernel's sequences: the decodes (``decode_tables`` /
+        ``decode_lens``, which ``_cascade_groups`` may have stripped of a shared prefix), then
+        the chunks after context (``tables`` / ``kv_lens``). A cascade group's prefix is read
+        once for all its rows."""
         dev, i32 = self.device, torch.int32
-        nd = len(decode_lens)
-        tables[:nd], kv_lens[:nd] = decode_tables, decode_lens
+        tables, kv_lens = decode_tables + tables, decode_lens + kv_lens
         width = max((len(t) for t in tables), default=1) or 1
         nm = NativeMetadata(qsl[-1], torch.tensor(qsl, dtype=i32, device=dev), torch.tensor(kv_lens, dtype=i32, device=dev),
                             torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32, device=dev)
