@@ -22,7 +22,7 @@ import torch
 
 from workers.kernels import gemm
 
-ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +126,10 @@ def test_pack_layout_and_rounding(best_isa):
     w[0, 0] = 1.0 + 2.0 ** -8            # a tie: rounds to even (1.0), truncation agrees
     w[0, 1] = 1.0 + 3 * 2.0 ** -9        # rounds up to 1 + 2**-7 (truncation would not)
     p = gemm.pack_bf16_weight(w)
-    assert p.dtype == torch.bfloat16 and p.shape == (3, 5, 16, 2)
-    wb = torch.zeros(48, 10, dtype=torch.bfloat16)
+    assert p.dtype == torch.bfloat16 and p.shape == (3, 16, 16, 2)     # K padded to 32 (AMX tiles)
+    wb = torch.zeros(48, 32, dtype=torch.bfloat16)
     wb[:37, :9] = w.to(torch.bfloat16)
-    expect = wb.view(3, 16, 5, 2).permute(0, 2, 1, 3)
+    expect = wb.view(3, 16, 16, 2).permute(0, 2, 1, 3)
     assert torch.equal(p, expect)
     assert p[0, 0, 0, 1].item() == 1.0 + 2.0 ** -7
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -153,10 +153,35 @@ def test_errors(best_isa, monkeypatch):
     monkeypatch.setenv("KVMESH_KERNEL_ISA", "sse9")
     with pytest.raises(RuntimeError, match="must be one of"):
         gemm.bf16_linear(x, p, 17)
-    if best_isa != "avx512bf16":
-        monkeypatch.setenv("KVMESH_KERNEL_ISA", "avx512bf16")
+    if best_isa != "amx":
+        monkeypatch.setenv("KVMESH_KERNEL_ISA", "amx")
         with pytest.raises(RuntimeError, match="supports at most"):
             gemm.bf16_linear(x, p, 17)
+
+
+def test_amx_tiles_coexist_with_aten(best_isa):
+    """The AMX path leaves the tile state as ATen's own AMX matmuls (oneDNN) expect it: bf16
+    matmuls in ATen before, between and after the kernel's calls stay exact, and the kernel
+    agrees with the vdpbf16ps path at row counts around the 16-row tiles."""
+    if best_isa != "amx":
+        pytest.skip(f"CPU lacks AMX-BF16 (best: {best_isa})")
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    bm = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    expect = (a.double() @ bm.double())
+    for m in (4, 15, 16, 17, 31, 32, 33, 64, 100):
+        x, w, b, p, ref, scale = _case(576, 1536, m, bias=True)
+        xb = x.to(torch.bfloat16)
+        y_amx = gemm.bf16_linear(xb, p, 576, b)
+        mid = (a @ bm).double()
+        os.environ["KVMESH_KERNEL_ISA"] = "avx512bf16"
+        try:
+            y_dp = gemm.bf16_linear(xb, p, 576, b)
+        finally:
+            os.environ.pop("KVMESH_KERNEL_ISA")
+        _check_bf16(y_amx, x, w, b)
+        assert (y_amx.float() - y_dp.float()).abs().max() <= 2e-2 * scale.max(), m
+        assert torch.allclose(mid, expect, rtol=2e-2, atol=0.5), m
 
 
 def test_torch_compile_fullgraph(best_isa):

@@ -67,8 +67,11 @@ def peer_python(peer: str) -> Path:
 
 # ---- the workload -----------------------------------------------------------------------------
 
-def write_workload(model_dir: Path, n: int, max_tokens: int, workdir: Path) -> tuple[Path, Path]:
-    """Write ``workload.jsonl`` and ``prompts.jsonl`` (see the module docstring); returns both."""
+def write_workload(model_dir: Path, n: int, max_tokens: int | list[int], workdir: Path) -> tuple[Path, Path]:
+    """Write ``workload.jsonl`` and ``prompts.jsonl`` (see the module docstring); returns both.
+    ``max_tokens`` is one length for every request or a list taken in rotation (request ``i``
+    generates ``max_tokens[i % len]`` tokens)."""
+    lens = [max_tokens] if isinstance(max_tokens, int) else list(max_tokens)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -76,7 +79,7 @@ def write_workload(model_dir: Path, n: int, max_tokens: int, workdir: Path) -> t
     workload, prompts = workdir / "workload.jsonl", workdir / "prompts.jsonl"
     with open(workload, "w") as wf, open(prompts, "w") as pf:
         for i, messages in enumerate(policydesk_conversations(n)):
-            rid = f"pd-{i}"
+            rid, max_tokens = f"pd-{i}", lens[i % len(lens)]
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tok.encode(text, add_special_tokens=False)       # as kvmesh.LLM.encode_chat
             wf.write(json.dumps({"id": rid, "messages": messages, "max_tokens": max_tokens}) + "\n")
@@ -353,6 +356,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="known model name (pulled)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    ap.add_argument("--output-lens", default=None,
+                    help="comma-separated output lengths taken in rotation, instead of --max-tokens "
+                         "(the issue-13 workload: 16,32,64,128,256,64 over 48 requests)")
     ap.add_argument("--peers", default="hf,vllm,llamacpp", help=f"comma-separated, of {','.join(PEERS)}")
     ap.add_argument("--batch-sizes", default="1,8", help="offline batch sizes / concurrency caps")
     ap.add_argument("--decode-tokens", type=int, default=128, help="tokens of the single-request run")
@@ -379,8 +385,11 @@ def main(argv=None) -> int:
     from workers.registry import resolve_model
     model_dir = resolve_model(args.model, pull_if_missing=False)
     workdir = Path(args.workdir)
-    workload, prompts = write_workload(model_dir, args.num_prompts, args.max_tokens, workdir)
-    log(f"workload: {workload} ({args.num_prompts} requests x {args.max_tokens} tokens); prompts: {prompts}")
+    lens = [int(x) for x in args.output_lens.split(",")] if args.output_lens else args.max_tokens
+    if args.output_lens and (not lens or min(lens) < 1):
+        ap.error(f"--output-lens needs positive lengths, got {args.output_lens!r}")
+    workload, prompts = write_workload(model_dir, args.num_prompts, lens, workdir)
+    log(f"workload: {workload} ({args.num_prompts} requests, output lengths {lens}); prompts: {prompts}")
     offline_res = {} if args.no_offline else offline(args, model_dir, prompts, workdir)
     serve_res = serving(args, model_dir, workload, workdir) if args.serve else {}
     rows = comparisons(offline_res, serve_res)
@@ -388,7 +397,7 @@ def main(argv=None) -> int:
     print(md)
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
               "model": args.model, "model_dir": str(model_dir), "num_prompts": args.num_prompts,
-              "max_tokens": args.max_tokens, "dtype": args.dtype, "threads": args.threads,
+              "max_tokens": args.max_tokens, "output_lens": args.output_lens, "dtype": args.dtype, "threads": args.threads,
               "comparisons": rows, "offline": offline_res, "serving": serve_res, "table_md": md}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -46,7 +46,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvmesh::pack_bf16_weight")
     def _pack_fake(w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
-        return w.new_empty(((n + 15) // 16, (k + 1) // 2, 16, 2), dtype=torch.bfloat16)
+        return w.new_empty(((n + 15) // 16, (k + 31) // 32 * 16, 16, 2), dtype=torch.bfloat16)
 
     @torch.library.register_fake("kvmesh::bf16_linear")
     def _linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int,

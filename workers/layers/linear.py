@@ -143,7 +143,7 @@ class Linear(nn.Module):
         """Serve a dense bfloat16 layer through the native bf16-weight GEMM
         (:mod:`workers.kernels.gemm`): the weight is re-laid out into its panels (``packed``,
         ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 in ``bf16_panels``) and the ATen layout dropped.
-        For CPUs whose ATen bf16 matmul has no hardware path (see :func:`pack_bf16_linears`)."""
+        For CPUs where the kernel beats ATen's bf16 matmul (see :func:`pack_bf16_linears`)."""
         from workers.kernels import gemm
         if self.format != "none" or self.weight is None or self.weight.dtype != torch.bfloat16:
             raise ValueError("pack_bf16 needs a dense bfloat16 layer")
@@ -177,17 +177,25 @@ class Linear(nn.Module):
 
 def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Switch every dense Linear of a bfloat16 model on the CPU to the native bf16 GEMM when
-    the CPU has no native bf16 matmul (no AVX512-BF16 or AMX: ATen then takes a reference path,
-    measured 12.6 ms at M=1 and 1 s at M=32 for SmolLM2's projections on a Zen 3, against
-    7.3 / 41.6 ms for the kernel) and the kernels build; ``KVMESH_NATIVE_KERNELS=0`` keeps
-    ATen. Returns how many layers were packed."""
+    the kernels build and either
+
+    - the CPU has no native bf16 matmul (no AVX512-BF16 or AMX: ATen then takes a reference
+      path, measured 12.6 ms at M=1 and 1 s at M=32 for SmolLM2's projections on a Zen 3,
+      against 7.3 / 41.6 ms for the kernel), or
+    - the kernel has its AMX path (``gemm.isa() == "amx"``): on a Sapphire Rapids class Xeon
+      it measured 7.7 / 9.3 / 10.9 / 44.9 ms at M = 1 / 8 / 32 / 256 for SmolLM2's projections
+      against 17.0 / 17.5 / 19.9 / 54.3 ms for ATen's oneDNN matmul on unpacked weights.
+
+    On AVX512-BF16 CPUs without AMX (AMD Zen 4/5) ATen stays: its large-M matmul has not been
+    compared with the kernel there. ``KVMESH_NATIVE_KERNELS=0`` keeps ATen. Returns how many
+    layers were packed."""
     if dtype != torch.bfloat16 or device.type != "cpu":
-        return 0
-    from kvmesh.config import cpu_has_native_bf16
-    if cpu_has_native_bf16():
         return 0
     from workers.kernels import gemm
     if not gemm.available():
+        return 0
+    from kvmesh.config import cpu_has_native_bf16
+    if cpu_has_native_bf16() and gemm.isa() != "amx":
         return 0
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.format == "none" and m.weight is not None]
     for lin in layers:

@@ -9,13 +9,20 @@
 // the MR-row blocks of the micro-kernel. While a task's x slice (MC x K fp32) fits in L2 -- always
 // at decode sizes -- the whole K is one block and each thread streams its contiguous share of
 // the packed weight once (decode is bandwidth-bound).
-// The micro-kernel (micro_*.cpp) is chosen at run time from the CPU's features.
+// The micro-kernel (micro_*.cpp) is chosen at run time from the CPU's features. On CPUs with
+// AMX-BF16, bf16 activations of at least kAmxMinRows rows go through AMX tiles (micro_amx.cpp):
+// x is then padded to a multiple of 16 rows and row blocks are 16 or 32 rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #include <cstdlib>
 #include <string>
 
@@ -24,8 +31,20 @@
 namespace kvmesh_gemm {
 namespace {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16"};
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16", "amx"};
+constexpr int kNumIsas = 5;
+
+#if defined(__x86_64__)
+// CPUID.(EAX=7, ECX=0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; at::cpu::init_amx asks Linux for
+// permission to use the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM), false when refused.
+bool cpu_has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  return (d & (1u << 22)) && (d & (1u << 24)) && at::cpu::init_amx();
+}
+#endif
 
 Isa detected_isa() {
   static const Isa isa = [] {
@@ -35,7 +54,7 @@ Isa detected_isa() {
     if (avx2 && __builtin_cpu_supports("avx512f"))
       // GCC's avx512bf16 target implies AVX512BW (it emits vmovdqu16); every such CPU has it.
       return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-                 ? Isa::kAvx512Bf16 : Isa::kAvx512;
+                 ? (cpu_has_amx_bf16() ? Isa::kAmx : Isa::kAvx512Bf16) : Isa::kAvx512;
     if (avx2) return Isa::kAvx2;
 #endif
     return Isa::kScalar;
@@ -50,14 +69,14 @@ Isa selected_isa() {
   const char* env = std::getenv("KVMESH_KERNEL_ISA");
   if (env == nullptr || *env == '\0') return best;
   const std::string want(env);
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kNumIsas; ++i) {
     if (want == kIsaNames[i]) {
       TORCH_CHECK(i <= static_cast<int>(best), "KVMESH_KERNEL_ISA=", want,
                   " but this CPU supports at most ", kIsaNames[static_cast<int>(best)]);
       return static_cast<Isa>(i);
     }
   }
-  TORCH_CHECK(false, "KVMESH_KERNEL_ISA must be one of scalar, avx2, avx512, avx512bf16; got '",
+  TORCH_CHECK(false, "KVMESH_KERNEL_ISA must be one of scalar, avx2, avx512, avx512bf16, amx; got '",
               want, "'");
 }
 
@@ -76,16 +95,22 @@ constexpr int64_t kMC = 60;            // most rows per task (chunks are made eq
 constexpr int64_t kKCP = 256;          // k-pairs per k-block when x's slice needs blocking
 constexpr int64_t kXSlice = 256 << 10; // bytes of fp32 x a task may touch without k-blocking
 constexpr int64_t kMinWork = 1 << 16;   // multiply-adds below which a thread is not worth it
+// Fewest rows of bf16 activations that take the AMX tiles (below, vdpbf16ps: a tile row block
+// of 16 would mostly multiply padding). Measured on a Sapphire Rapids class Xeon (2 threads,
+// SmolLM2 projection chain, python -m bench.gemm): see docs/engine.md.
+constexpr int64_t kAmxMinRows = 4;
 
 struct Problem {
   int64_t M, N, NB, kp;          // rows, columns, panels, k-pairs (Kp / 2)
   const float* x;                // fp32 activations [M, 2 kp] (fp32 micro-kernels)
-  const uint16_t* xb;            // bf16 activations [M, 2 kp] (vdpbf16ps kernels) or null
+  const uint16_t* xb;            // bf16 activations [M, 2 kp] (vdpbf16ps kernels) or null;
+                                 // AMX: [16 ceil(M / 16), 2 kp], padding rows readable
   const uint16_t* w;             // packed [NB][kp][16][2]
   const float* bias;             // [N] or null
   float* out_f;                  // fp32 output [M, N] or null
   c10::BFloat16* out_b;          // bf16 output [M, N] or null
   float* acc;                    // fp32 partial sums [M, N] (bf16 output, several k-blocks)
+  bool amx;                      // bf16 row blocks go through the AMX tiles
 };
 
 // Adds / writes one micro-tile (mr rows, nc valid columns, row stride ldt) into the output.
@@ -113,7 +138,8 @@ void epilogue(const Problem& P, const float* tile, int ldt, int64_t r0, int mr, 
 void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
   const MicroTable& table = table_for(isa);
 #if defined(__x86_64__)
-  const MicroBf16Table* dp = (isa == Isa::kAvx512Bf16 && P.xb) ? &avx512bf16_table() : nullptr;
+  const MicroBf16Table* dp = (isa >= Isa::kAvx512Bf16 && P.xb) ? &avx512bf16_table() : nullptr;
+  const AmxTable* amx = P.amx ? &amx_table() : nullptr;
 #else
   const MicroBf16Table* dp = nullptr;
 #endif
@@ -126,7 +152,10 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
   const int64_t ldx = 2 * P.kp;
 
   at::parallel_for(0, m_chunks * groups, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float tile[kMaxMR * kGroup * kPanel];
+    alignas(64) float tile[32 * kGroup * kPanel];
+#if defined(__x86_64__)
+    if (amx) amx_configure();
+#endif
     for (int64_t t = begin; t < end;) {
       const int64_t mc = t / groups, g0 = t % groups;
       const int64_t g1 = std::min(groups, g0 + (end - t));
@@ -139,6 +168,15 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
           const int64_t c0 = g * kGroup * kPanel;
           const int nc = static_cast<int>(std::min<int64_t>(np * kPanel, P.N - c0));
           const uint16_t* wg = P.w + g * kGroup * pstride + k0 * 2 * kPanel;
+          if (amx) {   // blocks of 32 rows (16 for the last <= 16); r0 is a multiple of 16
+            for (int64_t r = r0; r < r1; r += 32) {
+              const int mb = r1 - r > 16 ? 2 : 1;
+              amx->fn[mb][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
+              epilogue(P, tile, np * kPanel, r, static_cast<int>(std::min<int64_t>(16 * mb, r1 - r)),
+                       c0, nc, first, last);
+            }
+            continue;
+          }
           // Row blocks of near-equal size (7 rows with MR 6 -> 4 + 3, not 6 + 1).
           int64_t left = r1 - r0;
           for (int64_t r = r0; r < r1;) {
@@ -156,6 +194,14 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
       }
       t += g1 - g0;
     }
+#if defined(__x86_64__)
+    if (amx) {
+      amx_release();
+      // ATen's own AMX GEMMs (cpublas::brgemm) cache "my tile configuration is loaded" per
+      // thread; forget it so that their next call configures the tiles again.
+      at::native::cpublas::brgemm_release();
+    }
+#endif
   });
 }
 
@@ -185,7 +231,7 @@ void check_packed(const at::Tensor& packed) {
 
 }  // namespace
 
-// w [N, K] (any floating dtype, CPU) -> bf16 [ceil(N/16), ceil(K/2), 16, 2] (layout: micro.h),
+// w [N, K] (any floating dtype, CPU) -> bf16 [ceil(N/16), 16 ceil(K/32), 16, 2] (layout: micro.h),
 // rounded to nearest even; padding is zero.
 at::Tensor pack_bf16_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && at::isFloatingType(w.scalar_type()) && w.device().is_cpu(),
@@ -193,7 +239,7 @@ at::Tensor pack_bf16_weight(const at::Tensor& w) {
               w.scalar_type(), " ", w.sizes(), " on ", w.device());
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N > 0 && K > 0, "pack_bf16_weight: empty weight ", w.sizes());
-  const int64_t Np = (N + kPanel - 1) / kPanel * kPanel, Kp = (K + 1) / 2 * 2;
+  const int64_t Np = (N + kPanel - 1) / kPanel * kPanel, Kp = (K + 31) / 32 * 32;
   at::Tensor wb = at::constant_pad_nd(w.to(at::kBFloat16), {0, Kp - K, 0, Np - N}, 0);
   return wb.view({Np / kPanel, kPanel, Kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
@@ -208,8 +254,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
               x.scalar_type(), " ", x.sizes(), " on ", x.device());
   check_packed(packed);
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), kp = packed.size(1);
-  TORCH_CHECK(K == 2 * kp || K == 2 * kp - 1, "bf16_linear: x has K=", K,
-              " but packed was made for K=", 2 * kp - 1, " or ", 2 * kp);
+  TORCH_CHECK(kp % 16 == 0 && K <= 2 * kp && K > 2 * kp - 32, "bf16_linear: x has K=", K,
+              " but packed was made for K in [", 2 * kp - 31, ", ", 2 * kp, "]");
   TORCH_CHECK(N > (NB - 1) * kPanel && N <= NB * kPanel, "bf16_linear: N=", N,
               " does not match packed (", NB, " panels of 16)");
   at::Tensor b;
@@ -223,14 +269,18 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 
   const Isa isa = selected_isa();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
-  const bool use_dp = isa == Isa::kAvx512Bf16 && bf16_in;
+  const bool use_dp = isa >= Isa::kAvx512Bf16 && bf16_in;
+  const bool use_amx = isa == Isa::kAmx && bf16_in && M >= kAmxMinRows;
+  const int64_t Mx = use_amx ? (M + 15) / 16 * 16 : M;      // rows of xk
   // The micro-kernels read whole, contiguous k-pairs: copy (and convert) x unless it already
-  // is fp32 [M, 2 kp] contiguous; an odd K gets a zero column. A plain loop: this runs for
-  // every decode-step projection, where each extra ATen op costs microseconds.
+  // is fp32 [M, 2 kp] contiguous; K up to Kp gets zero columns (and AMX zero rows up to a
+  // multiple of 16). A plain loop: this runs for every decode-step projection, where each
+  // extra ATen op costs microseconds.
   at::Tensor xk = x;
-  if (use_dp ? !(x.is_contiguous() && K == 2 * kp)
+  if (use_dp ? !(x.is_contiguous() && K == 2 * kp && Mx == M)
              : !(x.scalar_type() == at::kFloat && x.is_contiguous() && K == 2 * kp)) {
-    xk = at::empty({M, 2 * kp}, x.options().dtype(use_dp ? at::kBFloat16 : at::kFloat));
+    xk = at::empty({Mx, 2 * kp}, x.options().dtype(use_dp ? at::kBFloat16 : at::kFloat));
+    if (Mx > M) xk.narrow(0, M, Mx - M).zero_();
     if (use_dp)
       copy_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), M, K,
                 xk.data_ptr<c10::BFloat16>(), 2 * kp);
@@ -240,9 +290,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     else
       copy_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, xk.data_ptr<float>(), 2 * kp);
   }
-  const int64_t m_chunks = (M + kMC - 1) / kMC;
-  const int64_t MC = (M + m_chunks - 1) / m_chunks;     // equal chunks: 64 -> 32 + 32
-  const int64_t KCP = MC * 2 * kp * 4 <= kXSlice ? kp : std::min(kp, kKCP);
+  const int64_t mc_max = use_amx ? 64 : kMC;
+  const int64_t m_chunks = (M + mc_max - 1) / mc_max;
+  int64_t MC = (M + m_chunks - 1) / m_chunks;           // equal chunks: 64 -> 32 + 32
+  if (use_amx) MC = (MC + 15) / 16 * 16;                // AMX row blocks start at multiples of 16
+  const int64_t KCP = MC * 2 * kp * (use_dp ? 2 : 4) <= kXSlice ? kp : std::min(kp, kKCP);
   at::Tensor acc;
   if (bf16_in && KCP < kp) acc = at::empty({M, N}, x.options().dtype(at::kFloat));
 
@@ -253,7 +305,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
             b.defined() ? b.data_ptr<float>() : nullptr,
             bf16_in ? nullptr : out.data_ptr<float>(),
             bf16_in ? out.data_ptr<c10::BFloat16>() : nullptr,
-            acc.defined() ? acc.data_ptr<float>() : nullptr};
+            acc.defined() ? acc.data_ptr<float>() : nullptr, use_amx};
   run(P, isa, MC, KCP);
   return out;
 }

@@ -3,8 +3,8 @@
 // in inline torch code, see micro_avx2.cpp).
 //
 // Packed weight layout ("VNNI-2", as oneDNN/SGLang use for bf16): for a weight W [N, K]
-// (PyTorch Linear layout), N is padded to Np = 16 * ceil(N / 16) and K to Kp = 2 * ceil(K / 2)
-// with zeros, and the bf16 bits are stored as uint16 [Np / 16][Kp / 2][16][2]:
+// (PyTorch Linear layout), N is padded to Np = 16 * ceil(N / 16) and K to Kp = 32 * ceil(K / 32)
+// with zeros (a multiple of 32 so that 16 k-pair rows make one AMX B tile, micro_amx.cpp), and the bf16 bits are stored as uint16 [Np / 16][Kp / 2][16][2]:
 //   packed[p][t][c][j] = bf16(W[16 p + c][2 t + j]).
 // One "panel" p is 16 output columns; one k-pair row of a panel (t) is 64 bytes, i.e. exactly
 // one cache line, holding (W[n][2t], W[n][2t+1]) for its 16 columns. A 32-bit lane holds one
@@ -46,5 +46,16 @@ struct MicroBf16Table {
   MicroBf16Fn fn[kMaxMR + 1][kGroup + 1];
 };
 const MicroBf16Table& avx512bf16_table();
+
+// AMX-BF16 (micro_amx.cpp): fn[MB][NP] computes MB * 16 rows x NP panels of bf16 activations
+// (tile row stride NP * 16 floats; rows past the caller's count are computed from whatever x
+// holds there and must be readable). kp must be a multiple of 16. Only between
+// amx_configure() and amx_release() on the same thread.
+struct AmxTable {
+  MicroBf16Fn fn[3][kGroup + 1];
+};
+const AmxTable& amx_table();
+void amx_configure();
+void amx_release();
 
 }  // namespace kvmesh_gemm
