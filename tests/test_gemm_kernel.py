@@ -169,14 +169,15 @@ def test_amx_tiles_coexist_with_aten(best_isa):
     a = torch.randn(64, 96, generator=g).to(torch.bfloat16)
     bm = torch.randn(96, 80, generator=g).to(torch.bfloat16)
     expect = (a.double() @ bm.double())
-    for m in (4, 15, 16, 17, 31, 32, 33, 64, 100):
-        x, w, b, p, ref, scale = _case(576, 1536, m, bias=True)
+    # K = 4864 splits K into blocks (fp32 partial sums between them) at 64 rows
+    for n, k, m in [(576, 1536, m) for m in (4, 15, 16, 17, 31, 32, 33, 64, 100)] + [(80, 4864, 100)]:
+        x, w, b, p, ref, scale = _case(n, k, m, bias=True)
         xb = x.to(torch.bfloat16)
-        y_amx = gemm.bf16_linear(xb, p, 576, b)
+        y_amx = gemm.bf16_linear(xb, p, n, b)
         mid = (a @ bm).double()
         os.environ["KVMESH_KERNEL_ISA"] = "avx512bf16"
         try:
-            y_dp = gemm.bf16_linear(xb, p, 576, b)
+            y_dp = gemm.bf16_linear(xb, p, n, b)
         finally:
             os.environ.pop("KVMESH_KERNEL_ISA")
         _check_bf16(y_amx, x, w, b)

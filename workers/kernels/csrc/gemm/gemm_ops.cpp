@@ -114,8 +114,18 @@ struct Problem {
 };
 
 // Adds / writes one micro-tile (mr rows, nc valid columns, row stride ldt) into the output.
+// vec: the CPU has AVX512-BF16 (bf16 outputs then take store_tile_bf16's vector loop: the
+// scalar loop below cost more than the AMX multiplies at prefill sizes).
 void epilogue(const Problem& P, const float* tile, int ldt, int64_t r0, int mr, int64_t c0,
-              int nc, bool first, bool last) {
+              int nc, bool first, bool last, bool vec) {
+#if defined(__x86_64__)
+  if (vec && P.out_b != nullptr) {
+    store_tile_bf16(tile, ldt, mr, nc, P.bias ? P.bias + c0 : nullptr,
+                    P.acc ? P.acc + r0 * P.N + c0 : nullptr, P.N, first, last,
+                    reinterpret_cast<uint16_t*>(P.out_b + r0 * P.N + c0), P.N);
+    return;
+  }
+#endif
   for (int i = 0; i < mr; ++i) {
     const float* t = tile + i * ldt;
     const int64_t off = (r0 + i) * P.N + c0;
@@ -140,6 +150,7 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
 #if defined(__x86_64__)
   const MicroBf16Table* dp = (isa >= Isa::kAvx512Bf16 && P.xb) ? &avx512bf16_table() : nullptr;
   const AmxTable* amx = P.amx ? &amx_table() : nullptr;
+  const bool vec = isa >= Isa::kAvx512Bf16;
 #else
   const MicroBf16Table* dp = nullptr;
 #endif
@@ -173,7 +184,7 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
               const int mb = r1 - r > 16 ? 2 : 1;
               amx->fn[mb][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
               epilogue(P, tile, np * kPanel, r, static_cast<int>(std::min<int64_t>(16 * mb, r1 - r)),
-                       c0, nc, first, last);
+                       c0, nc, first, last, true);
             }
             continue;
           }
@@ -186,7 +197,7 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
               dp->fn[mr][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
             else
               table.fn[mr][np](P.x + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
-            epilogue(P, tile, np * kPanel, r, mr, c0, nc, first, last);
+            epilogue(P, tile, np * kPanel, r, mr, c0, nc, first, last, vec);
             r += mr;
             left -= mr;
           }

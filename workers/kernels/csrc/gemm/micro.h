@@ -58,4 +58,11 @@ const AmxTable& amx_table();
 void amx_configure();
 void amx_release();
 
+// AVX512-BF16 epilogue (micro_amx.cpp) of a bf16-output tile of mr rows x nc columns (row
+// stride ldt floats): v = tile + (first ? bias : acc); with acc (fp32 partial sums, row stride
+// lda) and not last, acc = v; else out = bf16(v), rounded to nearest even (row stride ldo).
+// bias and acc may be null.
+void store_tile_bf16(const float* tile, int ldt, int mr, int nc, const float* bias, float* acc,
+                     int64_t lda, bool first, bool last, uint16_t* out, int64_t ldo);
+
 }  // namespace kvmesh_gemm

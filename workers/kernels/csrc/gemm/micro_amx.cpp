@@ -80,6 +80,32 @@ const AmxTable& amx_table() {
 
 #undef KV_AMX
 
+#define KV_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+KV_BF16 void store_tile_bf16(const float* tile, int ldt, int mr, int nc, const float* bias,
+                             float* acc, int64_t lda, bool first, bool last, uint16_t* out,
+                             int64_t ldo) {
+  for (int i = 0; i < mr; ++i) {
+    const float* t = tile + i * ldt;
+    float* a = acc ? acc + i * lda : nullptr;
+    uint16_t* o = out + i * ldo;
+    for (int j = 0; j < nc; j += 16) {
+      const __mmask16 m = nc - j >= 16 ? static_cast<__mmask16>(0xffff)
+                                       : static_cast<__mmask16>((1u << (nc - j)) - 1);
+      __m512 v = _mm512_maskz_loadu_ps(m, t + j);
+      if (a != nullptr && !first) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, a + j));
+      else if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
+      if (a != nullptr && !last) {
+        _mm512_mask_storeu_ps(a + j, m, v);
+        continue;
+      }
+      // round to nearest even, as c10::BFloat16(float) does for every non-NaN value
+      const __m256i b16 = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+      _mm256_mask_storeu_epi16(o + j, m, b16);
+    }
+  }
+}
+#undef KV_BF16
+
 }  // namespace kvmesh_gemm
 
 #endif  // __x86_64__
