@@ -25,8 +25,8 @@ from kvmesh.config import EngineConfig
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
-from workers.layers.attention import (AttentionMetadata, CascadeGroup, NativeMetadata, PrefillChunk, block_index,
-                                      set_decode_tables)
+from workers.layers.attention import (SDPA_MIN_CHUNK_TOKENS, AttentionMetadata, CascadeGroup, NativeMetadata,
+                                      PrefillChunk, block_index, set_decode_tables)
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.layers.linear import pack_bf16_linears
 from workers.loader import load_model, weight_bytes
@@ -200,11 +200,12 @@ class ModelRunner:
 
         def order(s: SeqInput) -> tuple[bool, bool]:
             # decodes first (stable; a speculating decode is a chunk of 1 + k tokens), then the
-            # chunks after cached context, then chunks without context (SDPA on the native
-            # backend). The order does not depend on the backend, so pipeline stages agree on
-            # the rows of the hidden states they pass on whatever backend each one resolved.
+            # short chunks after cached context, then chunks without context or with at least
+            # SDPA_MIN_CHUNK_TOKENS tokens (SDPA on the native backend; float cache). The order
+            # does not depend on the backend, so pipeline stages agree on the rows of the
+            # hidden states they pass on whatever backend each one resolved.
             n = len(s.token_ids) + len(s.spec_token_ids)
-            return n != 1, n != 1 and s.start == 0 and not quantized
+            return n != 1, n != 1 and not quantized and (s.start == 0 or n >= SDPA_MIN_CHUNK_TOKENS)
 
         seqs = sorted(step.seqs, key=order)
         ids: list[int] = []

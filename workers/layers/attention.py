@@ -128,6 +128,14 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
 
 
+# Prefill chunks after cached context with at least this many new tokens (float cache) go
+# through SDPA on the gathered context rather than the native kernel, whose many-row path is
+# slower there: one chunk after 1,400 cached tokens, bf16, Sapphire Rapids class Xeon
+# (2 threads, python -m bench.kernels' case): 32 new tokens 0.58 ms native / 0.59 ms SDPA,
+# 64 tokens 0.92 / 0.77, 128 tokens 1.84 / 1.28 (SmolLM2); 0.75 / 0.65 at 32 tokens (Qwen 0.5B).
+SDPA_MIN_CHUNK_TOKENS = 32
+
+
 def block_index(ids: list[int], device) -> torch.Tensor | slice:
     """Index for a list of block ids: a slice when they are one contiguous ascending run
     (then reading them is a view, not a copy), else an int64 tensor."""
@@ -221,31 +229,38 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             out[:bd] = o.to(q.dtype).reshape(bd, H, D)
 
     for p in md.prefills:
-        n = p.q_end - p.q_start
-        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)                # [1, H, n, D]
-        if p.ctx_len == 0 and not kv_cache.quantized:
-            kp = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
-            vp = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                               enable_gqa=G > 1)
-        else:
-            # after cached context, or any chunk of a quantized cache: attend to what the cache
-            # holds (so a result does not depend on chunking or prefix-cache hits)
-            total = p.ctx_len + n
-            kp, vp = (x.unsqueeze(0) for x in _gather(kv_cache, p.block_table, total, q.dtype))  # [1, KVH, total, D]
-            # query i (absolute position ctx_len + i) sees keys 0 .. ctx_len + i
-            mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril_(diagonal=p.ctx_len)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
-                                               enable_gqa=G > 1)
-        out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
+        out[p.q_start:p.q_end] = _prefill_sdpa(q, k, v, kv_cache, p, scale)
     return out
+
+
+def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, p: PrefillChunk,
+                  scale: float) -> torch.Tensor:
+    """One prefill chunk through SDPA: ``[n, H, D]`` for the chunk's rows of q. A chunk without
+    cached context on a float cache attends to its own K/V (causal); after cached context, or
+    on a quantized cache, it attends to what the cache holds (gathered), so a result does not
+    depend on chunking or prefix-cache hits."""
+    n = p.q_end - p.q_start
+    G = q.shape[1] // k.shape[1]
+    qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)                # [1, H, n, D]
+    if p.ctx_len == 0 and not kv_cache.quantized:
+        kp = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+        vp = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=G > 1)
+    else:
+        total = p.ctx_len + n
+        kp, vp = (x.unsqueeze(0) for x in _gather(kv_cache, p.block_table, total, q.dtype))  # [1, KVH, total, D]
+        # query i (absolute position ctx_len + i) sees keys 0 .. ctx_len + i
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril_(diagonal=p.ctx_len)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=G > 1)
+    return o.squeeze(0).transpose(0, 1)
 
 
 def _native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                       md: AttentionMetadata, scale: float) -> torch.Tensor:
     """The step through the native kernels: K/V written at the slot mapping in place, then the
     rows ``[0, native.num_tokens)`` attend over their block tables in place (no gather); the
-    remaining prefill chunks (no cached context, float cache) use SDPA on their own K/V."""
+    remaining prefill chunks (float cache: no cached context, or at least
+    ``SDPA_MIN_CHUNK_TOKENS`` new tokens) go through SDPA (:func:`_prefill_sdpa`)."""
     # the ops themselves (workers.kernels loaded them; its wrappers document them), so that
     # torch.compile sees two opaque calls
     nm = md.native
@@ -261,13 +276,7 @@ def _native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     out = torch.empty_like(q)
     if o is not None:
         out[:n] = o
-    G = q.shape[1] // k.shape[1]
     for p in md.prefills:
-        if p.q_start < n:
-            continue
-        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
-        kp = k[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
-        vp = v[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=G > 1)
-        out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
+        if p.q_start >= n:
+            out[p.q_start:p.q_end] = _prefill_sdpa(q, k, v, kv_cache, p, scale)
     return out

@@ -252,8 +252,39 @@ struct Simd {
   static void store_f16(uint16_t* p, V v) {
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  static constexpr bool kRowDot = false;      // transposed K only (see attn_kernel.h)
-  static void dots(const float*, const float*, int, int, float*) {}
+  static constexpr bool kRowDot = true;
+  // s[j] = dot(q, k + j * D) for j < nk (nk a multiple of 8; D a multiple of 8): 8 keys at a
+  // time in 16-lane accumulators, each folded to 8 lanes, then the AVX2 path's horizontal-add
+  // tree. (Without it this path transposed K for every chunk and ran decode at ~2/3 of the
+  // AVX2 path's speed on a Sapphire Rapids class Xeon.)
+  static __m256 fold(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  static void dots(const float* q, const float* k, int D, int nk, float* s) {
+    for (int j = 0; j < nk; j += 8) {
+      const float* kj = k + j * D;
+      __m512 a[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+      int d = 0;
+      for (; d + 16 <= D; d += 16) {
+        const __m512 x = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) a[i] = _mm512_fmadd_ps(x, _mm512_loadu_ps(kj + i * D + d), a[i]);
+      }
+      __m256 b[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) b[i] = fold(a[i]);
+      if (d < D) {              // D = 16 n + 8
+        const __m256 x = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) b[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + i * D + d), b[i]);
+      }
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
+      _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    }
+  }
   static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
 };
 #endif
