@@ -20,7 +20,8 @@ SHARED = 80          # tokens of the shared prefix: 5 full blocks, enough for a 
 
 def _workload(prose_ids):
     """Requests that exercise every kind of step: rows decoding over one shared prefix
-    (cascade groups), a row on its own, a prompt hitting the prefix cache after the others
+    (cascade groups on the torch reference; the native backend runs them as plain rows), a
+    row on its own, a prompt hitting the prefix cache after the others
     (prefill after cached context), chunked prefills (small token budget)."""
     shared = prose_ids[:SHARED]
     reqs = [(f"s{i}", shared + prose_ids[120 + 9 * i: 125 + 9 * i], 20) for i in range(3)]
