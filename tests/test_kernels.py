@@ -302,3 +302,33 @@ def test_loader_reuses_the_build_and_honours_the_isa_and_off_switches():
     assert r.stdout.split() == ["False", "none"], r.stderr
     assert "KVMESH_NATIVE_KERNELS=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert str(kernels.build_directory()).startswith(os.environ.get("KVMESH_HOME", os.path.expanduser("~/.cache/kvmesh")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_rms_norm_matches_the_model_norm(dtype):
+    """kvmesh::rms_norm / add_rms_norm against workers.models.llama.RMSNorm's PyTorch
+    expression: the residual sum is bit-identical (rounded to dtype first, as the model does);
+    the norm agrees to float32 rounding (its mean is summed in another order)."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    from workers.models.llama import RMSNorm
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    for rows in (1, 5, 40):
+        x = (3 * torch.randn(rows, 576, generator=g)).to(dtype)
+        r = torch.randn(rows, 576, generator=g).to(dtype)
+        ref, (ref2, ref_sum) = norm(x), norm(x, r)
+        norm.native = True
+        try:
+            y, (y2, y_sum) = norm(x), norm(x, r)
+        finally:
+            norm.native = False
+        assert y.dtype == dtype and y2.dtype == dtype and torch.equal(y_sum, ref_sum)
+        tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7      # one unit of the last place
+        for a, b in ((y, ref), (y2, ref2)):
+            assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), (a.float() - b.float()).abs().max()
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.kvmesh.rms_norm(x, norm.weight[:5], 1e-5)
+    with pytest.raises(RuntimeError, match="residual"):
+        torch.ops.kvmesh.add_rms_norm(x, r[:, :5].contiguous(), norm.weight, 1e-5)

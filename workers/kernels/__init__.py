@@ -28,6 +28,9 @@ Ops (schemas as registered; fake implementations below make them opaque to ``tor
                             Tensor seq_lens, Tensor block_tables, float scale,
                             Tensor? prefix_group=None, Tensor? prefix_block_tables=None,
                             Tensor? prefix_lens=None) -> Tensor
+    kvmesh::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
+    kvmesh::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
+        (csrc/norm.cpp: RMSNorm, and the residual add fused into it; x [T, hidden] contiguous)
 """
 
 from __future__ import annotations
@@ -230,6 +233,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvmesh::reshape_and_cache")
     def _(k, v, kv_data, scales, slot_mapping):
         return None
+
+    @torch.library.register_fake("kvmesh::rms_norm")
+    def _(x, weight, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("kvmesh::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return x.new_empty(x.shape), x.new_empty(x.shape)
 
     @torch.library.register_fake("kvmesh::paged_attention")
     def _(q, kv_data, scales, query_start_loc, seq_lens, block_tables, scale, prefix_group=None,

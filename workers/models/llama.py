@@ -89,8 +89,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.native = False     # kvmesh::rms_norm / add_rms_norm (set by use_native_norms)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.native and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            if residual is None:
+                return torch.ops.kvmesh.rms_norm(x, self.weight, self.eps)
+            return torch.ops.kvmesh.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -98,6 +103,23 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (xf * self.weight.float()).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def use_native_norms(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Run every RMSNorm of ``model`` through the native fused kernels (``kvmesh::rms_norm``,
+    ``kvmesh::add_rms_norm``; :mod:`workers.kernels`) when the model serves bfloat16 or
+    float16 (``dtype``) on the CPU and the kernels are built: one op per norm instead of ~8
+    (at batch 1 the dispatch cost is what these ops cost). float32 keeps the PyTorch expression
+    (the reference of the parity tests). Returns how many norms switched."""
+    if dtype not in (torch.bfloat16, torch.float16) or device.type != "cpu":
+        return 0
+    from workers import kernels
+    if not kernels.available():
+        return 0
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.native = True
+    return len(norms)
 
 
 class Attention(nn.Module):
