@@ -1,6 +1,6 @@
 """Microbenchmark: native paged attention (``kvmesh::paged_attention``) vs the PyTorch path.
 
-``python -m bench.kernels [--repeats N] [--threads N] [--isa scalar|avx2|avx512]``
+``python -m bench.kernels [--repeats N] [--threads N] [--isa scalar|avx2|avx512|avx512bf16]``
 
 Per layer call, for SmolLM2-135M (H=9, KVH=3, D=64) and Qwen2.5-0.5B (H=14, KVH=2, D=64)
 shapes, block size 16, bfloat16 queries, KV cache bfloat16 and int8, random non-contiguous
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
-    ap.add_argument("--isa", default="auto", help="kernel path: auto, scalar, avx2, avx512")
+    ap.add_argument("--isa", default="auto", help="kernel path: auto, scalar, avx2, avx512, avx512bf16")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args(argv)
     from workers import kernels

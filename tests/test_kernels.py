@@ -27,7 +27,7 @@ from workers.kv_cache import KVCache
 if not kernels.available():
     pytest.skip(f"native kernels cannot be built here: {kernels.unavailable_reason()}", allow_module_level=True)
 
-RANK = {"scalar": 0, "avx2": 1, "avx512": 2}
+RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 ISAS = [i for i in RANK if RANK[i] <= RANK[kernels.cpu_isa()]]
 QUANT = (torch.int8, torch.float8_e4m3fn)
 

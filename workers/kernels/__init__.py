@@ -14,10 +14,11 @@ Nothing here raises when the kernels cannot be used: :func:`available` returns F
 warning on the ``kvmesh.kernels`` logger naming the reason) when ``KVMESH_NATIVE_KERNELS=0``, on
 a CPU that is not x86-64, or when the build fails (no compiler, no ``ninja``...).
 
-Instruction set: one build carries a scalar, an AVX2+FMA+F16C and an AVX-512F path (each
-translation unit compiled with ``#pragma GCC target``); the best one the CPU supports is chosen
-at run time (``__builtin_cpu_supports``). ``KVMESH_KERNEL_ISA=scalar|avx2|avx512`` selects a
-lower path (a path above what the CPU has is lowered to it); :func:`set_isa` does the same at run
+Instruction set: one build carries a scalar, an AVX2+FMA+F16C, an AVX-512F and an AVX-512F +
+AVX512-BF16 attention path (each translation unit compiled with ``#pragma GCC target``; the
+last computes q K^T of a bfloat16 cache with ``vdpbf16ps``); the best one the CPU supports is
+chosen at run time (``__builtin_cpu_supports``). ``KVMESH_KERNEL_ISA=scalar|avx2|avx512|avx512bf16``
+selects a lower path (``amx``, the GEMM's top path, means avx512bf16 here) (a path above what the CPU has is lowered to it); :func:`set_isa` does the same at run
 time. :func:`isa` names the path in use.
 
 Ops (schemas as registered; fake implementations below make them opaque to ``torch.compile``)::
@@ -99,7 +100,8 @@ def _load():
             got = _state["module"].set_isa(want)
         except RuntimeError:
             got = _state["module"].set_isa("auto")
-            log.warning("kvmesh: unknown KVMESH_KERNEL_ISA=%s (scalar, avx2, avx512 or auto); using %s", want, got)
+            log.warning("kvmesh: unknown KVMESH_KERNEL_ISA=%s (scalar, avx2, avx512, avx512bf16, amx or auto); using %s",
+                        want, got)
         else:
             if want not in ("auto", "", got):
                 log.warning("kvmesh: KVMESH_KERNEL_ISA=%s is not supported by this CPU; using %s", want, got)

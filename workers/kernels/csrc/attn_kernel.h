@@ -1,4 +1,4 @@
-// The paged attention kernel, instantiated once per ISA (attn_{scalar,avx2,avx512}.cpp define
+// The paged attention kernel, instantiated once per ISA (attn_{scalar,avx2,avx512,avx512bf16}.cpp define
 // KVMESH_ISA and KVMESH_NS, then include this file under their `#pragma GCC target`).
 //
 // One work item = `nrows` query rows (token x query head of one KV head) against the keys
@@ -131,14 +131,27 @@ struct Kernel {
       n_tok = a.qsl[it.unit + 1] - a.qsl[it.unit];
       kv_shift = a.seq_lens[it.unit] - n_tok;
     }
-    // scratch: Q, O [M, D]; S [M, BSp]; m, l, lim [M]; KT [D, BSp]; tmp, Vf [BSp, D]
-    size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * (D * 3 + 4) + 64;
+    // scratch: Q, O [M, D]; S [M, BSp]; m, l, lim [M]; KT [D, BSp]; tmp, Vf [BSp, D]; vsc, voff,
+    // kptr [BSp]; Qb [M, D] bf16; a zero key row [D] bf16
+    size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * (D * 3 + 6) + size_t(M + 1) * D / 2 + 96;
     float* buf = (float*)std::aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64);
     if (buf == nullptr) throw std::bad_alloc();    // at::parallel_for rethrows it to the caller
     float *Q = buf, *O = Q + M * D, *S = O + M * D, *mx = S + M * BSp, *sum = mx + M;
     int32_t* lim = (int32_t*)(sum + M);
     float *KT = (float*)(lim + M), *tmp = KT + BSp * D, *Vf = tmp + BSp * D, *vsc = Vf + BSp * D;
     int64_t* voff = (int64_t*)(((uintptr_t)(vsc + BSp) + 7) & ~uintptr_t(7));
+    const uint16_t** kptr = (const uint16_t**)(voff + BSp);
+    uint16_t* Qb = (uint16_t*)(((uintptr_t)(kptr + BSp) + 63) & ~uintptr_t(63));
+    uint16_t* zrow = Qb + M * D;
+    // bfloat16 q and cache on AVX512-BF16: q K^T by vdpbf16ps on the cache rows as stored
+    // (q kept unscaled in Qb, the scale applied to the scores); P V as on AVX-512 (float32 P:
+    // a bfloat16 P with vdpbf16ps measured no faster, the step being bound by reading K/V)
+#if KVMESH_ISA >= 3
+    const bool kbf16 = KVD == BF16 && a.q_dtype == BF16 && M <= 8;
+#else
+    const bool kbf16 = false;
+#endif
+    if (kbf16) std::memset(zrow, 0, sizeof(uint16_t) * D);
     int32_t max_lim = -1;
     for (int r = 0; r < M; ++r) {
       const int row = it.row0 + r, i = row / G, g = row % G;
@@ -152,6 +165,7 @@ struct Kernel {
         Simd::store(Q + r * D + d, Simd::mul(x, sc));
         Simd::store(O + r * D + d, Simd::zero());
       }
+      if (kbf16) std::memcpy(Qb + r * D, (const uint16_t*)a.q + qo, sizeof(uint16_t) * D);
       mx[r] = -INFINITY;
       sum[r] = 0.f;
       lim[r] = own ? kv_shift + i : it.key1 - 1;
@@ -186,7 +200,11 @@ struct Kernel {
               __builtin_prefetch(vp + j * tok_st * esize + c);
             }
         }
-        load_rows(a.kv, off, tok_st, n, D, ks, tmp + j0 * D);
+        if (kbf16) {
+          for (int j = 0; j < n; ++j) kptr[j0 + j] = (const uint16_t*)a.kv + off + j * tok_st;
+        } else {
+          load_rows(a.kv, off, tok_st, n, D, ks, tmp + j0 * D);
+        }
         if (rowdot) {
           for (int j = 0; j < n; ++j) {
             voff[j0 + j] = a.kv_half + off + j * tok_st;
@@ -196,7 +214,11 @@ struct Kernel {
           load_rows(a.kv, a.kv_half + off, tok_st, n, D, vs, Vf + j0 * D);
         }
       }
-      std::memset(tmp + nj * D, 0, sizeof(float) * (BSp - nj) * D);
+      if (kbf16) {
+        for (int j = nj; j < (nj + 7) / 8 * 8; ++j) kptr[j] = zrow;
+      } else {
+        std::memset(tmp + nj * D, 0, sizeof(float) * (BSp - nj) * D);
+      }
       if (!rowdot) {
         std::memset(Vf + nj * D, 0, sizeof(float) * (BSp - nj) * D);
         Simd::transpose(tmp, BSp, D, KT, BSp);
@@ -205,7 +227,12 @@ struct Kernel {
         const int rr = M - r0 < RT ? M - r0 : RT;
         float* s = S + r0 * BSp;
         if (rowdot) {
-          for (int r = 0; r < rr; ++r) Simd::dots(Q + (r0 + r) * D, tmp, D, (nj + 7) / 8 * 8, s + r * BSp);
+#if KVMESH_ISA >= 3
+          if (kbf16)
+            for (int r = 0; r < rr; ++r) Simd::dots_bf16(Qb + (r0 + r) * D, kptr, D, (nj + 7) / 8 * 8, a.scale, s + r * BSp);
+          else
+#endif
+            for (int r = 0; r < rr; ++r) Simd::dots(Q + (r0 + r) * D, tmp, D, (nj + 7) / 8 * 8, s + r * BSp);
         } else switch (rr) {
           case 6: qk_rows<6>(Q + r0 * D, D, KT, BSp, s, BSp); break;
           case 5: qk_rows<5>(Q + r0 * D, D, KT, BSp, s, BSp); break;

@@ -1,5 +1,6 @@
 // SIMD traits for the attention kernel, one set per ISA, selected by KVMESH_ISA before inclusion
-// (0 = scalar, 1 = AVX2+FMA+F16C, 2 = AVX-512F). Every function is static inline inside the
+// (0 = scalar, 1 = AVX2+FMA+F16C, 2 = AVX-512F, 3 = AVX-512F with AVX512-BF16: the AVX-512
+// traits plus dots_bf16). Every function is static inline inside the
 // ISA's own namespace (see attn_kernel.h), so the per-ISA translation units share no symbols.
 //
 // Element conversions (to float32, exact): bfloat16 = upper half of a float32 (shift left 16);
@@ -197,7 +198,7 @@ struct Simd {
   }
   static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
 };
-#elif KVMESH_ISA == 2
+#elif KVMESH_ISA >= 2
 struct Simd {
   using V = __m512;
   static constexpr int W = 16;
@@ -285,6 +286,31 @@ struct Simd {
       _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
     }
   }
+#if KVMESH_ISA >= 3
+  // s[j] = scale * dot(q, k[j]) for j < nk (nk a multiple of 8, D a multiple of 32): q and
+  // the key rows are bfloat16 (k[j] points at D elements), multiplied in pairs by vdpbf16ps
+  // (products exact in float32, float32 accumulation), 8 keys at a time, reduced as in dots.
+  static void dots_bf16(const uint16_t* q, const uint16_t* const* k, int D, int nk, float scale, float* s) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int j = 0; j < nk; j += 8) {
+      __m512 a[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 32) {
+        const __m512bh x = (__m512bh)_mm512_loadu_si512(q + d);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) a[i] = _mm512_dpbf16_ps(a[i], x, (__m512bh)_mm512_loadu_si512(k[j + i] + d));
+      }
+      __m256 b[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) b[i] = fold(a[i]);
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
+      const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+      _mm256_storeu_ps(s + j, _mm256_mul_ps(r, sc));
+    }
+  }
+#endif
   static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
 };
 #endif
