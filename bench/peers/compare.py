@@ -282,6 +282,7 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
                      "verdict": _verdict(kv, pv, higher_better), "note": note})
 
     k_tp = {r["batch_size"]: r["output_tok_s"] for r in km.get("throughput", [])}
+    k_rows = {r["batch_size"]: r for r in km.get("throughput", [])}
     for peer in PEERS:
         res = offline_res.get(peer)
         if not res or "error" in res:
@@ -290,6 +291,12 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
         for r in res.get("throughput", []):
             add(f"offline output tok/s, B={r['batch_size']}", peer, k_tp.get(r["batch_size"]),
                 r["output_tok_s"], True, note)
+            kr = k_rows.get(r["batch_size"], {})
+            add(f"start-up to ready s, B={r['batch_size']}", peer, kr.get("startup_s"), r.get("startup_s"), False,
+                "engine construction + a 4-token warm-up request")
+            gib = lambda v: None if v is None else v / 2 ** 30
+            add(f"peak RSS GiB, B={r['batch_size']}", peer, gib(kr.get("peak_rss_bytes")), gib(r.get("peak_rss_bytes")),
+                False, "runner process tree, sampled every 0.1 s")
         s, ks = res.get("single", {}), km.get("single", {})
         add("single request TTFT s (cold)", peer, ks.get("ttft_s"), s.get("ttft_s"), False, note)
         add("single request decode tok/s", peer, ks.get("decode_tok_s"), s.get("decode_tok_s"), True, note)

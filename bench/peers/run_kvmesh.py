@@ -19,6 +19,8 @@ import time
 
 import runner_common as rc
 
+startup_s = 0.0      # of the last engine() call
+
 
 def main(argv=None) -> int:
     ap = rc.parser(__doc__.split("\n\n")[0])
@@ -44,6 +46,8 @@ def main(argv=None) -> int:
                 "max_num_batched_tokens": args.max_num_batched_tokens, "threads": args.threads}
 
     def engine(max_num_seqs: int) -> LLM:
+        global startup_s
+        t0 = time.perf_counter()
         llm = LLM(args.model, policy=args.policy, enable_prefix_caching=not args.no_prefix_caching,
                   dtype=args.dtype, weight_format=args.weight_format, quant_group_size=args.quant_group_size,
                   max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -51,10 +55,12 @@ def main(argv=None) -> int:
         # warm-up (first-call allocations), not timed; then forget its blocks
         llm.generate([rows[0]["prompt_token_ids"][:64]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         llm.engine.block_manager.reset_prefix_cache()
+        startup_s = time.perf_counter() - t0
         return llm
 
     throughput = []
     for b in rc.batch_sizes(args.batch_sizes):
+        rss = rc.PeakRss()
         llm = engine(b)
         params = [SamplingParams(temperature=0, max_tokens=int(r["max_tokens"]), ignore_eos=True) for r in rows]
         hits0 = llm.engine.block_manager.hits
@@ -64,10 +70,12 @@ def main(argv=None) -> int:
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         assert n_out == sum(p.max_tokens for p in params), "every request must generate exactly max_tokens"
         throughput.append(rc.throughput_row(b, rows, wall, n_out, policy=args.policy,
-                                            prefix_hit_tokens=llm.engine.block_manager.hits - hits0))
+                                            prefix_hit_tokens=llm.engine.block_manager.hits - hits0,
+                                            startup_s=startup_s, peak_rss_bytes=rss.stop()))
         print(f"kvmesh: batch {b}: {throughput[-1]['output_tok_s']:.1f} output tok/s", file=sys.stderr, flush=True)
         del llm
 
+    rss = rc.PeakRss()
     llm = engine(1)
     from scheduler.request import SamplingParams as EngineParams
     eng, n1 = llm.engine, args.decode_tokens
@@ -82,7 +90,8 @@ def main(argv=None) -> int:
             ids += o.new_token_ids if o.request_id == "single" else []
     t2 = time.perf_counter()
     single = {"prompt_tokens": len(rows[0]["prompt_token_ids"]), "ttft_s": t1 - t0, "decode_tokens": n1,
-              "decode_tok_s": (n1 - 1) / (t2 - t1), "token_ids": ids}
+              "decode_tok_s": (n1 - 1) / (t2 - t1), "token_ids": ids,
+              "startup_s": startup_s, "peak_rss_bytes": rss.stop()}
 
     import kvmesh
     env = rc.environment("torch", "transformers")

@@ -43,6 +43,8 @@ def child(args) -> dict:
     from vllm import LLM, SamplingParams
 
     rows = rc.load_prompts(args.prompts)
+    rss = rc.PeakRss()
+    t0 = time.perf_counter()
     b = args.child_batch
     longest = max(len(r["prompt_token_ids"]) + int(r["max_tokens"]) for r in rows)
     max_len = max(longest, len(rows[0]["prompt_token_ids"]) + args.decode_tokens) + 16
@@ -51,6 +53,7 @@ def child(args) -> dict:
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate([{"prompt_token_ids": rows[0]["prompt_token_ids"][:64]}], greedy(4), use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
+    startup_s = time.perf_counter() - t0
 
     out: dict = {}
     if not args.child_single_only:
@@ -61,10 +64,14 @@ def child(args) -> dict:
         wall = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         assert n_out == sum(p.max_tokens for p in params), "every request must generate exactly max_tokens"
-        out["throughput"] = rc.throughput_row(b, rows, wall, n_out, policy="continuous")
+        out["throughput"] = rc.throughput_row(b, rows, wall, n_out, policy="continuous", startup_s=startup_s)
     if b == 1:
         llm.reset_prefix_cache()
-        out["single"] = single_request(llm, rows[0], args.decode_tokens, greedy)
+        out["single"] = single_request(llm, rows[0], args.decode_tokens, greedy) | {"startup_s": startup_s}
+    peak = rss.stop()
+    for part in ("throughput", "single"):
+        if part in out:
+            out[part]["peak_rss_bytes"] = peak
     return out
 
 

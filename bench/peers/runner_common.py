@@ -18,6 +18,11 @@ Output: one JSON object (stdout, and ``--out``)::
      "single": {"prompt_tokens": ..., "ttft_s": ..., "decode_tokens": 128, "decode_tok_s": ...,
                 "token_ids": [...]}}
 
+Runners that measure them add ``startup_s`` to each throughput row and to ``single`` (engine
+construction and a 4-token warm-up request: start-up to ready) and ``peak_rss_bytes`` (the
+runner process and its descendants, sampled every 0.1 s by :class:`PeakRss`, over the whole
+engine's life).
+
 Rates are tokens per second of wall time; ``single`` is one request alone on an idle system
 (TTFT = prefill of a cold PolicyDesk prompt + first token; decode tok/s = tokens after the first
 / time after the first; ``token_ids``: what it generated, to check the systems agree).
@@ -31,6 +36,8 @@ import json
 import os
 import platform
 import sys
+import threading
+import time
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -73,6 +80,53 @@ def versions(*packages: str) -> dict:
 def environment(*packages: str) -> dict:
     return {"python": platform.python_version(), "executable": sys.executable, "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "packages": versions(*packages)}
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` and all its descendants now (/proc; 0 if it is gone)."""
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/statm") as fh:
+                total += int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{p}/task/{p}/children") as fh:
+                todo += [int(c) for c in fh.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+class PeakRss:
+    """Peak resident memory of this process and its descendants (an engine-core subprocess
+    included), sampled every ``interval`` seconds by a daemon thread from creation until
+    :meth:`stop`; ``peak`` in bytes."""
+
+    def __init__(self, interval: float = 0.1):
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _tree_rss(os.getpid()))
+            self._stop.wait(interval)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _tree_rss(os.getpid()))
+        return self.peak
+
+
+def timed(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), seconds)``: start-up to ready is timed this way."""
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
 
 
 def throughput_row(batch_size: int, rows: list[dict], wall: float, output_tokens: int, **extra) -> dict:
