@@ -290,3 +290,21 @@ def test_quality_perplexity_and_kl(smollm2_dir):
     q = evaluate(dense.replace(kv_cache_dtype="int8"), texts, max_tokens=160, reference=ref)
     assert 0 < q["kl"] < 0.02, q                        # measured ~1e-3 nats (1023 tokens)
     assert q["perplexity"] == pytest.approx(same["perplexity"], rel=0.05)
+
+
+def test_host_pool_commits_memory_as_blocks_are_written():
+    """On the CPU the pool is zero pages that become resident when written: allocating a
+    2 GiB pool adds little resident memory, every block reads as zeros, and writing one block
+    commits at most a huge page's worth."""
+    import psutil
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    caches = allocate_kv_cache(4, 8192, 16, 8, 128, torch.bfloat16, torch.device("cpu"))   # 4 x 512 MiB
+    assert sum(c.data.numel() * c.data.element_size() for c in caches) == 2 << 30
+    grown = proc.memory_info().rss - before
+    assert grown < 64 << 20, grown
+    k = torch.ones(1, 8, 128, dtype=torch.bfloat16)
+    caches[2].write(k, 2 * k, torch.tensor([100 * 16 + 3]))
+    assert caches[2].data[0, 100, 3].eq(1).all() and caches[2].data[1, 100, 3].eq(2).all()
+    assert caches[2].data[:, 100].sum().item() == 8 * 128 * 3 and caches[3].data[:, 100].abs().sum().item() == 0
+    assert proc.memory_info().rss - before < grown + (8 << 20)

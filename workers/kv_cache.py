@@ -37,6 +37,8 @@ blocks are views (no copy).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import psutil
@@ -183,18 +185,41 @@ class KVCache:
         return raw.view(self.data.dtype).to(dtype) * scales.to(dtype).unsqueeze(-1).unsqueeze(-3)
 
 
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in host memory backed by its own anonymous private mapping (``mmap``):
+    Linux supplies zero pages on first touch, so only the pages that are written become
+    resident: the KV pool's resident memory grows with the blocks in use, not with the budget
+    (``torch.zeros`` writes, and so commits, every page up front). The mapping is advised
+    ``MADV_HUGEPAGE`` where the platform has it (transparent huge pages in ``madvise`` mode:
+    fewer TLB misses when attention walks block tables over a large pool).
+    Raises OSError (ENOMEM) when the mapping cannot be made."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    # frombuffer keeps a reference to the mapping for the tensor's life
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
     """Zero-filled caches, one per layer: data ``[2, num_blocks, block_size, KVH, D]`` in
-    ``dtype`` and, for a quantized dtype, scales ``[2, num_blocks, KVH]`` float32.
+    ``dtype`` and, for a quantized dtype, scales ``[2, num_blocks, KVH]`` float32. On the CPU
+    the data lives in lazily committed zero pages (:func:`zeroed_host_tensor`).
     Raises EngineError when the memory cannot be allocated."""
+    device = torch.device(device)
     try:
         caches = []
         for _ in range(num_layers):
-            data = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+            data = (zeroed_host_tensor(shape, dtype) if device.type == "cpu"
+                    else torch.zeros(shape, dtype=dtype, device=device))
             scales = (torch.zeros(2, num_blocks, num_kv_heads, dtype=torch.float32, device=device)
                       if is_quantized(dtype) else None)
             caches.append(KVCache(data, scales))
         return caches
-    except (RuntimeError, MemoryError) as e:     # torch's allocators raise RuntimeError / OutOfMemoryError
+    except (RuntimeError, MemoryError, OSError) as e:   # torch's allocators: RuntimeError / OutOfMemoryError; mmap: OSError
         raise EngineError(f"cannot allocate the KV cache ({num_blocks} blocks): {e}; lower --kv-cache-memory") from None
