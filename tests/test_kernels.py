@@ -332,3 +332,23 @@ def test_fused_rms_norm_matches_the_model_norm(dtype):
         torch.ops.kvmesh.rms_norm(x, norm.weight[:5], 1e-5)
     with pytest.raises(RuntimeError, match="residual"):
         torch.ops.kvmesh.add_rms_norm(x, r[:, :5].contiguous(), norm.weight, 1e-5)
+
+
+def test_rotary_bf16_is_bit_identical_to_the_model_rotation():
+    """kvmesh::rotary_bf16 on a strided q/k view of a fused qkv projection equals
+    RotaryEmbedding.rotate bit for bit (same bfloat16 rounding of every op)."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    from workers.layers.rotary import RotaryEmbedding
+    rope = RotaryEmbedding(64, 4096, 10000.0)
+    g = torch.Generator().manual_seed(5)
+    for T in (1, 7, 300):
+        qkv = (4 * torch.randn(T, 15 * 64, generator=g)).to(torch.bfloat16)
+        x = qkv[:, : 12 * 64].view(T, 12, 64)              # row stride 960, not 768
+        cos, sin = rope.cos_sin(torch.randint(0, 4000, (T,), generator=g), torch.bfloat16)
+        got = torch.ops.kvmesh.rotary_bf16(x, cos, sin)
+        assert got.is_contiguous() and torch.equal(got, rope.rotate(x, cos, sin))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kvmesh.rotary_bf16(x.float(), cos, sin)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        torch.ops.kvmesh.rotary_bf16(x, cos[:2], sin)

@@ -30,7 +30,7 @@ from workers.layers.attention import (SDPA_MIN_CHUNK_TOKENS, AttentionMetadata, 
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.layers.linear import pack_bf16_linears
 from workers.loader import load_model, weight_bytes
-from workers.models.llama import use_native_norms
+from workers.models.llama import use_native_ops
 from workers.spec_decode.rejection import VerifyRow, verify
 
 CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
@@ -161,7 +161,7 @@ class ModelRunner:
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
         pack_bf16_linears(self.model, self.dtype, self.device)   # the native bf16 GEMM where it beats ATen
-        use_native_norms(self.model, self.dtype, self.device)    # fused add + RMSNorm (bf16/fp16 on the CPU)
+        use_native_ops(self.model, self.dtype, self.device)      # fused add + RMSNorm, rotary (bf16 on the CPU)
         self.weight_bytes = weight_bytes(self.model)   # stored weights incl. scales/zeros (bytes)
         m = self.model.cfg
         self.vocab_size = m.vocab_size

@@ -89,7 +89,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.native = False     # kvmesh::rms_norm / add_rms_norm (set by use_native_norms)
+        self.native = False     # kvmesh::rms_norm / add_rms_norm (set by use_native_ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.native and x.is_contiguous() and (residual is None or residual.is_contiguous()):
@@ -105,21 +105,26 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def use_native_norms(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
-    """Run every RMSNorm of ``model`` through the native fused kernels (``kvmesh::rms_norm``,
-    ``kvmesh::add_rms_norm``; :mod:`workers.kernels`) when the model serves bfloat16 or
-    float16 (``dtype``) on the CPU and the kernels are built: one op per norm instead of ~8
-    (at batch 1 the dispatch cost is what these ops cost). float32 keeps the PyTorch expression
-    (the reference of the parity tests). Returns how many norms switched."""
+def use_native_ops(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Run the model's elementwise work through the native fused kernels
+    (:mod:`workers.kernels`) when it serves on the CPU and the kernels are built: every
+    RMSNorm (``kvmesh::rms_norm`` / ``add_rms_norm``) for bfloat16 and float16, and the
+    rotary embedding (``kvmesh::rotary_bf16``, bit-identical to the PyTorch expression) for
+    bfloat16. One op per norm and per rotation instead of ~8 and 7 (at batch 1 the dispatch
+    cost is what these ops cost; at prefill, the passes over memory). float32 keeps the
+    PyTorch expressions (the reference of the parity tests). Returns how many modules switched."""
     if dtype not in (torch.bfloat16, torch.float16) or device.type != "cpu":
         return 0
     from workers import kernels
     if not kernels.available():
         return 0
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for m in norms:
-        m.native = True
-    return len(norms)
+    n = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.native, n = True, n + 1
+        elif isinstance(m, Attention) and dtype == torch.bfloat16:
+            m.native_rope, n = True, n + 1
+    return n
 
 
 class Attention(nn.Module):
@@ -131,13 +136,15 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
         self.rope = rope
         self.scale = self.d ** -0.5
+        self.native_rope = False      # kvmesh::rotary_bf16 (set by use_native_ops)
 
     def forward(self, x, cos_sin, md: AttentionMetadata, kv_cache):
         """x: ``[T, hidden]``; cos_sin: the step's rotary table rows (:meth:`RotaryEmbedding.cos_sin`)."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k are adjacent in the projection: one rotation covers both heads' groups
-        qk = self.rope.rotate(qkv[:, : (self.h + self.kvh) * self.d].view(T, self.h + self.kvh, self.d), *cos_sin)
+        qk = qkv[:, : (self.h + self.kvh) * self.d].view(T, self.h + self.kvh, self.d)
+        qk = torch.ops.kvmesh.rotary_bf16(qk, *cos_sin) if self.native_rope else self.rope.rotate(qk, *cos_sin)
         q, k = qk[:, : self.h], qk[:, self.h:]
         v = qkv[:, (self.h + self.kvh) * self.d:].view(T, self.kvh, self.d)
         o = paged_attention(q, k, v, kv_cache, md, self.scale)

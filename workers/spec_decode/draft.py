@@ -33,6 +33,7 @@ from workers.kv_cache import allocate_kv_cache, bytes_per_block
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
 from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
 from workers.layers.linear import pack_bf16_linears
+from workers.models.llama import use_native_ops
 from workers.loader import load_config, load_model
 
 
@@ -129,6 +130,7 @@ class DraftProposer:
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
         pack_bf16_linears(self.model, self.dtype, self.device)
+        use_native_ops(self.model, self.dtype, self.device)
         m = self.model.cfg
         self.vocab_size = m.vocab_size
         self.kv_cache_bytes = num_blocks * bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim,
