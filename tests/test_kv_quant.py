@@ -295,7 +295,7 @@ def test_quality_perplexity_and_kl(smollm2_dir):
 def test_host_pool_commits_memory_as_blocks_are_written():
     """On the CPU the pool is zero pages that become resident when written: allocating a
     2 GiB pool adds little resident memory, every block reads as zeros, and writing one block
-    commits little (a few pages, allocator noise included).
+    commits little (a few pages, allocator noise included)."""
     import psutil
     proc = psutil.Process()
     before = proc.memory_info().rss
