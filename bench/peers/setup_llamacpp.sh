@@ -9,7 +9,12 @@
 # LLAVA_BUILD=OFF skips libmtmd (multimodal; ~50 of ~190 compile steps; llama_cpp imports it
 # only for image chat handlers).
 # Override with LLAMACPP_CMAKE_ARGS (e.g. "-DGGML_NATIVE=OFF -DGGML_AVX512=ON" for a portable
-# build). Idempotent. Runner: bench/peers/run_llamacpp.py. The GGUF it runs is the very file
+# build). On the Sapphire Rapids class Xeon VM of 2026-12-01 the native build's AMX int8 matmul
+# (ggml_backend_amx_mul_mat) segfaulted on a 1.5k-token PolicyDesk prefill of SmolLM2's GGUF;
+# a build without AMX ran: LLAMACPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON
+# -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+# -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON" plus the switches below.
+# A change of CMAKE_ARGS rebuilds (the installed package is removed first: pip would keep it). Idempotent. Runner: bench/peers/run_llamacpp.py. The GGUF it runs is the very file
 # kvmesh's safetensors were converted from: bench/peers/gguf.py re-joins it (sha256-checked).
 source "$(dirname "$0")/common.sh"
 LLAMACPP=0.3.36
@@ -17,6 +22,7 @@ CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAMA_CURL
 PINS="llama-cpp-python[server]==$LLAMACPP CMAKE_ARGS=$CMAKE_ARGS"
 if ! peer_ready llamacpp "$PINS"; then
   peer_create llamacpp
+  "$PY" -m pip uninstall -y llama-cpp-python >/dev/null 2>&1 || true
   say "llamacpp: building llama-cpp-python==$LLAMACPP from source (CMAKE_ARGS=$CMAKE_ARGS, jobs=${CMAKE_BUILD_PARALLEL_LEVEL:-1})"
   CMAKE_ARGS="$CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-1}" \
     nice -n 10 "$PY" -m pip install --no-cache-dir --verbose "llama-cpp-python[server]==$LLAMACPP"
