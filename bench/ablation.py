@@ -14,6 +14,8 @@ overrides). Rows 1-6 build the serving stack up; each later row adds one setting
  6. + prefix-aware routing over 2 replicas                             → TTFT / throughput at scale
  7. on, as the engine grows: int8 / int4 (AWQ, RTN) weights, int8 / fp8 KV cache, speculative
     decoding (ngram; draft only with ``--draft-model``).
+ 8. last: the reference runtime (PyTorch attention and ops, ``KVMESH_NATIVE_KERNELS=0``) with
+    row 5's settings: the baseline that the native runtime of rows 1-7 is judged against.
 
 A row whose settings EngineConfig refuses, or whose engine fails to start or serve, is shown as
 ``not available: <error>`` and the table goes on.
@@ -37,13 +39,17 @@ replica. Reported per row:
 - KV pool bytes (blocks of every replica x bytes per block, scales included) and the KV bytes
   in use at the busiest moment (``GetStats`` polled every 50 ms during the load run)
 - faithfulness (unless ``--no-faithfulness``): after the load run, the same server answers
-  ``--faithfulness-questions`` PolicyDesk questions greedily (:mod:`bench.faithfulness`);
-  key-fact accuracy, agreement with the reference's greedy answers and the quality gate
-  (accuracy at most 2 points below the reference's). The reference is computed once per
+  the PolicyDesk set greedily through its gateway (:mod:`bench.faithfulness`; by default all
+  96 questions and every turn of all 24 chats, 212 items, each chat with the row's own earlier
+  replies): key-fact accuracy with its 95% interval, agreement with the reference's greedy
+  answers, and the paired gate (:mod:`bench.gate`: items lost / gained against the reference,
+  McNemar's exact p, verdict PASS / FAIL / NO EVIDENCE). The reference is computed once per
   table, in this process, with the unoptimised configuration in the table's dtype: dense
   weights and KV cache, continuous batching, no prefix caching, no speculation (row 4's
   settings; the naive loop would give the same answers up to float rounding, at ~30x the cost).
-  Rows 1-6 change only scheduling, so they should agree with it exactly; rows 7+ change numerics.
+  Rows 1-6 change only scheduling, so they should agree with it exactly; the others change
+  numerics (the last row, the reference runtime, is the baseline of the native runtime that
+  row 5 uses).
 
 Usage::
 
@@ -76,7 +82,8 @@ MARK_BEGIN, MARK_END = "<!-- bench:ablation begin -->", "<!-- bench:ablation end
 class Row:
     """One configuration of the ablation: ``engine`` and ``scheduler`` are EngineConfig and
     SchedulerConfig overrides on top of the table's settings (model, dtype, KV budget ...).
-    ``needs_draft``: only with ``--draft-model`` (it becomes ``draft_model``)."""
+    ``needs_draft``: only with ``--draft-model`` (it becomes ``draft_model``). ``env``: extra
+    environment variables of the row's server (e.g. ``KVMESH_NATIVE_KERNELS=0``)."""
 
     key: str
     name: str
@@ -84,6 +91,7 @@ class Row:
     engine: dict = field(default_factory=dict)
     scheduler: dict = field(default_factory=dict)
     needs_draft: bool = False
+    env: dict = field(default_factory=dict)
 
 
 _CONT = {"policy": "continuous", "enable_prefix_caching": False}
@@ -107,6 +115,9 @@ ROWS: list[Row] = [
     Row("spec-ngram", "+ speculative decoding (ngram)", "latency (ITL)", {**_PREFIX, "speculative_method": "ngram"}),
     Row("spec-draft", "+ speculative decoding (draft model)", "latency (ITL)",
         {**_PREFIX, "speculative_method": "draft"}, needs_draft=True),
+    Row("reference-runtime", "reference runtime (PyTorch attention and ops, no native kernels)",
+        "baseline of the native runtime (row 5)", {**_PREFIX, "attention_backend": "torch"},
+        env={"KVMESH_NATIVE_KERNELS": "0"}),
 ]
 
 # The reference of the faithfulness columns: row 4's settings, dense, in the table's dtype.
@@ -157,9 +168,9 @@ def check_settings(engine: dict, sched: dict) -> str | None:
 
 # ---- child: one row -----------------------------------------------------------------------------
 
-def _env(engine: dict, sched: dict) -> dict:
+def _env(engine: dict, sched: dict, extra: dict | None = None) -> dict:
     """The environment of the row's ``kvmesh serve``: every setting as KVMESH_* variables;
-    the caller's other engine/scheduler variables removed."""
+    the caller's other engine/scheduler variables removed; then ``extra``."""
     from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -169,7 +180,7 @@ def _env(engine: dict, sched: dict) -> dict:
     for cls, kw in ((EngineConfig, engine), (SchedulerConfig, sched)):
         for k, v in kw.items():
             env[env_var(cls, k)] = ("1" if v else "0") if isinstance(v, bool) else str(v)
-    return env
+    return {**env, **(extra or {})}
 
 
 async def _warm_up(address: str, n: int) -> None:
@@ -255,9 +266,9 @@ async def _measure(gateway: str, scheduler: str, spec: dict, replicas: int) -> d
            "prefix_cache_hits": sum(r.prefix_cache_hits for r in poller.last.replicas),
            "prefix_cache_queries": sum(r.prefix_cache_queries for r in poller.last.replicas),
            "preemptions": sum(r.num_preemptions for r in poller.last.replicas)}
-    if spec["faithfulness_questions"]:
-        qs = faithfulness.select_questions(spec["faithfulness_questions"])
-        out["answers"] = await faithfulness.answer_via_gateway(gateway, qs, spec["faithfulness_max_tokens"],
+    if spec["faithfulness_questions"] or spec["faithfulness_chats"]:
+        items = faithfulness.select_items(spec["faithfulness_questions"], spec["faithfulness_chats"])
+        out["answers"] = await faithfulness.answer_via_gateway(gateway, items, spec["faithfulness_max_tokens"],
                                                                concurrency=spec["max_concurrency"])
     return out
 
@@ -270,7 +281,7 @@ def run_child(spec: dict) -> dict:
     addresses: dict = {}
     cmd = ["serve", "--port", "0", "--scheduler-port", "0"]
     t0 = time.perf_counter()
-    with served(cmd, _env(engine, sched), "gateway", addresses) as gateway:
+    with served(cmd, _env(engine, sched, spec.get("env")), "gateway", addresses) as gateway:
         startup = time.perf_counter() - t0
         out = asyncio.run(_measure(gateway, addresses["scheduler"], spec, sched["replicas"]))
         servers = psutil.Process().children()          # the `kvmesh serve` process, still running
@@ -324,7 +335,8 @@ def run_row(index: int, row: Row, args) -> dict:
     spec = {"engine": engine, "scheduler": sched, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
             "max_concurrency": args.max_concurrency, "seed": args.seed,
             "faithfulness_questions": 0 if args.no_faithfulness else args.faithfulness_questions,
-            "faithfulness_max_tokens": args.faithfulness_max_tokens}
+            "faithfulness_chats": 0 if args.no_faithfulness else args.faithfulness_chats,
+            "faithfulness_max_tokens": args.faithfulness_max_tokens, "env": row.env}
     print(f"running row {index} {row.key} ...", file=sys.stderr, flush=True)
     # its own process group, so that a row past --row-timeout goes with its server
     proc = subprocess.Popen([sys.executable, "-m", "bench.ablation", "--child", json.dumps(spec)],
@@ -340,19 +352,20 @@ def run_row(index: int, row: Row, args) -> dict:
     return {**base, "available": True, **json.loads(stdout.strip().splitlines()[-1])}
 
 
-def add_faithfulness(row: dict, questions: list[dict], reference: list[dict] | None) -> None:
-    """Score a row's answers against the reference answers (in place: ``faithfulness``)."""
+def add_faithfulness(row: dict, items: list[dict], reference: list[dict] | None) -> None:
+    """Score a row's answers against the reference answers and judge them with the paired gate
+    (in place: ``faithfulness``)."""
     from bench import faithfulness
 
     answers = row.pop("answers", None)
     if answers is None or reference is None:
         return
-    res = faithfulness.evaluate(answers, questions, reference)
-    row["faithfulness"] = {k: res[k] for k in ("accuracy", "grounding", "agreement", "num_diverging",
-                                               "mean_first_divergence", "accuracy_drop_points", "passes_gate")}
+    res = faithfulness.evaluate(answers, items, reference)
+    row["faithfulness"] = {k: res[k] for k in ("num_items", "accuracy", "grounding", "agreement", "num_diverging",
+                                               "mean_first_divergence", "gate")}
     row["faithfulness"]["reference_accuracy"] = res["reference"]["accuracy"]
-    row["faithfulness"]["answers"] = [{k: q[k] for k in ("id", "correct", "first_divergence", "text")}
-                                      for q in res["questions"]]
+    row["faithfulness"]["answers"] = [{k: q[k] for k in ("id", "correct", "reference_correct", "first_divergence",
+                                                         "text")} for q in res["items"]]
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -376,21 +389,28 @@ def _x(v) -> str:
     return "" if v is None else f" ({v:.2f}x)"
 
 
+def faithfulness_cell(g: dict) -> str:
+    """``"61% [54-68]"``: an accuracy group's share and 95% interval, in percent."""
+    return f"{100 * g['accuracy']:.0f}% [{100 * g['ci'][0]:.0f}-{100 * g['ci'][1]:.0f}]"
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table; ratios (in brackets) are to the first available row."""
     lines = ["| # | configuration | output tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | peak RSS GiB "
-             "| end RSS GiB | KV pool / peak used MiB | key-fact acc | agree | gate | symptom treated |", "|" + "---|" * 13]
+             "| end RSS GiB | KV pool / peak used MiB | key-fact acc [95% CI] | agree | lost / gained (p) | gate "
+             "| symptom treated |", "|" + "---|" * 14]
     for r in rows:
         if not r["available"]:
             err = r["error"].replace("|", "/")
             lines.append(f"| {r['index']} | {r['name']} | not available: {err} | - | - | - | - | - | - | - | - | - "
-                         f"| {r['symptom']} |")
+                         f"| - | {r['symptom']} |")
             continue
         ld, x = r["load"], r.get("ratios", {})
         f = r.get("faithfulness")
-        acc = f"{100 * f['accuracy']['overall']:.0f}%" if f else "-"
+        acc = faithfulness_cell(f["accuracy"]["overall"]) if f else "-"
         agree = f"{100 * f['agreement']:.0f}%" if f else "-"
-        gate = ("pass" if f["passes_gate"] else "FAIL") if f else "-"
+        paired = f"{f['gate']['reference_only']} / {f['gate']['test_only']} ({f['gate']['p_value']:.2g})" if f else "-"
+        gate = f["gate"]["verdict"] if f else "-"
         lines.append(
             f"| {r['index']} | {r['name']} | {_num(ld.get('output_throughput'))}{_x(x.get('output_throughput'))} "
             f"| {_num(ld.get('median_ttft_ms'), '.0f')}{_x(x.get('median_ttft_ms'))} "
@@ -399,7 +419,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['server_peak_rss_bytes'] / 2**30:.2f}{_x(x.get('server_peak_rss_bytes'))} "
             f"| {_num(r.get('server_end_rss_bytes', 0) / 2**30, '.2f')} "
             f"| {r['kv_pool_bytes'] / 2**20:.0f} / {r['kv_peak_used_bytes'] / 2**20:.0f} "
-            f"| {acc} | {agree} | {gate} | {r['symptom']} |")
+            f"| {acc} | {agree} | {paired} | {gate} | {r['symptom']} |")
     return "\n".join(lines)
 
 
@@ -415,7 +435,7 @@ def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     path.write_text(text)
 
 
-def reference_answers(args, questions: list[dict]) -> list[dict]:
+def reference_answers(args, items: list[dict]) -> list[dict]:
     """The faithfulness reference's greedy answers (row 4's settings, dense, the table's dtype),
     computed here or loaded from / saved to ``--reference``."""
     from bench import faithfulness
@@ -425,10 +445,10 @@ def reference_answers(args, questions: list[dict]) -> list[dict]:
     ref_kw = dict(faithfulness.reference_engine_kwargs(engine, args.dtype), enable_prefix_caching=False)
     meta = {"model": args.model, "max_tokens": args.faithfulness_max_tokens, "dtype": args.dtype}
     path = Path(args.reference) if args.reference else None
-    answers = faithfulness._load_reference(path, meta, questions) if path else None
+    answers = faithfulness.load_reference(path, meta, items) if path else None
     if answers is None:
         print(f"faithfulness reference ({REFERENCE_ROW}, dense, dtype {args.dtype}) ...", file=sys.stderr, flush=True)
-        answers, _ = faithfulness.answer_with_llm(ref_kw, questions, args.faithfulness_max_tokens)
+        answers, _ = faithfulness.answer_with_llm(ref_kw, items, args.faithfulness_max_tokens)
         if path:
             path.write_text(json.dumps({**meta, "engine": ref_kw, "answers": answers}, indent=1))
     return answers
@@ -457,9 +477,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per row, split among its replicas (2)")
     p.add_argument("--row-timeout", type=float, default=1800, metavar="S",
                    help="a row still running after S seconds is stopped and shown as not available (1800)")
-    p.add_argument("--faithfulness-questions", type=int, default=12, metavar="N",
-                   help="PolicyDesk questions answered greedily per row after the load run (12)")
-    p.add_argument("--faithfulness-max-tokens", type=int, default=48, metavar="N", help="answer length limit (48)")
+    p.add_argument("--faithfulness-questions", type=int, default=96, metavar="N",
+                   help="PolicyDesk questions answered greedily per row after the load run (96 = all)")
+    p.add_argument("--faithfulness-chats", type=int, default=24, metavar="N",
+                   help="PolicyDesk multi-turn chats answered turn by turn per row, every turn scored (24 = all)")
+    p.add_argument("--faithfulness-max-tokens", type=int, default=64, metavar="N",
+                   help="answer length limit per turn (64)")
     p.add_argument("--no-faithfulness", action="store_true", help="skip the faithfulness columns")
     p.add_argument("--reference", metavar="FILE",
                    help="faithfulness reference answers: loaded when FILE exists, else computed and written there")
@@ -482,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         selected = select_rows(args.rows, args.draft_model)
-        questions = [] if args.no_faithfulness else faithfulness.select_questions(args.faithfulness_questions)
+        items = [] if args.no_faithfulness else faithfulness.select_items(args.faithfulness_questions,
+                                                                          args.faithfulness_chats)
     except ValueError as e:
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 2
@@ -493,19 +517,20 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     import torch
     torch.set_num_threads(args.threads)
-    reference = reference_answers(args, questions) if questions else None
+    reference = reference_answers(args, items) if items else None
     rows = []
     workload = (f"{args.num_prompts} PolicyDesk prompts (seed {args.seed}) x {args.max_tokens} output tokens, "
                 f"max concurrency {args.max_concurrency}, model {args.model}, dtype {args.dtype}, "
                 f"KV pool {args.kv_cache_memory} per replica, {args.threads} torch threads per row"
                 + ("" if args.no_faithfulness else
-                   f"; faithfulness: {args.faithfulness_questions} questions x {args.faithfulness_max_tokens} "
-                   f"tokens vs the {REFERENCE_ROW} row's settings"))
+                   f"; faithfulness: {len(items)} items ({args.faithfulness_questions} questions, every turn of "
+                   f"{args.faithfulness_chats} chats) x {args.faithfulness_max_tokens} tokens, paired gate vs the "
+                   f"{REFERENCE_ROW} row's settings"))
     meta = {"command": "kvmesh bench ablation " + shlex.join(sys.argv[1:] if argv is None else argv),
             "date": time.strftime("%Y-%m-%d"), "workload": workload}
     for index, row in selected:
         r = run_row(index, row, args)
-        add_faithfulness(r, questions, reference)
+        add_faithfulness(r, items, reference)
         rows.append(r)
         add_ratios(rows)
         print(table(rows[-1:]), file=sys.stderr, flush=True)

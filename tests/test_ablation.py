@@ -11,6 +11,7 @@ import os
 import pytest
 
 from bench import ablation as A
+from bench import faithfulness
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -27,10 +28,15 @@ def test_rows_cover_the_menu_with_a_symptom_each():
     assert len(set(keys)) == len(keys) and all(r.symptom and r.name for r in A.ROWS)
     assert A.ROWS[0].engine == {"policy": "naive", "max_num_seqs": 1}
     assert A.ROWS[5].scheduler == {"replicas": 2, "routing": "prefix"}
+    ref = A.ROWS[-1]                    # the reference runtime: row 5's settings without native kernels
+    assert ref.key == "reference-runtime" and ref.engine["attention_backend"] == "torch"
+    env = A._env({"model": "m", "attention_backend": "torch"}, {"replicas": 1}, ref.env)
+    assert env["KVMESH_NATIVE_KERNELS"] == "0" and env["KVMESH_ATTENTION_BACKEND"] == "torch"
 
 
 def test_select_rows():
-    assert [i for i, _ in A.select_rows(None, "")] == list(range(1, len(A.ROWS)))      # no draft row
+    draft = next(i for i, r in enumerate(A.ROWS, 1) if r.needs_draft)
+    assert [i for i, _ in A.select_rows(None, "")] == [i for i in range(1, len(A.ROWS) + 1) if i != draft]
     assert len(A.select_rows(None, "some-draft")) == len(A.ROWS)
     assert [(i, r.key) for i, r in A.select_rows(["5", "kv-cache"], "")] == [(5, "prefix-caching"), (2, "kv-cache")]
     assert [i for i, _ in A.select_rows(["1,3"], "")] == [1, 3]
@@ -92,7 +98,7 @@ def test_ablation_smollm2_two_rows(smollm2_dir, tmp_path, capsys, monkeypatch):
     md.write_text("# Benchmarks\n\n## Ablation\n")
     argv = ["bench", "ablation", "--model", str(smollm2_dir), "--dtype", "float32", "--rows", "kv-cache", "5",
             str(len(A.ROWS)), "--num-prompts", "2", "--max-tokens", "4", "--faithfulness-questions", "2",
-            "--faithfulness-max-tokens", "4", "--reference", str(tmp_path / "ref.json"),
+            "--faithfulness-chats", "1", "--faithfulness-max-tokens", "4", "--reference", str(tmp_path / "ref.json"),
             "--kv-cache-memory", "128MiB", "--threads", "1", "--output", str(out), "--markdown", str(md)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -109,9 +115,12 @@ def test_ablation_smollm2_two_rows(smollm2_dir, tmp_path, capsys, monkeypatch):
         assert 0 < r["kv_peak_used_bytes"] <= r["kv_pool_bytes"] <= 128 * 2**20
         # rows 2 and 5 only change scheduling: the reference's greedy answers exactly
         f = r["faithfulness"]
-        assert f["agreement"] == 1.0 and f["passes_gate"] is True and f["accuracy_drop_points"] == 0.0
-        assert [a["id"] for a in f["answers"]] == ["conduct-01", "sec-01"] and all(a["text"] for a in f["answers"])
-        assert 0.0 <= f["accuracy"]["overall"] <= 1.0
+        assert f["agreement"] == 1.0 and f["gate"]["reference_only"] == f["gate"]["test_only"] == 0
+        assert f["gate"]["verdict"] == "NO EVIDENCE"                # identical, but too few items to pass
+        chat = [f"chat-conduct-1/{k}" for k in range(1, len(faithfulness.select_chats(1)[0]["turns"]) + 1)]
+        assert [a["id"] for a in f["answers"]] == ["conduct-01", "sec-01", *chat]
+        assert all(a["text"] for a in f["answers"])
+        assert 0.0 <= f["accuracy"]["overall"]["accuracy"] <= 1.0
     assert first["ratios"]["output_throughput"] == 1.0
     assert second["ratios"]["output_throughput"] == pytest.approx(
         second["load"]["output_throughput"] / first["load"]["output_throughput"])
