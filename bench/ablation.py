@@ -150,6 +150,8 @@ def row_settings(row: Row, args) -> tuple[dict, dict]:
     engine["num_threads"] = max(1, args.threads // sched["replicas"])
     if row.needs_draft:
         engine["draft_model"] = args.draft_model
+        if args.draft_num_layers:
+            engine["draft_num_layers"] = args.draft_num_layers
     return engine, sched
 
 
@@ -389,13 +391,10 @@ def _x(v) -> str:
     return "" if v is None else f" ({v:.2f}x)"
 
 
-def faithfulness_cell(g: dict) -> str:
-    """``"61% [54-68]"``: an accuracy group's share and 95% interval, in percent."""
-    return f"{100 * g['accuracy']:.0f}% [{100 * g['ci'][0]:.0f}-{100 * g['ci'][1]:.0f}]"
-
-
 def table(rows: list[dict]) -> str:
     """The markdown table; ratios (in brackets) are to the first available row."""
+    from bench.faithfulness import fmt_share
+
     lines = ["| # | configuration | output tok/s | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | peak RSS GiB "
              "| end RSS GiB | KV pool / peak used MiB | key-fact acc [95% CI] | agree | lost / gained (p) | gate "
              "| symptom treated |", "|" + "---|" * 14]
@@ -407,7 +406,7 @@ def table(rows: list[dict]) -> str:
             continue
         ld, x = r["load"], r.get("ratios", {})
         f = r.get("faithfulness")
-        acc = faithfulness_cell(f["accuracy"]["overall"]) if f else "-"
+        acc = fmt_share(f["accuracy"]["overall"]) if f else "-"
         agree = f"{100 * f['agreement']:.0f}%" if f else "-"
         paired = f"{f['gate']['reference_only']} / {f['gate']['test_only']} ({f['gate']['p_value']:.2g})" if f else "-"
         gate = f["gate"]["verdict"] if f else "-"
@@ -466,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run, by index or key (default: all; "
                                                             "spec-draft only with --draft-model)")
     p.add_argument("--draft-model", default="", metavar="NAME|DIR", help="draft model of the spec-draft row")
+    p.add_argument("--draft-num-layers", type=int, default=0, metavar="N",
+                   help="keep only the draft's first N layers (0 = all; with the target itself as the draft, "
+                        "a self-speculative draft)")
     p.add_argument("--num-prompts", type=int, default=16, metavar="N", help="PolicyDesk requests per row (16)")
     p.add_argument("--max-tokens", type=int, default=32, metavar="N",
                    help="output tokens per request, EOS ignored (32)")

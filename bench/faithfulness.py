@@ -276,6 +276,12 @@ def fmt_group(g: dict | None) -> str:
     return f"{100 * g['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] ({g['correct']}/{g['n']})"
 
 
+def fmt_share(g: dict | None) -> str:
+    """``"61% [55-68]"``: a group's accuracy and 95% interval in whole percent (tables); ``-``
+    for no items."""
+    return "-" if g is None else f"{100 * g['accuracy']:.0f}% [{100 * g['ci'][0]:.0f}-{100 * g['ci'][1]:.0f}]"
+
+
 def summary(result: dict) -> str:
     """Printable lines of an :func:`evaluate` result: accuracy by group and per policy with
     95% intervals, the reference's, agreement, grounding and the gate's verdict."""

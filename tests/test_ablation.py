@@ -52,7 +52,9 @@ def test_row_settings():
     assert sched == {"executor": "local", "replicas": 2, "routing": "prefix"}
     assert engine["num_threads"] == 2 and engine["enable_prefix_caching"] is True and engine["model"] == "m"
     engine, _ = A.row_settings(next(r for r in A.ROWS if r.key == "spec-draft"), args)
-    assert engine["draft_model"] == "d" and engine["speculative_method"] == "draft"
+    assert engine["draft_model"] == "d" and engine["speculative_method"] == "draft" and "draft_num_layers" not in engine
+    args.draft_num_layers = 6                                    # a self-speculative draft: the first 6 layers
+    assert A.row_settings(next(r for r in A.ROWS if r.key == "spec-draft"), args)[0]["draft_num_layers"] == 6
     env = A._env({"model": "m", "enable_prefix_caching": False}, {"replicas": 2})
     assert env["KVMESH_MODEL"] == "m" and env["KVMESH_ENABLE_PREFIX_CACHING"] == "0"
     assert env["KVMESH_SCHEDULER_REPLICAS"] == "2" and "KVMESH_DTYPE" not in env   # the caller's is dropped

@@ -311,7 +311,9 @@ def test_a_broken_configuration_fails_the_gate(smollm2_dir, monkeypatch):
     token) loses every item the reference answers right: the gate says FAIL."""
     from workers.models.llama import LlamaForCausalLM
 
-    items = F.select_items(8, 0)          # smollm2 answers leave-01 and remote-01 right (fp32, greedy)
+    # two policies (a prefill of ~1.5k tokens each in float32); smollm2 answers leave-01 and
+    # remote-01 right (fp32, greedy)
+    items = [it for it in F.select_items(96, 0) if it["id"] in ("leave-01", "leave-02", "remote-01", "remote-02")]
     kw = {"model": str(smollm2_dir), "dtype": "float32", "kv_cache_memory": "128MiB"}
     ref, _ = F.answer_with_llm(kw, items, 24)
     logits = LlamaForCausalLM.compute_logits
