@@ -140,10 +140,8 @@ def test_fallback_without_native_kernels(smollm2_dir, tmp_path):
 
 
 def test_bf16_model_uses_the_native_gemm_where_it_wins(smollm2_dir, prose_ids, h):
-    """bfloat16 serving on a CPU without AVX512-BF16/AMX, or with AMX: every dense Linear runs
-    the native bf16-weight GEMM (no ATen weight left) and the logits stay close to the float32
-    model's."""
-    from kvmesh.config import cpu_has_native_bf16
+    """bfloat16 serving on the CPU with the kernels built: every dense Linear runs the native
+    bf16-weight GEMM (no ATen weight left) and the logits stay close to the float32 model's."""
     from workers.kernels import gemm
     from workers.layers.linear import Linear
     logits = {}
@@ -151,7 +149,7 @@ def test_bf16_model_uses_the_native_gemm_where_it_wins(smollm2_dir, prose_ids, h
         eng = h.make_engine(smollm2_dir, dtype=dtype)
         linears = [m for m in eng.executor.runner.model.modules() if isinstance(m, Linear)]
         packed = [m.bf16_panels is not None for m in linears]
-        if dtype == "bfloat16" and (not cpu_has_native_bf16() or gemm.isa() == "amx"):
+        if dtype == "bfloat16" and gemm.available():
             assert all(packed) and all(m.weight is None for m in linears)
         elif dtype == "float32":
             assert not any(packed)

@@ -177,25 +177,21 @@ class Linear(nn.Module):
 
 def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Switch every dense Linear of a bfloat16 model on the CPU to the native bf16 GEMM when
-    the kernels build and either
+    the kernels build. Measured for SmolLM2's projection chain (``python -m bench.gemm``):
 
-    - the CPU has no native bf16 matmul (no AVX512-BF16 or AMX: ATen then takes a reference
-      path, measured 12.6 ms at M=1 and 1 s at M=32 for SmolLM2's projections on a Zen 3,
-      against 7.3 / 41.6 ms for the kernel), or
-    - the kernel has its AMX path (``gemm.isa() == "amx"``): on a Sapphire Rapids class Xeon
-      it measured 7.7 / 9.3 / 10.9 / 44.9 ms at M = 1 / 8 / 32 / 256 for SmolLM2's projections
-      against 17.0 / 17.5 / 19.9 / 54.3 ms for ATen's oneDNN matmul on unpacked weights.
+    - CPUs without native bf16 matmul (no AVX512-BF16 or AMX; ATen then takes a reference
+      path): 12.6 ms at M=1 and 1 s at M=32 on a Zen 3, against 7.3 / 41.6 ms for the kernel;
+    - AMX (``gemm.isa() == "amx"``), a Sapphire Rapids class Xeon: 7.7 / 9.3 / 10.9 / 44.9 ms
+      at M = 1 / 8 / 32 / 256 against 17.0 / 17.5 / 19.9 / 54.3 ms for ATen's oneDNN matmul;
+    - AVX512-BF16 without AMX (``avx512bf16``), an AMD EPYC Zen 4: 9.4-11 / 11.1 / 20.4 / 170 /
+      595 ms at M = 1 / 8 / 32 / 256 / 1024 against 25-31 / 31-102 / 40-77 / 195 / 647 ms for
+      ATen (whose bf16 matmul on that CPU reads weights at 7-8 GB/s at M=1).
 
-    On AVX512-BF16 CPUs without AMX (AMD Zen 4/5) ATen stays: its large-M matmul has not been
-    compared with the kernel there. ``KVMESH_NATIVE_KERNELS=0`` keeps ATen. Returns how many
-    layers were packed."""
+    ``KVMESH_NATIVE_KERNELS=0`` keeps ATen. Returns how many layers were packed."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return 0
     from workers.kernels import gemm
     if not gemm.available():
-        return 0
-    from kvmesh.config import cpu_has_native_bf16
-    if cpu_has_native_bf16() and gemm.isa() != "amx":
         return 0
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.format == "none" and m.weight is not None]
     for lin in layers:
