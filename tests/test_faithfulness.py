@@ -279,7 +279,8 @@ def test_eval_faithfulness_smollm2_same_config_agrees(smollm2_dir, tmp_path, cap
     from kvmesh.cli import main
 
     out, ref = tmp_path / "f.json", tmp_path / "ref.json"
-    argv = ["eval", "faithfulness", "--model", str(smollm2_dir), "--dtype", "float32", "--num-questions", "3",
+    # one question and one chat, both on the code of conduct: one ~1.5k-token policy prefill
+    argv = ["eval", "faithfulness", "--model", str(smollm2_dir), "--dtype", "float32", "--num-questions", "1",
             "--num-chats", "1", "--max-tokens", "8", "--kv-cache-memory", "128MiB", "--reference", str(ref),
             "--output", str(out)]
     assert main(argv) == 0
@@ -287,7 +288,8 @@ def test_eval_faithfulness_smollm2_same_config_agrees(smollm2_dir, tmp_path, cap
     assert "key-fact accuracy" in printed and "quality gate" in printed and "chat_turns" in printed
     res = json.loads(out.read_text())
     turns = len(F.select_chats(1)[0]["turns"])
-    assert (res["num_questions"], res["num_chat_turns"], res["max_tokens"]) == (3, turns, 8)
+    assert (res["num_questions"], res["num_chat_turns"], res["max_tokens"]) == (1, turns, 8)
+    assert {q["id"].split("/")[0] for q in res["items"]} == {"conduct-01", "chat-conduct-1"}
     for group in ("answerable", "overall", "questions", "chat_turns"):
         g = res["accuracy"][group]
         assert 0.0 <= g["ci"][0] <= g["accuracy"] <= g["ci"][1] <= 1.0
@@ -311,9 +313,8 @@ def test_a_broken_configuration_fails_the_gate(smollm2_dir, monkeypatch):
     token) loses every item the reference answers right: the gate says FAIL."""
     from workers.models.llama import LlamaForCausalLM
 
-    # two policies (a prefill of ~1.5k tokens each in float32); smollm2 answers leave-01 and
-    # remote-01 right (fp32, greedy)
-    items = [it for it in F.select_items(96, 0) if it["id"] in ("leave-01", "leave-02", "remote-01", "remote-02")]
+    # one policy (a prefill of ~1.5k tokens in float32); smollm2 answers leave-01 right (fp32, greedy)
+    items = [it for it in F.select_items(96, 0) if it["id"] in ("leave-01", "leave-02")]
     kw = {"model": str(smollm2_dir), "dtype": "float32", "kv_cache_memory": "128MiB"}
     ref, _ = F.answer_with_llm(kw, items, 24)
     logits = LlamaForCausalLM.compute_logits
@@ -336,7 +337,7 @@ def test_eval_faithfulness_through_a_served_mesh(smollm2_dir, tmp_path, capsys):
     env = dict(os.environ, KVMESH_MODEL=str(smollm2_dir), KVMESH_DTYPE="float32", KVMESH_KV_CACHE_MEMORY="128MiB")
     out = tmp_path / "served.json"
     with served(["serve", "--executor", "local", "--port", "0", "--scheduler-port", "0"], env, "gateway") as address:
-        argv = ["eval", "faithfulness", "--server", address, "--model", str(smollm2_dir), "--num-questions", "2",
+        argv = ["eval", "faithfulness", "--server", address, "--model", str(smollm2_dir), "--num-questions", "1",
                 "--num-chats", "1", "--max-tokens", "8", "--kv-cache-memory", "128MiB", "--output", str(out)]
         assert main(argv) == 0
     res = json.loads(out.read_text())

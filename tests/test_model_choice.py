@@ -1,6 +1,6 @@
 """``python -m bench.model_choice`` (bench/model_choice.py): configuration parsing, the paired
 gate of quantized rows against their model's dense row, the table, and one real run with
-smollm2 on two items."""
+smollm2 on one item."""
 
 from __future__ import annotations
 
@@ -43,16 +43,16 @@ def test_quantized_rows_are_gated_against_their_models_dense_row():
     assert "| b | int8 | not available: x/y |" in text
 
 
-def test_model_choice_smollm2_two_items(smollm2_dir, tmp_path, capsys):
+def test_model_choice_smollm2_one_item(smollm2_dir, tmp_path, capsys):
     out = tmp_path / "mc.json"
     md = tmp_path / "results.md"
     md.write_text("# Results\n")
-    assert MC.main(["--configs", str(smollm2_dir), "--num-questions", "2", "--num-chats", "0", "--max-tokens", "8",
+    assert MC.main(["--configs", str(smollm2_dir), "--num-questions", "1", "--num-chats", "0", "--max-tokens", "8",
                     "--kv-cache-memory", "256MiB", "--output", str(out), "--markdown", str(md)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["available"], row.get("error")
-    assert row["accuracy"]["overall"]["n"] == 2 and row["accuracy"]["chat_turns"] is None
-    assert [i["id"] for i in row["items"]] == ["conduct-01", "sec-01"]
+    assert row["accuracy"]["overall"]["n"] == 1 and row["accuracy"]["chat_turns"] is None
+    assert [i["id"] for i in row["items"]] == ["conduct-01"]
     assert row["prompt_tokens"] > 1000 and 0 < row["ttft_s"] < row["demo_turn_s"]
     assert 1 <= row["demo_tokens"] <= MC.DEMO_MAX_TOKENS and row["decode_tok_s"] > 0
     text = md.read_text()
