@@ -158,14 +158,10 @@ def table(rows: list[dict]) -> str:
 
 def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     """Replace the block between the model-choice markers of ``path`` (or append one)."""
-    block = "\n".join([MARK_BEGIN, f"Command: `{meta['command']}` ({meta['date']}, {meta['cpu']}, "
-                       f"{meta['elapsed_s'] / 60:.0f} min; {meta['workload']})", "", table(rows), MARK_END])
-    text = path.read_text() if path.exists() else ""
-    if MARK_BEGIN in text and MARK_END in text:
-        text = text[:text.index(MARK_BEGIN)] + block + text[text.index(MARK_END) + len(MARK_END):]
-    else:
-        text = text + ("\n" if text else "") + block + "\n"
-    path.write_text(text)
+    from bench.markdown import replace_block
+    replace_block(path, MARK_BEGIN, MARK_END, "\n".join([
+        f"Command: `{meta['command']}` ({meta['date']}, {meta['cpu']}, {meta['elapsed_s'] / 60:.0f} min; "
+        f"{meta['workload']})", "", table(rows)]))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -194,14 +194,10 @@ def targets(rows: list[dict]) -> str:
 
 def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
     """Replace the block between the bench markers of ``path`` with the table and the command."""
-    block = "\n".join([MARK_BEGIN, f"Command: `{meta['command']}` ({meta['date']}, {meta['elapsed_s']:.0f} s; "
-                       f"{meta['workload']})", "", table(rows), "", targets(rows), MARK_END])
-    text = path.read_text() if path.exists() else ""
-    if MARK_BEGIN in text and MARK_END in text:
-        text = text[:text.index(MARK_BEGIN)] + block + text[text.index(MARK_END) + len(MARK_END):]
-    else:
-        text = text + ("\n" if text else "") + block + "\n"
-    path.write_text(text)
+    from bench.markdown import replace_block
+    replace_block(path, MARK_BEGIN, MARK_END, "\n".join([
+        f"Command: `{meta['command']}` ({meta['date']}, {meta['elapsed_s']:.0f} s; {meta['workload']})", "",
+        table(rows), "", targets(rows)]))
 
 
 def main(argv=None) -> int:

@@ -133,3 +133,13 @@ def test_ablation_smollm2_two_rows(smollm2_dir, tmp_path, capsys, monkeypatch):
     assert text.startswith("# Benchmarks") and A.MARK_BEGIN in text and "| 5 | + prefix caching |" in text
     assert main(["bench", "ablation", "--table", str(out)]) == 0
     assert "| 2 | + KV cache, batch 1 |" in capsys.readouterr().out
+
+
+def test_markdown_block_is_replaced_in_place(tmp_path):
+    from bench.markdown import replace_block
+    p = tmp_path / "doc.md"
+    replace_block(p, "<!-- b -->", "<!-- e -->", "one")                  # created
+    assert p.read_text() == "<!-- b -->\none\n<!-- e -->\n"
+    p.write_text("head\n" + p.read_text() + "tail\n")
+    replace_block(p, "<!-- b -->", "<!-- e -->", "two\nlines")
+    assert p.read_text() == "head\n<!-- b -->\ntwo\nlines\n<!-- e -->\ntail\n"
