@@ -156,23 +156,31 @@ def reference_engine_kwargs(engine_kwargs: dict, dtype: str = "float32") -> dict
     return ref
 
 
+def llm_generate(llm, max_tokens: int) -> Generate:
+    """The :data:`Generate` of an in-process :class:`kvmesh.LLM`: greedy, at most
+    ``max_tokens`` tokens per answer."""
+    from kvmesh import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    async def generate(convs):
+        return [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+                 "finish_reason": o.outputs[0].finish_reason} for o in llm.chat(convs, params)]
+    return generate
+
+
 def answer_with_llm(engine_kwargs: dict, items: list[dict], max_tokens: int) -> tuple[list[Answer], dict]:
     """Answer ``items`` (:func:`answer_items`) greedily with an in-process :class:`kvmesh.LLM`
     built from ``engine_kwargs`` (EngineConfig fields; None values ignored). Returns the answers
     and the engine's resolved settings. The engine is freed before returning. Raises EngineError
     for unservable settings."""
-    from kvmesh import LLM, SamplingParams
+    from kvmesh import LLM
 
     llm = LLM(**{k: v for k, v in engine_kwargs.items() if v is not None})
     try:
         cfg = llm.engine.cfg
         settings = dict(dataclasses.asdict(cfg), torch_dtype=str(cfg.torch_dtype).removeprefix("torch."))
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-        async def generate(convs):
-            return [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
-                     "finish_reason": o.outputs[0].finish_reason} for o in llm.chat(convs, params)]
-        answers = asyncio.run(answer_items(items, generate))
+        answers = asyncio.run(answer_items(items, llm_generate(llm, max_tokens)))
     finally:
         shutdown = getattr(llm.engine, "shutdown", None)
         if shutdown is not None:

@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shlex
 import subprocess
@@ -89,14 +90,8 @@ def run_child(spec: dict) -> dict:
     n = len(dec.outputs[0].token_ids)
     decode_s = dec.metrics.finished_time - dec.metrics.first_token_time
     items = faithfulness.select_items(spec["num_questions"], spec["num_chats"])
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
     t2 = time.perf_counter()
-
-    async def generate(convs):
-        return [{"text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
-                 "finish_reason": o.outputs[0].finish_reason} for o in llm.chat(convs, params)]
-    import asyncio
-    answers = asyncio.run(faithfulness.answer_items(items, generate))
+    answers = asyncio.run(faithfulness.answer_items(items, faithfulness.llm_generate(llm, spec["max_tokens"])))
     scored = faithfulness.score(answers, items)
     return {"load_s": load_s, "prompt_tokens": len(demo.prompt_token_ids), "ttft_s": demo.metrics.ttft,
             "demo_turn_s": demo_e2e, "demo_tokens": len(demo.outputs[0].token_ids),
