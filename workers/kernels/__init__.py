@@ -14,12 +14,16 @@ Nothing here raises when the kernels cannot be used: :func:`available` returns F
 warning on the ``kvmesh.kernels`` logger naming the reason) when ``KVMESH_NATIVE_KERNELS=0``, on
 a CPU that is not x86-64, or when the build fails (no compiler, no ``ninja``...).
 
-Instruction set: one build carries a scalar, an AVX2+FMA+F16C, an AVX-512F and an AVX-512F +
-AVX512-BF16 attention path (each translation unit compiled with ``#pragma GCC target``; the
-last computes q K^T of a bfloat16 cache with ``vdpbf16ps``); the best one the CPU supports is
-chosen at run time (``__builtin_cpu_supports``). ``KVMESH_KERNEL_ISA=scalar|avx2|avx512|avx512bf16``
-selects a lower path (``amx``, the GEMM's top path, means avx512bf16 here) (a path above what the CPU has is lowered to it); :func:`set_isa` does the same at run
-time. :func:`isa` names the path in use.
+Instruction set: one build carries a scalar, an AVX2+FMA+F16C, an AVX-512F, an AVX-512F +
+AVX512-BF16 and an AMX attention path (each translation unit compiled with ``#pragma GCC
+target``; avx512bf16 computes q K^T of a bfloat16 cache with ``vdpbf16ps``; amx adds AMX-BF16
+tiles for work items of at least 9 query rows of a bfloat16 q over a bfloat16 cache: prefill
+and verify chunks, cascade groups, ``csrc/attn_amx.h``); the best one the CPU supports is
+chosen at run time (``__builtin_cpu_supports``, CPUID and the kernel's permission for the tile
+state). ``KVMESH_KERNEL_ISA=scalar|avx2|avx512|avx512bf16|amx`` selects a lower path (a path
+above what the CPU has is lowered to it; the GEMM reads the same variable); :func:`set_isa`
+does the same at run time. :func:`isa` names the path in use. :func:`prefill_in_kernel` says
+whether prefill chunks should run here rather than through SDPA.
 
 Ops (schemas as registered; fake implementations below make them opaque to ``torch.compile``)::
 
@@ -141,8 +145,8 @@ def unavailable_reason() -> str | None:
 
 
 def isa() -> str:
-    """The kernel path in use: ``"avx512"``, ``"avx2"`` or ``"scalar"``; ``"none"`` when the
-    extension is unavailable."""
+    """The kernel path in use: ``"amx"``, ``"avx512bf16"``, ``"avx512"``, ``"avx2"`` or
+    ``"scalar"``; ``"none"`` when the extension is unavailable."""
     m = _load()
     return m.active_isa() if m is not None else "none"
 
@@ -154,13 +158,23 @@ def cpu_isa() -> str:
 
 
 def set_isa(name: str) -> str:
-    """Select the kernel path (``"scalar"``, ``"avx2"``, ``"avx512"`` or ``"auto"``) for this
+    """Select the kernel path (``"scalar"``, ``"avx2"``, ``"avx512"``, ``"avx512bf16"``,
+    ``"amx"`` or ``"auto"``) for this
     process; one above :func:`cpu_isa` is lowered to it. Returns the path now in use. Raises
     RuntimeError when the extension is unavailable or the name is unknown."""
     m = _load()
     if m is None:
         raise RuntimeError(f"kvmesh native kernels unavailable: {_state['reason']}")
     return m.set_isa(name)
+
+
+def prefill_in_kernel(dtype: torch.dtype) -> bool:
+    """Whether prefill chunks of a ``dtype`` model over a cache of the same dtype are faster
+    through ``paged_attention`` than through SDPA: on the AMX path for bfloat16 (a 1,500-token
+    SmolLM2 prompt, one thread, Xeon with AMX: 7.8 ms per layer against 22 ms for ATen's flash
+    attention, ``python -m bench.kernels``). Elsewhere ATen's GEMM-shaped flash attention wins
+    for chunks of ``SDPA_MIN_CHUNK_TOKENS`` tokens and more (workers/layers/attention.py)."""
+    return dtype == torch.bfloat16 and available() and isa() == "amx"
 
 
 def _require():

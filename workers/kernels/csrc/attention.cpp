@@ -4,9 +4,11 @@
 // prefix's partial with each member's own partial).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -18,6 +20,7 @@ namespace kvmesh {
 namespace {
 
 constexpr int kOwnRowsPerItem = 64;    // own-part rows per work item (long prefill chunks)
+constexpr int kAmxRowsPerItem = 256;   // the same on the AMX path (K/V packed once per item)
 constexpr int kMinSplitKeys = 128;     // a KV split holds at least this many keys
 
 DType dtype_code(at::ScalarType t, const char* what) {
@@ -123,6 +126,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
 
   const int G = int(H / KVH);
   const int nthreads = at::get_num_threads();
+  const RunFn run = select_kernel(int(D));
+  const int rows_per_item = run == run_items_amx && qd == BF16 && kd == BF16 ? kAmxRowsPerItem : kOwnRowsPerItem;
   // group members' tokens (CSR) and each member's first row within its group
   std::vector<int32_t> gtok, gstart(NG + 1, 0), member_row0(S, 0);
   if (cascade) {
@@ -172,8 +177,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
     const int32_t n = qs[s + 1] - qs[s];
     if (n == 0) continue;
     const int rows = n * G;
-    for (int r0 = 0; r0 < rows; r0 += kOwnRowsPerItem) {
-      const int nr = std::min(kOwnRowsPerItem, rows - r0);
+    for (int r0 = 0; r0 < rows; r0 += rows_per_item) {
+      const int nr = std::min(rows_per_item, rows - r0);
       const int32_t keys = sl[s] - n + (r0 + nr - 1) / G + 1;     // keys the chunk's last row sees
       auto b = cut(keys, nsplit(keys, nr), int(BS));
       const bool direct = b.size() == 2 && !has_prefix(s);
@@ -221,9 +226,22 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
   a.part_o = part_o.data_ptr<float>();
   a.part_lse = part_lse.data_ptr<float>();
 
-  const RunFn run = select_kernel(int(D));
   const WorkItem* items = plan.items.data();
-  at::parallel_for(0, int64_t(plan.items.size()), 1, [&](int64_t b, int64_t e) { run(a, items, b, e); });
+  const bool tiles = run == run_items_amx;
+  // Items differ in cost by orders of magnitude (a causal prefill's last rows see all keys,
+  // its first rows a few): the threads take the next item from a shared counter, largest first.
+  const int64_t n_items = int64_t(plan.items.size());
+  std::vector<int32_t> order(n_items);
+  for (int64_t i = 0; i < n_items; ++i) order[i] = int32_t(i);
+  auto cost = [&](const WorkItem& w) { return int64_t(w.key1 - w.key0) * (8 + w.nrows); };
+  std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return cost(items[x]) > cost(items[y]); });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(nthreads, n_items), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < n_items;) run(a, items + order[i], 0, 1);
+    // ATen's AMX GEMMs (cpublas::brgemm) cache "my tile configuration is loaded" per thread;
+    // the kernel loaded its own, so make their next call configure again
+    if (tiles) at::native::cpublas::brgemm_release();
+  });
 
   // merge partials: out = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M)
   const float* po = a.part_o;

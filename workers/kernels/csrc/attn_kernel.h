@@ -26,6 +26,34 @@ namespace KVMESH_NS {
 
 #include "isa_traits.h"
 
+// Normalises the M = it.nrows output rows O [M, D] (float32, unnormalised) by their softmax
+// sums: final rows go to `out` in q's dtype, partial rows (it.part >= 0) keep their log-sum-exp.
+static void finish(const AttnArgs& a, const WorkItem& it, const float* O, const float* mx, const float* sum) {
+  using V = Simd::V;
+  constexpr int W = Simd::W;
+  const int D = a.D, G = a.G;
+  for (int r = 0; r < it.nrows; ++r) {
+    const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+    const V iv = Simd::set1(inv);
+    const float* o = O + r * D;
+    if (it.part >= 0) {
+      float* po = a.part_o + (it.part + r) * D;
+      for (int d = 0; d < D; d += W) Simd::store(po + d, Simd::mul(Simd::load(o + d), iv));
+      a.part_lse[it.part + r] = sum[r] > 0.f ? mx[r] + std::log(sum[r]) : -INFINITY;
+      continue;
+    }
+    const int row = it.row0 + r, i = row / G, g = row % G;
+    const int64_t t = a.qsl[it.unit] + i;
+    const int64_t oo = (t * a.H + it.head * G + g) * D;
+    for (int d = 0; d < D; d += W) {
+      V x = Simd::mul(Simd::load(o + d), iv);
+      if (a.q_dtype == F32) Simd::store((float*)a.out + oo + d, x);
+      else if (a.q_dtype == BF16) Simd::store_bf16((uint16_t*)a.out + oo + d, x);
+      else Simd::store_f16((uint16_t*)a.out + oo + d, x);
+    }
+  }
+}
+
 constexpr int RT = 6;     // rows per register tile (6 x 2 vectors: 12 accumulators)
 
 template <int KVD>
@@ -279,42 +307,41 @@ struct Kernel {
         }
       }
     }
-    // finish: normalise; final rows go to out in q's dtype, partial rows keep their lse
-    for (int r = 0; r < M; ++r) {
-      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-      const V iv = Simd::set1(inv);
-      float* o = O + r * D;
-      if (it.part >= 0) {
-        float* po = a.part_o + (it.part + r) * D;
-        for (int d = 0; d < D; d += W) Simd::store(po + d, Simd::mul(Simd::load(o + d), iv));
-        a.part_lse[it.part + r] = sum[r] > 0.f ? mx[r] + std::log(sum[r]) : -INFINITY;
-        continue;
-      }
-      const int row = it.row0 + r, i = row / G, g = row % G;
-      const int64_t t = a.qsl[it.unit] + i;
-      const int64_t oo = (t * a.H + it.head * G + g) * D;
-      for (int d = 0; d < D; d += W) {
-        V x = Simd::mul(Simd::load(o + d), iv);
-        if (a.q_dtype == F32) Simd::store((float*)a.out + oo + d, x);
-        else if (a.q_dtype == BF16) Simd::store_bf16((uint16_t*)a.out + oo + d, x);
-        else Simd::store_f16((uint16_t*)a.out + oo + d, x);
-      }
-    }
+    finish(a, it, O, mx, sum);
     std::free(buf);
   }
 };
 
+#if KVMESH_ISA >= 4
+#include "attn_amx.h"
+#endif
+
 // Runs items [begin, end) of `items`.
 static void run_items(const AttnArgs& a, const WorkItem* items, int64_t begin, int64_t end) {
+#if KVMESH_ISA >= 4
+  bool tiles = false;
+#endif
   for (int64_t i = begin; i < end; ++i) {
     switch (a.kv_dtype) {
       case F32: Kernel<F32>::run(a, items[i]); break;
-      case BF16: Kernel<BF16>::run(a, items[i]); break;
+      case BF16:
+#if KVMESH_ISA >= 4
+        if (amx_item(a, items[i])) {
+          run_amx(a, items[i]);
+          tiles = true;
+          break;
+        }
+#endif
+        Kernel<BF16>::run(a, items[i]);
+        break;
       case F16: Kernel<F16>::run(a, items[i]); break;
       case I8: Kernel<I8>::run(a, items[i]); break;
       default: Kernel<FP8>::run(a, items[i]);
     }
   }
+#if KVMESH_ISA >= 4
+  if (tiles) amx_release_tiles();
+#endif
 }
 
 }  // namespace KVMESH_NS

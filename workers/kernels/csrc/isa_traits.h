@@ -247,8 +247,13 @@ struct Simd {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
   }
   static void store_bf16(uint16_t* p, V v) {
+#if KVMESH_ISA >= 3
+    // VCVTNEPS2BF16: round to nearest even as f32_bf16 (denormal inputs flushed to zero)
+    _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v));
+#else
     alignas(64) float t[16]; _mm512_store_ps(t, v);
     for (int i = 0; i < 16; ++i) p[i] = f32_bf16(t[i]);
+#endif
   }
   static void store_f16(uint16_t* p, V v) {
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -1,0 +1,328 @@
+// The AMX-BF16 path of the attention kernel for work items with many query rows (prefill
+// chunks, verify chunks, cascade groups) of a bfloat16 q over a bfloat16 cache. Included by
+// attn_kernel.h inside the ISA namespace when KVMESH_ISA >= 4 (attn_amx.cpp).
+//
+// FlashAttention-2's loop (Dao 2023) on tiles: rows in tiles of 16, keys in chunks of 64
+// (kChunk). Per chunk, K is packed once into the TDPBF16PS B layout (B[p][2j + e] =
+// K[j][32 ds + 2p + e]: a 16 x 16 transpose of 32-bit pairs per 16 keys and 32 dims) and V
+// into B tiles of key pairs (B[p][2c + e] = V[32 ks + 2p + e][16 ct + c]); then for every row
+// tile: S = Q K^T (A = 16 q rows x 32 dims, as stored; 4 C tiles of 16 keys), the scale, the
+// causal limit of each row, the online softmax in float32 on AVX-512, P rounded to bfloat16
+// (as oneDNN's and ATen's bf16 flash attention do), and P V into C tiles of 16 dims, added to
+// the float32 output after the rescale by exp(m_old - m_new). Tile registers: tmm0-3
+// accumulators, tmm4 A, tmm5-7 B.
+//
+// Reference: Intel 64 and IA-32 Architectures Software Developer's Manual vol. 1 ch. 3.4 (AMX),
+// vol. 2 (TDPBF16PS, LDTILECFG). The thread's tile configuration is loaded per item and
+// released after its items (run_items), so ATen's and the GEMM's own tile users configure again.
+
+struct alignas(64) AmxTileCfg {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+// A static object: GCC does not see LDTILECFG read a stack copy's stores (see micro_amx.cpp).
+static const AmxTileCfg kAttnTiles = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+constexpr int kChunk = 64;       // keys per chunk (4 C tiles of S)
+constexpr int kAmxMinRows = 9;   // fewer rows: the vdpbf16ps row-dot path (decode)
+constexpr int kAmxMaxD = 256;
+
+static inline bool amx_item(const AttnArgs& a, const WorkItem& it) {
+  return a.q_dtype == BF16 && it.nrows >= kAmxMinRows && a.D % 32 == 0 && a.D <= kAmxMaxD;
+}
+
+static inline void amx_release_tiles() { _tile_release(); }
+
+// exp(x) for x <= 0 (x = -inf gives 0): 2^n * 2^f with n = round(x log2 e), |f| <= 1/2 and 2^f
+// by its Taylor polynomial of degree 5 (relative error < 2.5e-6, far below the bfloat16
+// rounding of P that follows), scaled by VSCALEFPS: about half the instructions of Simd::exp.
+static inline __m512 exp_nonpos(__m512 x) {
+  const __mmask16 fin = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(fin, p, n);
+}
+
+// dst[p * 16 + j] = src[j][p] for a 16 x 16 matrix of 32-bit words; src row j at rows[j].
+static inline void transpose16_u32(const uint32_t* const* rows, uint32_t* dst) {
+  __m512i r[16], t[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j]);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[4 * i] = _mm512_unpacklo_epi32(r[4 * i], r[4 * i + 1]);
+    t[4 * i + 1] = _mm512_unpackhi_epi32(r[4 * i], r[4 * i + 1]);
+    t[4 * i + 2] = _mm512_unpacklo_epi32(r[4 * i + 2], r[4 * i + 3]);
+    t[4 * i + 3] = _mm512_unpackhi_epi32(r[4 * i + 2], r[4 * i + 3]);
+    // r[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    const __m512i u2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88), u3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+    _mm512_store_si512(dst + (0 + k) * 16, _mm512_shuffle_i32x4(u0, u2, 0x88));
+    _mm512_store_si512(dst + (8 + k) * 16, _mm512_shuffle_i32x4(u0, u2, 0xdd));
+    _mm512_store_si512(dst + (4 + k) * 16, _mm512_shuffle_i32x4(u1, u3, 0x88));
+    _mm512_store_si512(dst + (12 + k) * 16, _mm512_shuffle_i32x4(u1, u3, 0xdd));
+  }
+}
+
+// S[16, 64] (row stride 64 floats) = Qt [16, D] (bf16, row stride D) x packed K, NQ 16-key tiles
+template <int NQ>
+static inline void amx_qk(const uint16_t* Qt, int D, const uint16_t* Kp, float* S) {
+  _tile_zero(0);
+  if constexpr (NQ > 1) _tile_zero(1);
+  if constexpr (NQ > 2) _tile_zero(2);
+  if constexpr (NQ > 3) _tile_zero(3);
+  for (int ds = 0; ds < D / 32; ++ds) {
+    _tile_loadd(4, Qt + ds * 32, D * 2);
+    const uint16_t* kp = Kp + ds * 4 * 512;
+    _tile_loadd(5, kp, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NQ > 1) { _tile_loadd(6, kp + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (NQ > 2) { _tile_loadd(7, kp + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (NQ > 3) { _tile_loadd(5, kp + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, S, 256);
+  if constexpr (NQ > 1) _tile_stored(1, S + 16, 256);
+  if constexpr (NQ > 2) _tile_stored(2, S + 32, 256);
+  if constexpr (NQ > 3) _tile_stored(3, S + 48, 256);
+}
+
+// T[16, 64] (row stride 64 floats): NC column tiles (16 dims each) of P [16, 32 nks] x packed V
+template <int NC>
+static inline void amx_pv(const uint16_t* P, int nks, const uint16_t* Vp, int ncol, float* T) {
+  _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  for (int ks = 0; ks < nks; ++ks) {
+    _tile_loadd(4, P + ks * 32, 128);
+    const uint16_t* vp = Vp + ks * ncol * 512;
+    _tile_loadd(5, vp, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NC > 1) { _tile_loadd(6, vp + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (NC > 2) { _tile_loadd(7, vp + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (NC > 3) { _tile_loadd(5, vp + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  _tile_stored(0, T, 256);
+  if constexpr (NC > 1) _tile_stored(1, T + 16, 256);
+  if constexpr (NC > 2) _tile_stored(2, T + 32, 256);
+  if constexpr (NC > 3) _tile_stored(3, T + 48, 256);
+}
+
+// Lane r of the result: op over the 16 lanes of v[r] (a transpose-and-reduce tree).
+template <bool MAX>
+static inline __m512 reduce16(__m512* v) {
+  auto op = [](__m512 x, __m512 y) { return MAX ? _mm512_max_ps(x, y) : _mm512_add_ps(x, y); };
+  __m512 t[8], u[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)   // 128-bit lane L of t[i]: rows 2i, 2i+1 reduced over pairs of lane L
+    t[i] = op(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // lane L of u[i]: rows 4i .. 4i+3, each reduced over lane L
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = op(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+  const __m512 w1 = op(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
+  return op(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+}
+
+// One row tile's scores and online softmax for a chunk: S = Q K^T (tq 16-key tiles), scaled
+// and masked (row r sees chunk keys < min(lim[r] - b0 + 1, vis)); the running max mx and sum
+// of the 16 rows updated; alpha = exp(m_old - m_new) (1 for a row that sees nothing); P the
+// bfloat16 probabilities [16, 64] (0 where masked).
+static inline void softmax_tile(const uint16_t* Qt, int D, const uint16_t* Kp, float* S, int tq, const int32_t* lim,
+                                int b0, int vis, __m512 vscale, float* mx, float* sum, float* alpha, uint16_t* P) {
+  switch (tq) {
+    case 1: amx_qk<1>(Qt, D, Kp, S); break;
+    case 2: amx_qk<2>(Qt, D, Kp, S); break;
+    case 3: amx_qk<3>(Qt, D, Kp, S); break;
+    default: amx_qk<4>(Qt, D, Kp, S);
+  }
+  __m512 red[16];
+  for (int r = 0; r < 16; ++r) {
+    int ve = lim[r] - b0 + 1;
+    if (ve > vis) ve = vis;
+    float* sr = S + r * 64;
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int left = ve - 16 * c;
+      const __mmask16 m = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+      const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), m, _mm512_load_ps(sr + 16 * c), vscale);
+      _mm512_store_ps(sr + 16 * c, x);
+      vm = _mm512_max_ps(vm, x);
+    }
+    red[r] = vm;
+  }
+  const __m512 b = reduce16<true>(red);          // -inf: nothing visible to the row in this chunk
+  const __m512 mold = _mm512_loadu_ps(mx);
+  const __mmask16 seen = _mm512_cmp_ps_mask(b, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+  const __m512 mnew = _mm512_mask_max_ps(mold, seen, mold, b);
+  const __m512 al = _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f), exp_nonpos(_mm512_sub_ps(mold, mnew)));
+  _mm512_store_ps(alpha, al);
+  _mm512_storeu_ps(mx, mnew);
+  // masked scores are -inf: minus 0 (not minus an infinite running max) they give P = 0
+  const __m512 mneg = _mm512_maskz_sub_ps(seen | _mm512_cmp_ps_mask(mnew, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                          _mm512_setzero_ps(), mnew);
+  for (int r = 0; r < 16; ++r) {
+    const float* sr = S + r * 64;
+    const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(r), mneg);
+    __m512 x[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) x[c] = exp_nonpos(_mm512_add_ps(_mm512_load_ps(sr + 16 * c), m));
+    red[r] = _mm512_add_ps(_mm512_add_ps(x[0], x[1]), _mm512_add_ps(x[2], x[3]));
+    _mm512_store_si512(P + r * 64, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+    _mm512_store_si512(P + r * 64 + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+  }
+  _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), al, reduce16<false>(red)));
+}
+
+// O [16, D] (row stride D) = O * alpha + P V for one row tile (nks 32-key steps of P).
+static inline void pv_tile(const uint16_t* P, int nks, const uint16_t* Vp, int NCOL, float* T, const float* alpha,
+                           float* O, int D) {
+  for (int c0 = 0; c0 < NCOL; c0 += 4) {
+    const int nc = NCOL - c0 < 4 ? NCOL - c0 : 4;
+    switch (nc) {
+      case 1: amx_pv<1>(P, nks, Vp + c0 * 512, NCOL, T); break;
+      case 2: amx_pv<2>(P, nks, Vp + c0 * 512, NCOL, T); break;
+      case 3: amx_pv<3>(P, nks, Vp + c0 * 512, NCOL, T); break;
+      default: amx_pv<4>(P, nks, Vp + c0 * 512, NCOL, T);
+    }
+    for (int r = 0; r < 16; ++r) {
+      float* o = O + r * D + c0 * 16;
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      for (int c = 0; c < nc; ++c)
+        _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * c), al, _mm512_load_ps(T + r * 64 + 16 * c)));
+    }
+  }
+}
+
+static void run_amx(const AttnArgs& a, const WorkItem& it) {
+  const int D = a.D, G = a.G, BS = a.BS, M = it.nrows, Mp = (M + 15) / 16 * 16;
+  const int ND = D / 32, NCOL = D / 16;
+  const bool own = it.kind == 0;
+  const int32_t* table = own ? a.bt + it.unit * a.bt_st : a.pbt + it.unit * a.pbt_st;
+  int kv_shift = 0;   // own rows: token i sees own keys < seq_len - n + i + 1
+  if (own) kv_shift = a.seq_lens[it.unit] - (a.qsl[it.unit + 1] - a.qsl[it.unit]);
+  // scratch (64-byte aligned pieces): O [Mp, D], mx, sum [Mp], lim [Mp], S, T [16, 64] float32;
+  // Qb [Mp, D], Kp [ND * 4 * 512], Vp [2 * NCOL * 512], P [2][16, 64], zero row [D] bfloat16
+  auto up = [](size_t n) { return (n + 15) / 16 * 16; };   // in 4-byte units, 64-byte multiples
+  const size_t n4 = up(size_t(Mp) * D) + 3 * up(Mp) + 2 * 1024 + up(size_t(Mp) * D / 2) + up(size_t(ND) * 1024) +
+                    up(size_t(NCOL) * 512) + 1024 + up(D / 2 + 1) + kChunk * 2;
+  float* buf = (float*)std::aligned_alloc(64, n4 * 4);
+  if (buf == nullptr) throw std::bad_alloc();
+  float* O = buf;
+  float* mx = O + up(size_t(Mp) * D);
+  float* sum = mx + up(Mp);
+  int32_t* lim = (int32_t*)(sum + up(Mp));
+  float* S = (float*)(lim + up(Mp));
+  float* T = S + 1024;
+  uint16_t* Qb = (uint16_t*)(T + 1024);
+  uint16_t* Kp = Qb + 2 * up(size_t(Mp) * D / 2);
+  uint16_t* Vp = Kp + 2 * up(size_t(ND) * 1024);
+  uint16_t* P = Vp + 2 * up(size_t(NCOL) * 512);
+  uint16_t* zrow = P + 2048;
+  const uint16_t** kptr = (const uint16_t**)(zrow + 2 * up(D / 2 + 1));
+  std::memset(zrow, 0, sizeof(uint16_t) * D);
+
+  int32_t max_lim = -1;
+  for (int r = 0; r < Mp; ++r) {
+    std::memset(O + r * D, 0, sizeof(float) * D);
+    mx[r] = -INFINITY;
+    sum[r] = 0.f;
+    if (r >= M) {
+      std::memset(Qb + r * D, 0, sizeof(uint16_t) * D);
+      lim[r] = -1;
+      continue;
+    }
+    const int row = it.row0 + r, i = row / G, g = row % G;
+    const int64_t t = own ? a.qsl[it.unit] + i : a.grp_tok[a.grp_tok_start[it.unit] + i];
+    std::memcpy(Qb + r * D, (const uint16_t*)a.q + t * a.q_st + int64_t(it.head * G + g) * a.q_sh, sizeof(uint16_t) * D);
+    lim[r] = own ? kv_shift + i : it.key1 - 1;
+    if (lim[r] > max_lim) max_lim = lim[r];
+  }
+  const int key_end = max_lim + 1 < it.key1 ? max_lim + 1 : it.key1;
+  const int64_t tok_st = int64_t(a.KVH) * D;
+  const uint16_t* kv = (const uint16_t*)a.kv;
+  const __m512 vscale = _mm512_set1_ps(a.scale);
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i ilo = _mm512_load_si512(kLo), ihi = _mm512_load_si512(kHi);
+  alignas(64) float alpha[32];
+  _tile_loadconfig(&kAttnTiles);
+
+  for (int b0 = it.key0; b0 < key_end; b0 += kChunk) {
+    const int nj = key_end - b0 < kChunk ? key_end - b0 : kChunk;
+    const int nq = (nj + 15) / 16, nks = (nj + 31) / 32;
+    for (int j = 0; j < nq * 16; ++j) {
+      if (j < nj) {
+        const int key = b0 + j;
+        kptr[j] = kv + (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D;
+      } else {
+        kptr[j] = zrow;
+      }
+    }
+    // K: B tiles [ds][q] of 16 dim pairs x 16 keys
+    for (int q = 0; q < nq; ++q)
+      for (int ds = 0; ds < ND; ++ds) {
+        const uint32_t* rows[16];
+        for (int j = 0; j < 16; ++j) rows[j] = (const uint32_t*)(kptr[q * 16 + j]) + ds * 16;
+        transpose16_u32(rows, (uint32_t*)(Kp + (ds * 4 + q) * 512));
+      }
+    // V: B tiles [ks][c] of 16 key pairs x 16 dims (padding keys read the zero row)
+    for (int p = 0; p < nks * 16; ++p) {
+      const int j0 = 2 * p, ks = p / 16, pr = p % 16;
+      const uint16_t* va = j0 < nj ? kptr[j0] + a.kv_half : zrow;
+      const uint16_t* vb = j0 + 1 < nj ? kptr[j0 + 1] + a.kv_half : zrow;
+      for (int c2 = 0; c2 < ND; ++c2) {
+        const __m512i x = _mm512_loadu_si512(va + c2 * 32), y = _mm512_loadu_si512(vb + c2 * 32);
+        uint16_t* dst = Vp + (ks * NCOL + 2 * c2) * 512 + pr * 32;
+        _mm512_store_si512(dst, _mm512_permutex2var_epi16(x, ilo, y));
+        _mm512_store_si512(dst + 512, _mm512_permutex2var_epi16(x, ihi, y));
+      }
+    }
+    // Software-pipelined over the row tiles: QK and the softmax of tile t, then P V of the
+    // previous tile, whose P (stored by AVX-512) a tile load can read without waiting for
+    // the stores just made.
+    int pend = -1, pend_ks = 0;              // previous tile's first row and its key steps
+    for (int r0 = 0; r0 <= Mp; r0 += 16) {
+      int cur_ks = 0;
+      if (r0 < Mp) {
+        int32_t tl = -1;
+        for (int r = 0; r < 16; ++r) tl = lim[r0 + r] > tl ? lim[r0 + r] : tl;
+        if (tl >= b0) {                      // some key of this chunk is visible to the tile
+          const int vis = tl - b0 + 1 < nj ? tl - b0 + 1 : nj;
+          cur_ks = (vis + 31) / 32;
+          const int buf_i = (r0 / 16) & 1;
+          softmax_tile(Qb + r0 * D, D, Kp, S, (vis + 15) / 16, lim + r0, b0, vis, vscale, mx + r0, sum + r0,
+                       alpha + 16 * buf_i, P + 1024 * buf_i);
+        }
+      }
+      if (pend >= 0)
+        pv_tile(P + 1024 * ((pend / 16) & 1), pend_ks, Vp, NCOL, T, alpha + 16 * ((pend / 16) & 1), O + pend * D, D);
+      pend = cur_ks ? r0 : -1;
+      pend_ks = cur_ks;
+    }
+  }
+  finish(a, it, O, mx, sum);
+  std::free(buf);
+}
