@@ -153,15 +153,24 @@ def set_decode_tables(md: AttentionMetadata, tables: list[list[int]], lens: list
     ``[Bd, 1, 1, W * block_size]`` in ``dtype`` hiding each row's padding slots."""
     width = max(len(t) for t in tables)
     if len(tables) == 1:
-        md.decode_block_tables = block_index(tables[0], device)
-        if isinstance(md.decode_block_tables, torch.Tensor):
-            md.decode_block_tables = md.decode_block_tables[None]
+        bt = block_index(tables[0], device)
+        if isinstance(bt, torch.Tensor):
+            bt = bt[None]
     else:
-        md.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                              dtype=torch.long, device=device)
-    md.decode_seq_lens = torch.tensor(lens, dtype=torch.long, device=device)
-    valid = torch.arange(width * block_size, device=device)[None, :] < md.decode_seq_lens[:, None]
-    md.decode_mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+    set_decode_tensors(md, bt, torch.tensor(lens, dtype=torch.long, device=device), width, block_size, dtype)
+
+
+def set_decode_tensors(md: AttentionMetadata, block_tables: torch.Tensor | slice, seq_lens: torch.Tensor,
+                       width: int, block_size: int, dtype: torch.dtype) -> None:
+    """Fill ``md``'s decode fields from tensors: ``block_tables`` (``[Bd, width]`` int64, or a
+    slice of ``width`` blocks when ``Bd == 1``), ``seq_lens`` (``[Bd]`` int64, tokens incl.
+    the new one) and the additive ``decode_mask`` ``[Bd, 1, 1, width * block_size]`` in
+    ``dtype`` (0 on each row's first ``seq_lens`` slots, -inf after)."""
+    md.decode_block_tables = block_tables
+    md.decode_seq_lens = seq_lens
+    valid = torch.arange(width * block_size, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    md.decode_mask = torch.zeros(valid.shape, dtype=dtype, device=seq_lens.device).masked_fill_(
         ~valid, float("-inf"))[:, None, None, :]
 
 
