@@ -25,15 +25,13 @@ from kvmesh.config import EngineConfig
 from scheduler.request import SamplingParams
 from scheduler.scheduler import SchedulerOutput
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
-from workers.layers.attention import (SDPA_MIN_CHUNK_TOKENS, AttentionMetadata, CascadeGroup, NativeMetadata,
-                                      PrefillChunk, block_index, set_decode_tables)
+from workers.input_batch import CASCADE_MIN_BLOCKS, InputBatch, cascade_groups  # noqa: F401 (re-exported)
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.layers.linear import pack_bf16_linears
 from workers.loader import load_model, weight_bytes
 from workers.models.llama import use_native_ops
 from workers.spec_decode.rejection import VerifyRow, verify
 
-CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
 log = logging.getLogger("kvmesh.workers")
 
 
@@ -186,6 +184,9 @@ class ModelRunner:
             self.compiled_decode = CompiledDecode(self.model, self.kv_caches, cfg.max_num_seqs,
                                                   -(-cfg.max_model_len // cfg.block_size), self.device)
             self.compiled_decode.warmup(self.model.is_first, self.dtype)
+        # block tables, positions and slots of each step (rows per request, updated in place)
+        self.input_batch = InputBatch(cfg.max_num_seqs, -(-(cfg.max_model_len or 8192) // cfg.block_size),
+                                      cfg.block_size, self.device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = None           # the draft model (last stage, speculative_method 'draft')
@@ -196,129 +197,19 @@ class ModelRunner:
 
     # ---- input preparation -----------------------------------------------------------
     def _prepare(self, step: StepInput):
-        bs = self.block_size
+        """The step's tensors from the persistent input batch (:meth:`InputBatch.prepare`)."""
         native = self.attention_backend == "native"
-        quantized = self.kv_caches[0].quantized if self.kv_caches else False
-
-        def order(s: SeqInput) -> tuple[bool, bool]:
-            # decodes first (stable; a speculating decode is a chunk of 1 + k tokens), then the
-            # short chunks after cached context, then chunks without context or with at least
-            # SDPA_MIN_CHUNK_TOKENS tokens (SDPA on the native backend; float cache). The order
-            # does not depend on the backend, so pipeline stages agree on the rows of the
-            # hidden states they pass on whatever backend each one resolved.
-            n = len(s.token_ids) + len(s.spec_token_ids)
-            return n != 1, n != 1 and not quantized and (s.start == 0 or n >= SDPA_MIN_CHUNK_TOKENS)
-
-        seqs = sorted(step.seqs, key=order)
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_idx: list[int] = []
-        sample_seqs = []
-        decode_tables, decode_lens = [], []
-        prefills: list[PrefillChunk] = []
-        qsl, kv_lens, tables = [0], [], []         # the native kernel's sequences
-        for s in seqs:
-            start, n, bt = s.start, len(s.token_ids) + len(s.spec_token_ids), s.block_table
-            q_start = len(ids)
-            ids += s.token_ids + s.spec_token_ids
-            pos += range(start, start + n)
-            slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if n == 1:
-                decode_tables.append(bt[: (start + bs) // bs])
-                decode_lens.append(start + 1)
-            else:
-                prefills.append(PrefillChunk(q_start, q_start + n, start,
-                                             block_index(bt[: -(-(start + n) // bs)], self.device)))
-            if native and not order(s)[1]:
-                qsl.append(q_start + n)
-                if n != 1:             # decodes take decode_tables / decode_lens (maybe cascade-stripped)
-                    kv_lens.append(start + n)
-                    tables.append(bt[: -(-(start + n) // bs)])
-            if s.sample:
-                sample_idx += range(len(ids) - 1 - len(s.spec_token_ids), len(ids))
-                sample_seqs.append(s)
-        dev = self.device
-        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                               num_decode_tokens=len(decode_lens), prefills=prefills)
-        groups = []
         # Cascade groups only on the torch backend: the native kernel reads a group's shared
         # prefix once but through its many-row path plus a merge, which measured slower than
         # each row reading its whole context (SmolLM2 bf16, 32 rows on 6 policies at 1.6k
         # context, Sapphire Rapids class Xeon: 112 ms per step with groups, 94 ms without).
-        if decode_lens and self.cfg.enable_prefix_caching and not native:
-            groups = self._cascade_groups(decode_tables, decode_lens)
-        if native:
-            md.native = self._native_metadata(qsl, kv_lens, tables, decode_tables, decode_lens, groups)
-        elif decode_lens:
-            md.cascade = [CascadeGroup(torch.tensor(rows, dtype=torch.long, device=dev), block_index(shared, dev))
-                          for rows, shared in groups]
-            set_decode_tables(md, decode_tables, decode_lens, bs, self.dtype, dev)
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                md, sample_idx, sample_seqs)
-
-    def _native_metadata(self, qsl: list[int], kv_lens: list[int], tables: list[list[int]],
-                         decode_tables: list[list[int]], decode_lens: list[int],
-                         groups: list[tuple[list[int], list[int]]]) -> NativeMetadata:
-        """Tensors of the native kernel's sequences: the decodes (``decode_tables`` /
-        ``decode_lens``, which ``_cascade_groups`` may have stripped of a shared prefix), then
-        the chunks after context (``tables`` / ``kv_lens``). A cascade group's prefix is read
-        once for all its rows."""
-        dev, i32 = self.device, torch.int32
-        tables, kv_lens = decode_tables + tables, decode_lens + kv_lens
-        width = max((len(t) for t in tables), default=1) or 1
-        nm = NativeMetadata(qsl[-1], torch.tensor(qsl, dtype=i32, device=dev), torch.tensor(kv_lens, dtype=i32, device=dev),
-                            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32, device=dev)
-                            if tables else torch.zeros(0, 1, dtype=i32, device=dev))
-        if groups:
-            member = [-1] * len(kv_lens)
-            for g, (rows, _) in enumerate(groups):
-                for r in rows:
-                    member[r] = g
-            pw = max(len(shared) for _, shared in groups)
-            nm.prefix_group = torch.tensor(member, dtype=i32, device=dev)
-            nm.prefix_block_tables = torch.tensor([sh + [0] * (pw - len(sh)) for _, sh in groups], dtype=i32, device=dev)
-            nm.prefix_lens = torch.tensor([len(sh) * self.block_size for _, sh in groups], dtype=i32, device=dev)
-        return nm
+        return self.input_batch.prepare(step.seqs, native=native,
+                                        quantized=self.kv_caches[0].quantized if self.kv_caches else False,
+                                        cascade=self.cfg.enable_prefix_caching and not native, dtype=self.dtype)
 
     def _cascade_groups(self, tables: list[list[int]], lens: list[int]) -> list[tuple[list[int], list[int]]]:
-        """Group decode rows whose block tables start with the same physical blocks (at least
-        ``CASCADE_MIN_BLOCKS``, at least 2 rows); strip the shared blocks from ``tables`` and
-        ``lens`` in place so those rows attend to the shared prefix once, as a group. Returns
-        (rows, shared block ids) per group.
-
-        Rows are sorted by block table, so rows sharing long prefixes are neighbours; a group
-        grows while the next row still shares at least half of the group's prefix (so a short
-        prefix common to everyone, a system prompt, does not swallow the longer per-document
-        prefixes)."""
-        bs = self.block_size
-        order = sorted((r for r in range(len(tables)) if len(tables[r]) > CASCADE_MIN_BLOCKS),
-                       key=lambda r: tables[r])
-        groups, cur, prefix = [], [], []
-
-        def close():
-            if len(cur) >= 2 and len(prefix) >= CASCADE_MIN_BLOCKS:
-                groups.append((list(cur), list(prefix)))
-
-        for r in order:
-            own = tables[r][: (lens[r] - 1) // bs]     # a row's last block is its own
-            if cur:
-                n = 0
-                limit = min(len(prefix), len(own))
-                while n < limit and own[n] == prefix[n]:
-                    n += 1
-                if n >= CASCADE_MIN_BLOCKS and 2 * n >= len(prefix):
-                    cur.append(r)
-                    prefix = prefix[:n]
-                    continue
-                close()
-            cur, prefix = [r], own
-        close()
-        for rows, shared in groups:
-            for r in rows:
-                tables[r] = tables[r][len(shared):]
-                lens[r] -= len(shared) * bs
-        return groups
+        """:func:`workers.input_batch.cascade_groups` with this runner's block size."""
+        return cascade_groups(tables, lens, self.block_size)
 
     def _generator(self, s: SeqInput) -> torch.Generator | None:
         seed = s.params.seed
@@ -447,7 +338,8 @@ class ModelRunner:
                     logits[row, ids] = float("-inf")
 
     def free_requests(self, request_ids: list[str]) -> None:
-        """Forget per-request state (seeded generators) of finished requests."""
+        """Forget per-request state (input batch rows, seeded generators) of finished requests."""
+        self.input_batch.remove(request_ids)
         for rid in request_ids:
             self.generators.pop(rid, None)
             self.draft_probs.pop(rid, None)
