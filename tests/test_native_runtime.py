@@ -159,3 +159,29 @@ def test_bf16_model_uses_the_native_gemm_where_it_wins(smollm2_dir, prose_ids, h
     diff = (logits["bfloat16"] - logits["float32"]).abs().max().item()
     assert diff < 1.5, diff            # bf16 activations through 30 layers; logits of magnitude ~20-35
     assert torch.equal(logits["bfloat16"].argmax(-1), logits["float32"].argmax(-1))
+
+
+@pytest.mark.skipif(kernels.cpu_isa() != "amx", reason="prefill chunks go through the kernel only on the AMX path")
+def test_bf16_prefill_through_the_amx_kernel_matches_sdpa(smollm2_dir, prose_ids, h):
+    """On AMX, a bfloat16 model prefills through ``paged_attention`` (every chunk, cached
+    context or not) instead of SDPA: against the float32 model's logits (a cold and a chunked
+    prefill), its error is no larger than the SDPA path's (both round P to bfloat16), with
+    the same greedy tokens."""
+    reqs = [("cold", prose_ids[10:90], h.greedy(4)), ("chunked", prose_ids[100:300], h.greedy(4))]
+    logits = {}
+    ref = h.make_engine(smollm2_dir, dtype="float32", max_num_batched_tokens=96, enable_prefix_caching=False)
+    captured = h.capture_logits(ref)
+    h.run(ref, reqs)
+    logits["float32"] = torch.cat(captured)
+    eng = h.make_engine(smollm2_dir, dtype="bfloat16", attention_backend="native", max_num_batched_tokens=96,
+                        enable_prefix_caching=False)
+    runner = eng.executor.runner
+    assert runner.prefill_native
+    for flag in (True, False):
+        runner.prefill_native = flag
+        captured = h.capture_logits(eng)
+        h.run(eng, [(f"{rid}-{flag}", ids, p) for rid, ids, p in reqs])
+        logits[flag] = torch.cat(captured)
+    err = {f: (logits[f] - logits["float32"]).abs() for f in (True, False)}
+    assert err[True].mean() <= 1.1 * err[False].mean() and err[True].max() <= 1.25 * err[False].max()
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))

@@ -186,7 +186,7 @@ class InputBatch:
 
     # ---- one step --------------------------------------------------------------------
     def prepare(self, seqs: Sequence["SeqInput"], *, native: bool, quantized: bool, cascade: bool,
-                dtype: torch.dtype):
+                dtype: torch.dtype, prefill_native: bool = False):
         """Tensors of one step over ``seqs`` (any order).
 
         Args:
@@ -194,6 +194,8 @@ class InputBatch:
             quantized: the KV cache is int8/fp8 (every chunk after context goes native).
             cascade: group decode rows sharing a prefix (torch backend, prefix caching on).
             dtype: the model dtype (the torch decode mask's).
+            prefill_native: every chunk goes native too, the SDPA chunks included
+                (:func:`workers.kernels.prefill_in_kernel`); the order stays the same.
         Returns:
             ``(input_ids [T] int64, positions [T] int64, AttentionMetadata, sample_idx,
             sample_seqs)``: tokens laid out decodes first, then the short chunks after cached
@@ -230,7 +232,7 @@ class InputBatch:
             if n != 1:
                 prefills.append(PrefillChunk(q_start, q_start + n, start,
                                              block_index(s.block_table[: -(-(start + n) // bs)], dev)))
-            if native and not key[1]:      # the native kernel's sequences are a prefix of the order
+            if native and (prefill_native or not key[1]):   # the native sequences: a prefix of the order
                 num_native += 1
             if s.sample:
                 sample_idx += range(len(ids) - 1 - len(s.spec_token_ids), len(ids))
