@@ -387,3 +387,19 @@ def test_rotary_bf16_is_bit_identical_to_the_model_rotation():
         torch.ops.kvmesh.rotary_bf16(x.float(), cos, sin)
     with pytest.raises(RuntimeError, match="cos and sin"):
         torch.ops.kvmesh.rotary_bf16(x, cos[:2], sin)
+
+
+def test_silu_and_mul_bf16_matches_the_model_activation():
+    """``kvmesh::silu_and_mul_bf16`` against workers.models.llama.silu_and_mul in bfloat16:
+    at most one bfloat16 ulp apart (the two exp implementations differ in the last float32
+    bits), nearly all bit-identical; widths that are not a multiple of 16 (the scalar tail)."""
+    from workers.models.llama import silu_and_mul
+    gen = torch.Generator().manual_seed(2)
+    for T, inter in ((1, 1536), (37, 1536), (5, 4864 + 3)):
+        x = (torch.randn(T, 2 * inter, generator=gen) * 4).to(torch.bfloat16)
+        x[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 3.0, -3.0])
+        got, ref = torch.ops.kvmesh.silu_and_mul_bf16(x), silu_and_mul(x)
+        ulp = (got.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+        assert ulp.max() <= 1 and (ulp == 0).float().mean() > 0.99
+    with pytest.raises(RuntimeError, match="silu_and_mul_bf16"):
+        torch.ops.kvmesh.silu_and_mul_bf16(torch.zeros(2, 3, dtype=torch.bfloat16))

@@ -36,6 +36,8 @@ Ops (schemas as registered; fake implementations below make them opaque to ``tor
     kvmesh::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
     kvmesh::add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)
         (csrc/norm.cpp: RMSNorm, and the residual add fused into it; x [T, hidden] contiguous)
+    kvmesh::silu_and_mul_bf16(Tensor x) -> Tensor
+        (csrc/activation.cpp: silu(gate) * up of a bfloat16 [T, 2 I] gate/up projection -> [T, I])
     kvmesh::rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor
         (csrc/rotary.cpp: RoPE of a bfloat16 [T, heads, D] view, bit-identical to
         workers.layers.rotary.RotaryEmbedding.rotate)
@@ -264,6 +266,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvmesh::rotary_bf16")
     def _(x, cos, sin):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("kvmesh::silu_and_mul_bf16")
+    def _(x):
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
 
     @torch.library.register_fake("kvmesh::paged_attention")
     def _(q, kv_data, scales, query_start_loc, seq_lens, block_tables, scale, prefix_group=None,

@@ -12,6 +12,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16_bits.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,21 +54,6 @@ void run(const T* x, const T* res, T* sum, const float* w, T* out, int64_t rows,
       for (int64_t i = 0; i < H; ++i) o[i] = static_cast<T>(static_cast<float>(src[i]) * inv * w[i]);
     }
   });
-}
-
-inline float b2f(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f2b(float f) {       // round to nearest even, as c10::BFloat16; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return uint16_t(nan ? ((u >> 16) | 0x40u) : r);
 }
 
 #if defined(__x86_64__)

@@ -10,26 +10,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "bf16_bits.h"
+
 #include <cstdint>
 #include <cstring>
 
 namespace kvmesh {
 namespace {
-
-inline float b2f(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f2b(float f) {       // round to nearest even; NaN stays a quiet NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return uint16_t(nan ? ((u >> 16) | 0x40u) : r);
-}
 
 #if defined(__x86_64__)
 #define KV_CLONES __attribute__((target_clones("avx512f", "default"), optimize("fp-contract=off")))
