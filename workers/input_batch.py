@@ -192,7 +192,8 @@ class InputBatch:
         Args:
             native: the native kernels compute attention (:class:`NativeMetadata`).
             quantized: the KV cache is int8/fp8 (every chunk after context goes native).
-            cascade: group decode rows sharing a prefix (torch backend, prefix caching on).
+            cascade: group decode rows sharing a prefix (prefix caching on; on the native
+                backend where the kernel's many-row path is fast, :func:`workers.kernels.prefill_in_kernel`).
             dtype: the model dtype (the torch decode mask's).
             prefill_native: every chunk goes native too, the SDPA chunks included
                 (:func:`workers.kernels.prefill_in_kernel`); the order stays the same.
@@ -254,23 +255,46 @@ class InputBatch:
         if native:
             md.native = self._native(rows_t[:num_native], seq_lens[:num_native], counts[:num_native],
                                      max(s + c for s, c in zip(starts[:num_native], counts[:num_native]))
-                                     if num_native else 0)
+                                     if num_native else 0, seqs[:num_decodes] if cascade else [])
         elif num_decodes:
             self._decode_fields(md, seqs[:num_decodes], rows_t[:num_decodes], seq_lens[:num_decodes],
                                 cascade, dtype)
         return torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), md, sample_idx, sample_seqs
 
-    def _native(self, rows: torch.Tensor, seq_lens: torch.Tensor, counts: list[int], longest: int) -> NativeMetadata:
+    def _native(self, rows: torch.Tensor, seq_lens: torch.Tensor, counts: list[int], longest: int,
+                decodes: Sequence["SeqInput"] = ()) -> NativeMetadata:
         """The native kernel's sequences (the first ``S`` of the step): ``query_start_loc``
         ``[S + 1]``, ``seq_lens`` ``[S]`` and ``block_tables`` ``[S, W]`` (W: the widest
-        sequence's blocks, at least 1), all int32."""
+        sequence's blocks, at least 1), all int32. ``decodes`` (the first sequences, when
+        cascade groups are wanted): rows sharing a prefix of blocks form groups
+        (:func:`cascade_groups`) whose prefix the kernel reads once for all members; their
+        own tables and lengths then start after it."""
         dev, i32, s = self.device, torch.int32, rows.shape[0]
         qsl = torch.zeros(s + 1, dtype=i32)
         if s:
             torch.cumsum(torch.tensor(counts, dtype=i32), 0, out=qsl[1:])
         width = max(-(-longest // self.block_size), 1)
-        tables = self.gather(rows, seq_lens, width) if s else torch.zeros(0, 1, dtype=i32)
-        return NativeMetadata(sum(counts), qsl.to(dev), seq_lens.to(i32).to(dev), tables.to(dev))
+        groups = []
+        if len(decodes) > 1:
+            bs = self.block_size
+            groups = cascade_groups([d.block_table[: (d.start + bs) // bs] for d in decodes],
+                                    [d.start + 1 for d in decodes], bs)
+        if not groups:
+            tables = self.gather(rows, seq_lens, width) if s else torch.zeros(0, 1, dtype=i32)
+            return NativeMetadata(sum(counts), qsl.to(dev), seq_lens.to(i32).to(dev), tables.to(dev))
+        member, shifts = [-1] * s, [0] * s
+        for g, (grp, shared) in enumerate(groups):
+            for r in grp:
+                member[r], shifts[r] = g, len(shared)
+        shift = torch.tensor(shifts, dtype=torch.long)
+        seq_lens = seq_lens - shift * self.block_size
+        tables = self.gather(rows, seq_lens, width, shift)
+        pw = max(len(shared) for _, shared in groups)
+        nm = NativeMetadata(sum(counts), qsl.to(dev), seq_lens.to(i32).to(dev), tables.to(dev))
+        nm.prefix_group = torch.tensor(member, dtype=i32, device=dev)
+        nm.prefix_block_tables = torch.tensor([sh + [0] * (pw - len(sh)) for _, sh in groups], dtype=i32, device=dev)
+        nm.prefix_lens = torch.tensor([len(sh) * self.block_size for _, sh in groups], dtype=i32, device=dev)
+        return nm
 
     def _decode_fields(self, md: AttentionMetadata, seqs: list["SeqInput"], rows: torch.Tensor,
                        lens: torch.Tensor, cascade: bool, dtype: torch.dtype) -> None:

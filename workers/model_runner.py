@@ -183,6 +183,11 @@ class ModelRunner:
         if self.attention_backend == "native" and self.kv_dtype == self.dtype:
             from workers import kernels
             self.prefill_native = kernels.prefill_in_kernel(self.dtype)
+        # Cascade groups on the native backend only where its many-row path is the AMX one:
+        # on the avx512bf16 path a group's prefix read once, then a merge, measured slower than
+        # each row reading its whole context (SmolLM2 bf16, 32 rows on 6 policies at 1.6k
+        # context, Sapphire Rapids class Xeon: 112 ms per step with groups, 94 ms without).
+        self.native_cascade = self.prefill_native
         self.compiled_decode = None
         if cfg.enable_compile and self.attention_backend == "native":
             from workers.compiled_decode import CompiledDecode
@@ -204,13 +209,10 @@ class ModelRunner:
     def _prepare(self, step: StepInput):
         """The step's tensors from the persistent input batch (:meth:`InputBatch.prepare`)."""
         native = self.attention_backend == "native"
-        # Cascade groups only on the torch backend: the native kernel reads a group's shared
-        # prefix once but through its many-row path plus a merge, which measured slower than
-        # each row reading its whole context (SmolLM2 bf16, 32 rows on 6 policies at 1.6k
-        # context, Sapphire Rapids class Xeon: 112 ms per step with groups, 94 ms without).
         return self.input_batch.prepare(step.seqs, native=native,
                                         quantized=self.kv_caches[0].quantized if self.kv_caches else False,
-                                        cascade=self.cfg.enable_prefix_caching and not native, dtype=self.dtype,
+                                        cascade=self.cfg.enable_prefix_caching and (not native or self.native_cascade),
+                                        dtype=self.dtype,
                                         prefill_native=self.prefill_native)
 
     def _cascade_groups(self, tables: list[list[int]], lens: list[int]) -> list[tuple[list[int], list[int]]]:

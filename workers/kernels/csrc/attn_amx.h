@@ -294,6 +294,15 @@ static void run_amx(const AttnArgs& a, const WorkItem& it) {
         kptr[j] = zrow;
       }
     }
+    // prefetch the next chunk's K and V rows while this one is packed and used (decode-time
+    // cascade groups are bound by reading K/V: without it the rows arrive one miss at a time)
+    for (int key = b0 + kChunk, ke = std::min(key_end, b0 + 2 * kChunk); key < ke; ++key) {
+      const char* kr = (const char*)(kv + (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D);
+      for (int c = 0; c < D * 2; c += 64) {
+        __builtin_prefetch(kr + c);
+        __builtin_prefetch(kr + a.kv_half * 2 + c);
+      }
+    }
     // K: B tiles [ds][q] of 16 dim pairs x 16 keys
     for (int q = 0; q < nq; ++q)
       for (int ds = 0; ds < ND; ++ds) {
