@@ -1,14 +1,15 @@
 """Where a model step's time goes: a per-op breakdown of decode steps and of a prefill.
 
 Builds an in-process engine (no mesh), fills it with ``B`` PolicyDesk requests whose
-prompts are ~1.6k tokens (each on its own policy, so decode attention reads each row's whole
-context; ``--shared-prefix`` puts them all on one policy), runs them until every prompt is
+prompts are ~1.6k tokens (row i on the i-th of the 8 policies, cyclically, so rows beyond the 8th share a policy's
+prefix blocks with earlier ones; ``--shared-prefix`` puts them all on one policy), runs them until every prompt is
 prefilled, then profiles ``--steps`` decode steps with ``torch.profiler`` and prints:
 
 - the wall time of a decode step (median) and its split into the engine's phases
   (``schedule``, ``prepare``, ``forward``, ``sample``, ``update``: ``record_function`` labels);
 - the ops with the most self CPU time (count, total ms, ms per step, share);
-- the roofline: bytes a decode step must read (weights + each row's KV context) over the read
+- the roofline: bytes a decode step must read (weights + the K/V of every distinct block the
+  rows attend to: a policy prefix that rows share through the prefix cache counts once) over the read
   bandwidth measured in the same run (``sum`` of a 1 GiB float32 tensor, 2 threads), as
   tokens/s and as the share the measured step reaches.
 
@@ -91,10 +92,11 @@ def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top:
         t = time.perf_counter()
         engine.step()
         plain.append(time.perf_counter() - t)
+    kv_blocks = len({b for r in reqs for b in r.block_table})   # distinct blocks: a shared prefix counts once
     for r in reqs:
         engine.abort_request(r.request_id)
     engine.step()
-    return {"batch": batch, "context": context, "step_ms": statistics.median(plain) * 1e3,
+    return {"batch": batch, "context": context, "kv_blocks": kv_blocks, "step_ms": statistics.median(plain) * 1e3,
             "step_ms_profiled": statistics.median(walls) * 1e3,
             "phases_ms": _phases(prof, steps), "ops": _table(prof, steps, top)}
 
@@ -113,15 +115,15 @@ def profile_prefill(engine, tokenizer, tokens: int, top: int) -> dict:
     return {"tokens": tokens, "ttft_ms": wall * 1e3, "phases_ms": _phases(prof, 1), "ops": _table(prof, 1, top)}
 
 
-def decode_bytes(engine, batch: int, context: int, shared: bool) -> int:
-    """Bytes one decode step must read: every weight once, plus each row's K/V context
-    (once per distinct prefix when rows share it, as cascade attention reads it)."""
+def decode_bytes(engine, kv_blocks: int) -> int:
+    """Bytes one decode step must read: every weight once, plus the K/V of every distinct block
+    the rows attend to (``kv_blocks``; a prefix that rows share through the prefix cache is
+    counted once, as cascade attention reads it)."""
     runner = engine.executor.runner
     from workers.kv_cache import bytes_per_block
     m = runner.model.cfg
-    per_token = bytes_per_block(m.num_layers, 1, m.num_kv_heads, m.head_dim, runner.kv_dtype)
-    kv_tokens = context * (1 if shared else batch)
-    return runner.weight_bytes + kv_tokens * per_token
+    return runner.weight_bytes + kv_blocks * bytes_per_block(m.num_layers, runner.block_size, m.num_kv_heads,
+                                                              m.head_dim, runner.kv_dtype)
 
 
 def _print(res: dict, bw: float) -> None:
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
            "threads": torch.get_num_threads(), "decode": []}
     for b in args.batch:
         d = profile_decode(engine, tokenizer, b, args.context, args.steps, args.top, args.shared_prefix)
-        d["bytes"] = decode_bytes(engine, b, args.context, args.shared_prefix)
+        d["bytes"] = decode_bytes(engine, d["kv_blocks"])
         res["decode"].append(d)
     res["prefill"] = profile_prefill(engine, tokenizer, args.prefill_tokens, args.top)
     _print(res, bw)
