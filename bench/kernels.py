@@ -1,13 +1,16 @@
 """Microbenchmark: native paged attention (``kvmesh::paged_attention``) vs the PyTorch path.
 
-``python -m bench.kernels [--repeats N] [--threads N] [--isa scalar|avx2|avx512|avx512bf16]``
+``python -m bench.kernels [--repeats N] [--threads N] [--isa scalar|avx2|avx512|avx512bf16|amx]``
 
 Per layer call, for SmolLM2-135M (H=9, KVH=3, D=64) and Qwen2.5-0.5B (H=14, KVH=2, D=64)
 shapes, block size 16, bfloat16 queries, KV cache bfloat16 and int8, random non-contiguous
 block tables:
 
 - decode, batch 1 / 8 / 32, 1,600 tokens of context each;
-- one 256-token prefill chunk after 1,400 cached tokens.
+- one 256-token prefill chunk after 1,400 cached tokens;
+- one cold 1,500-token prefill (no cached context; the reference is SDPA with ``is_causal`` on
+  the chunk's own K/V, what the engine runs for it when the kernel does not, and the native
+  kernel reads the same K/V from the cache).
 
 The reference is the engine's own path, ``workers.layers.attention.paged_attention`` (gather
 through ``KVCache.read`` — dequantizing an int8 cache — then SDPA), called with no new tokens
@@ -26,6 +29,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from bench.machine import cpu_model
 
@@ -79,7 +83,14 @@ def case(model: str, kv_dtype: torch.dtype, batch: int, ctx: int, n_new: int, re
     lens = torch.full((batch,), total, dtype=torch.int32)
     bt = torch.tensor(tables, dtype=torch.int32)
 
-    ref_ms = _median_ms(lambda: paged_attention(q, empty, empty, cache, md, scale), repeats)
+    if ctx == 0:       # a cold prefill: SDPA on the chunk's own K/V (read here from the cache)
+        kk, vv = (x.reshape(-1, kvh, d)[:total].transpose(0, 1).unsqueeze(0)
+                  for x in cache.read(torch.tensor(tables[0]), torch.bfloat16))
+        qq = q.transpose(0, 1).unsqueeze(0)
+        ref_ms = _median_ms(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                                                   enable_gqa=h != kvh), repeats)
+    else:
+        ref_ms = _median_ms(lambda: paged_attention(q, empty, empty, cache, md, scale), repeats)
     nat_ms = _median_ms(lambda: kernels.paged_attention(q, cache.data, cache.scales, qsl, lens, bt, scale), repeats)
     kv_bytes = 2 * batch * total * kvh * d * cache.data.element_size()
     flops = 4 * batch * h * d * sum(ctx + i + 1 for i in range(n_new))      # QK^T and PV, causal
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
-    ap.add_argument("--isa", default="auto", help="kernel path: auto, scalar, avx2, avx512, avx512bf16")
+    ap.add_argument("--isa", default="auto", help="kernel path: auto, scalar, avx2, avx512, avx512bf16, amx")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args(argv)
     from workers import kernels
@@ -132,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     for model in args.models:
         for kv in (torch.bfloat16, torch.int8):
-            for batch, ctx, new in ((1, 1599, 1), (8, 1599, 1), (32, 1599, 1), (1, 1400, 256)):
+            for batch, ctx, new in ((1, 1599, 1), (8, 1599, 1), (32, 1599, 1), (1, 1400, 256), (1, 0, 1500)):
                 r = case(model, kv, batch, ctx, new, args.repeats, gen)
                 print(f"{r['model']:14} {r['kv']:9} {r['batch']:5d} {r['ctx'] + r['new']:5d} {r['new']:4d} "
                       f"{r['ref_ms']:8.3f} {r['native_ms']:9.3f} {r['speedup']:6.2f}x {r['gbps']:6.1f} {r['gflops']:7.1f}", flush=True)
