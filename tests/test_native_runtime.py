@@ -188,19 +188,23 @@ def test_bf16_prefill_through_the_amx_kernel_matches_sdpa(smollm2_dir, prose_ids
 
 
 @pytest.mark.skipif(kernels.cpu_isa() != "amx", reason="native cascade groups run only on the AMX path")
-def test_bf16_native_cascade_groups_match_plain_rows(smollm2_dir, prose_ids, h):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_bf16_native_cascade_groups_match_plain_rows(smollm2_dir, prose_ids, h, kv_cache_dtype):
     """On AMX, decode rows sharing a prefix of blocks (prefix caching) form cascade groups on
-    the native backend too: the kernel reads the shared prefix once for all members. Against
-    the same engine without groups, step by step: logits within bfloat16 noise (0.5 on logits
-    of magnitude ~20-35) and the same greedy tokens, until a step whose top-2 logits are
+    the native backend too, over a bfloat16 or an int8 cache: the kernel reads the shared
+    prefix once for all members. Against
+    the same engine without groups, step by step: logits within bfloat16 noise (1.5 on logits
+    of magnitude ~20-35, the bound of the bf16-vs-fp32 test; measured: 0.3-0.6 per step,
+    drifting to ~1.0 after 14 steps with an int8 cache, whose groups also round the
+    dequantized K/V to bfloat16) and the same greedy tokens, until a step whose top-2 logits are
     closer than that noise (bf16 greedy decoding has such near-ties; after one, the sequences
     legitimately part)."""
     steps, grouped = {}, []
     for flag in (True, False):
         eng = h.make_engine(smollm2_dir, dtype="bfloat16", attention_backend="native", max_num_batched_tokens=64,
-                            max_num_seqs=8)
+                            max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
         runner = eng.executor.runner
-        assert runner.native_cascade
+        assert runner.native_cascade and runner.prefill_native
         runner.native_cascade = flag
         prepare = runner._prepare
 
@@ -217,7 +221,7 @@ def test_bf16_native_cascade_groups_match_plain_rows(smollm2_dir, prose_ids, h):
     for a, b in zip(steps[True], steps[False]):
         assert a.shape == b.shape
         diff = (a - b).abs().max().item()
-        assert diff < 0.5, diff
+        assert diff < 1.5, diff        # as test_bf16_model_uses_the_native_gemm_where_it_wins allows
         top = b.topk(2, dim=-1).values
         if not torch.equal(a.argmax(-1), b.argmax(-1)):
             differ = a.argmax(-1) != b.argmax(-1)

@@ -178,9 +178,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, cfg.block_size,
                                            m.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
         self.attention_backend = resolve_attention_backend(cfg, self.device, m.head_dim)
-        # prefill chunks through the kernel too where it beats SDPA (AMX, bfloat16 cache)
+        # prefill chunks through the kernel too where it beats SDPA (AMX: a bfloat16 cache, or an
+        # int8 / float8 one, whose chunks go through the kernel in any case)
         self.prefill_native = False
-        if self.attention_backend == "native" and self.kv_dtype == self.dtype:
+        if self.attention_backend == "native" and (self.kv_dtype == self.dtype or self.kv_caches[0].quantized):
             from workers import kernels
             self.prefill_native = kernels.prefill_in_kernel(self.dtype)
         # Cascade groups on the native backend only where its many-row path is the AMX one:

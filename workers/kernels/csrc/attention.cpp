@@ -127,7 +127,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
   const int G = int(H / KVH);
   const int nthreads = at::get_num_threads();
   const RunFn run = select_kernel(int(D));
-  const int rows_per_item = run == run_items_amx && qd == BF16 && kd == BF16 ? kAmxRowsPerItem : kOwnRowsPerItem;
+  const int rows_per_item = run == run_items_amx && qd == BF16 && (kd == BF16 || kd == I8 || kd == FP8)
+                                ? kAmxRowsPerItem : kOwnRowsPerItem;
   // group members' tokens (CSR) and each member's first row within its group
   std::vector<int32_t> gtok, gstart(NG + 1, 0), member_row0(S, 0);
   if (cascade) {

@@ -1,5 +1,6 @@
 // The AMX-BF16 path of the attention kernel for work items with many query rows (prefill
-// chunks, verify chunks, cascade groups) of a bfloat16 q over a bfloat16 cache. Included by
+// chunks, verify chunks, cascade groups) of a bfloat16 q over a bfloat16 cache, or an int8 /
+// float8 one (each chunk's K and V rows dequantized to bfloat16 first, then packed alike). Included by
 // attn_kernel.h inside the ISA namespace when KVMESH_ISA >= 4 (attn_amx.cpp).
 //
 // FlashAttention-2's loop (Dao 2023) on tiles: rows in tiles of 16, keys in chunks of 64
@@ -31,7 +32,19 @@ constexpr int kAmxMinRows = 9;   // fewer rows: the vdpbf16ps row-dot path (deco
 constexpr int kAmxMaxD = 256;
 
 static inline bool amx_item(const AttnArgs& a, const WorkItem& it) {
-  return a.q_dtype == BF16 && it.nrows >= kAmxMinRows && a.D % 32 == 0 && a.D <= kAmxMaxD;
+  return a.q_dtype == BF16 && (a.kv_dtype == BF16 || a.kv_dtype == I8 || a.kv_dtype == FP8) &&
+         it.nrows >= kAmxMinRows && a.D % 32 == 0 && a.D <= kAmxMaxD;
+}
+
+// dst[0, D) = bfloat16(src[0, D) * sc) for an int8 / float8 cache row (the dequantization of
+// KVCache.read, in float32, then rounded to nearest even)
+template <int KVD>
+static inline void dequant_row(const uint8_t* src, float sc, int D, uint16_t* dst) {
+  const __m512 s = _mm512_set1_ps(sc);
+  for (int d = 0; d < D; d += 16) {
+    const __m512 x = KVD == I8 ? Simd::cvt_i8((const int8_t*)src + d) : Simd::cvt_fp8(src + d);
+    _mm256_storeu_si256((__m256i*)(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, s)));
+  }
 }
 
 static inline void amx_release_tiles() { _tile_release(); }
@@ -222,10 +235,13 @@ static void run_amx(const AttnArgs& a, const WorkItem& it) {
   int kv_shift = 0;   // own rows: token i sees own keys < seq_len - n + i + 1
   if (own) kv_shift = a.seq_lens[it.unit] - (a.qsl[it.unit + 1] - a.qsl[it.unit]);
   // scratch (64-byte aligned pieces): O [Mp, D], mx, sum [Mp], lim [Mp], S, T [16, 64] float32;
-  // Qb [Mp, D], Kp [ND * 4 * 512], Vp [2 * NCOL * 512], P [2][16, 64], zero row [D] bfloat16
+  // Qb [Mp, D], Kp [ND * 4 * 512], Vp [2 * NCOL * 512], P [2][16, 64], zero row [D] bfloat16;
+  // K and V row pointers [kChunk] each; a quantized cache: its chunk's K and V rows dequantized
+  // to bfloat16 [kChunk, D] each
+  const bool quant = a.kv_dtype != BF16;
   auto up = [](size_t n) { return (n + 15) / 16 * 16; };   // in 4-byte units, 64-byte multiples
   const size_t n4 = up(size_t(Mp) * D) + 3 * up(Mp) + 2 * 1024 + up(size_t(Mp) * D / 2) + up(size_t(ND) * 1024) +
-                    up(size_t(NCOL) * 512) + 1024 + up(D / 2 + 1) + kChunk * 2;
+                    up(size_t(NCOL) * 512) + 1024 + up(D / 2 + 1) + kChunk * 4 + (quant ? size_t(kChunk) * D : 0);
   // per-thread scratch kept across items: a fresh allocation of this size is an mmap, whose
   // munmap stalls the other thread (TLB shootdown); measured 1.4x slower at 2 threads
   struct Scratch {
@@ -253,6 +269,9 @@ static void run_amx(const AttnArgs& a, const WorkItem& it) {
   uint16_t* P = Vp + 2 * up(size_t(NCOL) * 512);
   uint16_t* zrow = P + 2048;
   const uint16_t** kptr = (const uint16_t**)(zrow + 2 * up(D / 2 + 1));
+  const uint16_t** vptr = kptr + kChunk;
+  uint16_t* Kst = (uint16_t*)(vptr + kChunk);     // a quantized chunk's rows in bfloat16
+  uint16_t* Vst = Kst + size_t(kChunk) * D;
   std::memset(zrow, 0, sizeof(uint16_t) * D);
 
   int32_t max_lim = -1;
@@ -287,20 +306,37 @@ static void run_amx(const AttnArgs& a, const WorkItem& it) {
     const int nj = key_end - b0 < kChunk ? key_end - b0 : kChunk;
     const int nq = (nj + 15) / 16, nks = (nj + 31) / 32;
     for (int j = 0; j < nq * 16; ++j) {
-      if (j < nj) {
-        const int key = b0 + j;
-        kptr[j] = kv + (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D;
-      } else {
-        kptr[j] = zrow;
+      if (j >= nj) {
+        kptr[j] = vptr[j] = zrow;
+        continue;
       }
+      const int key = b0 + j;
+      const int64_t pb = table[key / BS], off = (pb * BS + key % BS) * tok_st + int64_t(it.head) * D;
+      if (!quant) {
+        kptr[j] = kv + off;
+        vptr[j] = kv + a.kv_half + off;
+        continue;
+      }
+      const uint8_t* kq = (const uint8_t*)a.kv + off;
+      const float ks = a.scales[pb * a.KVH + it.head], vs = a.scales[a.sc_half + pb * a.KVH + it.head];
+      if (a.kv_dtype == I8) {
+        dequant_row<I8>(kq, ks, D, Kst + j * D);
+        dequant_row<I8>(kq + a.kv_half, vs, D, Vst + j * D);
+      } else {
+        dequant_row<FP8>(kq, ks, D, Kst + j * D);
+        dequant_row<FP8>(kq + a.kv_half, vs, D, Vst + j * D);
+      }
+      kptr[j] = Kst + j * D;
+      vptr[j] = Vst + j * D;
     }
     // prefetch the next chunk's K and V rows while this one is packed and used (decode-time
     // cascade groups are bound by reading K/V: without it the rows arrive one miss at a time)
+    const int esize = quant ? 1 : 2;
     for (int key = b0 + kChunk, ke = std::min(key_end, b0 + 2 * kChunk); key < ke; ++key) {
-      const char* kr = (const char*)(kv + (int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D);
-      for (int c = 0; c < D * 2; c += 64) {
+      const char* kr = (const char*)a.kv + ((int64_t(table[key / BS]) * BS + key % BS) * tok_st + int64_t(it.head) * D) * esize;
+      for (int c = 0; c < D * esize; c += 64) {
         __builtin_prefetch(kr + c);
-        __builtin_prefetch(kr + a.kv_half * 2 + c);
+        __builtin_prefetch(kr + a.kv_half * esize + c);
       }
     }
     // K: B tiles [ds][q] of 16 dim pairs x 16 keys
@@ -313,8 +349,8 @@ static void run_amx(const AttnArgs& a, const WorkItem& it) {
     // V: B tiles [ks][c] of 16 key pairs x 16 dims (padding keys read the zero row)
     for (int p = 0; p < nks * 16; ++p) {
       const int j0 = 2 * p, ks = p / 16, pr = p % 16;
-      const uint16_t* va = j0 < nj ? kptr[j0] + a.kv_half : zrow;
-      const uint16_t* vb = j0 + 1 < nj ? kptr[j0 + 1] + a.kv_half : zrow;
+      const uint16_t* va = j0 < nj ? vptr[j0] : zrow;
+      const uint16_t* vb = j0 + 1 < nj ? vptr[j0 + 1] : zrow;
       for (int c2 = 0; c2 < ND; ++c2) {
         const __m512i x = _mm512_loadu_si512(va + c2 * 32), y = _mm512_loadu_si512(vb + c2 * 32);
         uint16_t* dst = Vp + (ks * NCOL + 2 * c2) * 512 + pr * 32;

@@ -322,18 +322,16 @@ static void run_items(const AttnArgs& a, const WorkItem* items, int64_t begin, i
   bool tiles = false;
 #endif
   for (int64_t i = begin; i < end; ++i) {
+#if KVMESH_ISA >= 4
+    if (amx_item(a, items[i])) {
+      run_amx(a, items[i]);
+      tiles = true;
+      continue;
+    }
+#endif
     switch (a.kv_dtype) {
       case F32: Kernel<F32>::run(a, items[i]); break;
-      case BF16:
-#if KVMESH_ISA >= 4
-        if (amx_item(a, items[i])) {
-          run_amx(a, items[i]);
-          tiles = true;
-          break;
-        }
-#endif
-        Kernel<BF16>::run(a, items[i]);
-        break;
+      case BF16: Kernel<BF16>::run(a, items[i]); break;
       case F16: Kernel<F16>::run(a, items[i]); break;
       case I8: Kernel<I8>::run(a, items[i]); break;
       default: Kernel<FP8>::run(a, items[i]);
