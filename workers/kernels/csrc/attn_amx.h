@@ -94,48 +94,38 @@ static inline void transpose16_u32(const uint32_t* const* rows, uint32_t* dst) {
   }
 }
 
-// S[16, 64] (row stride 64 floats) = Qt [16, D] (bf16, row stride D) x packed K, NQ 16-key tiles
-template <int NQ>
-static inline void amx_qk(const uint16_t* Qt, int D, const uint16_t* Kp, float* S) {
+// out[16, 64] (row stride 64 floats): N column tiles of 16 of A x B over nk steps of 32 along
+// k, where step k reads the A tile at A + 32 k (16 rows, lda bytes apart) and the N B tiles
+// (16 x 64 bytes each, packed) at B + k * bk + 512 n. Q K^T: A = Q rows, B = packed K; P V:
+// A = P, B = packed V.
+template <int N>
+static inline void tiles_mul(const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out) {
   _tile_zero(0);
-  if constexpr (NQ > 1) _tile_zero(1);
-  if constexpr (NQ > 2) _tile_zero(2);
-  if constexpr (NQ > 3) _tile_zero(3);
-  for (int ds = 0; ds < D / 32; ++ds) {
-    _tile_loadd(4, Qt + ds * 32, D * 2);
-    const uint16_t* kp = Kp + ds * 4 * 512;
-    _tile_loadd(5, kp, 64);
+  if constexpr (N > 1) _tile_zero(1);
+  if constexpr (N > 2) _tile_zero(2);
+  if constexpr (N > 3) _tile_zero(3);
+  for (int k = 0; k < nk; ++k) {
+    _tile_loadd(4, A + k * 32, lda);
+    const uint16_t* b = B + k * bk;
+    _tile_loadd(5, b, 64);
     _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NQ > 1) { _tile_loadd(6, kp + 512, 64); _tile_dpbf16ps(1, 4, 6); }
-    if constexpr (NQ > 2) { _tile_loadd(7, kp + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
-    if constexpr (NQ > 3) { _tile_loadd(5, kp + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+    if constexpr (N > 1) { _tile_loadd(6, b + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (N > 2) { _tile_loadd(7, b + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (N > 3) { _tile_loadd(5, b + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
   }
-  _tile_stored(0, S, 256);
-  if constexpr (NQ > 1) _tile_stored(1, S + 16, 256);
-  if constexpr (NQ > 2) _tile_stored(2, S + 32, 256);
-  if constexpr (NQ > 3) _tile_stored(3, S + 48, 256);
+  _tile_stored(0, out, 256);
+  if constexpr (N > 1) _tile_stored(1, out + 16, 256);
+  if constexpr (N > 2) _tile_stored(2, out + 32, 256);
+  if constexpr (N > 3) _tile_stored(3, out + 48, 256);
 }
 
-// T[16, 64] (row stride 64 floats): NC column tiles (16 dims each) of P [16, 32 nks] x packed V
-template <int NC>
-static inline void amx_pv(const uint16_t* P, int nks, const uint16_t* Vp, int ncol, float* T) {
-  _tile_zero(0);
-  if constexpr (NC > 1) _tile_zero(1);
-  if constexpr (NC > 2) _tile_zero(2);
-  if constexpr (NC > 3) _tile_zero(3);
-  for (int ks = 0; ks < nks; ++ks) {
-    _tile_loadd(4, P + ks * 32, 128);
-    const uint16_t* vp = Vp + ks * ncol * 512;
-    _tile_loadd(5, vp, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NC > 1) { _tile_loadd(6, vp + 512, 64); _tile_dpbf16ps(1, 4, 6); }
-    if constexpr (NC > 2) { _tile_loadd(7, vp + 1024, 64); _tile_dpbf16ps(2, 4, 7); }
-    if constexpr (NC > 3) { _tile_loadd(5, vp + 1536, 64); _tile_dpbf16ps(3, 4, 5); }
+static inline void tiles_mul_n(int n, const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out) {
+  switch (n) {
+    case 1: tiles_mul<1>(A, lda, nk, B, bk, out); break;
+    case 2: tiles_mul<2>(A, lda, nk, B, bk, out); break;
+    case 3: tiles_mul<3>(A, lda, nk, B, bk, out); break;
+    default: tiles_mul<4>(A, lda, nk, B, bk, out);
   }
-  _tile_stored(0, T, 256);
-  if constexpr (NC > 1) _tile_stored(1, T + 16, 256);
-  if constexpr (NC > 2) _tile_stored(2, T + 32, 256);
-  if constexpr (NC > 3) _tile_stored(3, T + 48, 256);
 }
 
 // Lane r of the result: op over the 16 lanes of v[r] (a transpose-and-reduce tree).
@@ -162,12 +152,7 @@ static inline __m512 reduce16(__m512* v) {
 // bfloat16 probabilities [16, 64] (0 where masked).
 static inline void softmax_tile(const uint16_t* Qt, int D, const uint16_t* Kp, float* S, int tq, const int32_t* lim,
                                 int b0, int vis, __m512 vscale, float* mx, float* sum, float* alpha, uint16_t* P) {
-  switch (tq) {
-    case 1: amx_qk<1>(Qt, D, Kp, S); break;
-    case 2: amx_qk<2>(Qt, D, Kp, S); break;
-    case 3: amx_qk<3>(Qt, D, Kp, S); break;
-    default: amx_qk<4>(Qt, D, Kp, S);
-  }
+  tiles_mul_n(tq, Qt, D * 2, D / 32, Kp, 4 * 512, S);      // S = Q K^T, tq tiles of 16 keys
   __m512 red[16];
   for (int r = 0; r < 16; ++r) {
     int ve = lim[r] - b0 + 1;
@@ -212,12 +197,7 @@ static inline void pv_tile(const uint16_t* P, int nks, const uint16_t* Vp, int N
                            float* O, int D) {
   for (int c0 = 0; c0 < NCOL; c0 += 4) {
     const int nc = NCOL - c0 < 4 ? NCOL - c0 : 4;
-    switch (nc) {
-      case 1: amx_pv<1>(P, nks, Vp + c0 * 512, NCOL, T); break;
-      case 2: amx_pv<2>(P, nks, Vp + c0 * 512, NCOL, T); break;
-      case 3: amx_pv<3>(P, nks, Vp + c0 * 512, NCOL, T); break;
-      default: amx_pv<4>(P, nks, Vp + c0 * 512, NCOL, T);
-    }
+    tiles_mul_n(nc, P, 128, nks, Vp + c0 * 512, int64_t(NCOL) * 512, T);   // P V, nc tiles of 16 dims
     for (int r = 0; r < 16; ++r) {
       float* o = O + r * D + c0 * 16;
       const __m512 al = _mm512_set1_ps(alpha[r]);
