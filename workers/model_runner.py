@@ -181,7 +181,8 @@ class ModelRunner:
         # prefill chunks through the kernel too where it beats SDPA (AMX: a bfloat16 cache, or an
         # int8 / float8 one, whose chunks go through the kernel in any case)
         self.prefill_native = False
-        if self.attention_backend == "native" and (self.kv_dtype == self.dtype or self.kv_caches[0].quantized):
+        quantized_kv = bool(self.kv_caches) and self.kv_caches[0].quantized
+        if self.attention_backend == "native" and (self.kv_dtype == self.dtype or quantized_kv):
             from workers import kernels
             self.prefill_native = kernels.prefill_in_kernel(self.dtype)
         # Cascade groups on the native backend only where its many-row path is the AMX one:
