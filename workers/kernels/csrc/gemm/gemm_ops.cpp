@@ -99,8 +99,6 @@ constexpr int64_t kMinWork = 1 << 16;   // multiply-adds below which a thread is
 // of 16 would mostly multiply padding). Measured on a Sapphire Rapids class Xeon (2 threads,
 // SmolLM2 projection chain, python -m bench.gemm): see docs/engine.md.
 constexpr int64_t kAmxMinRows = 4;
-constexpr int64_t kAmxBigRows = 512;    // from here, AMX tasks of 256 rows
-constexpr int64_t kXSliceAmx = 1 << 20; // bf16 x slice of an AMX task without k-blocking (L2: 2 MB)
 
 struct Problem {
   int64_t M, N, NB, kp;          // rows, columns, panels, k-pairs (Kp / 2)
@@ -303,14 +301,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     else
       copy_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, xk.data_ptr<float>(), 2 * kp);
   }
-  // AMX at prefill sizes: 256-row tasks, so that a task's 32-column weight group (from L3)
-  // feeds 8 row blocks from L1 instead of 2 (SmolLM2's chain at M = 1,500, one thread, Xeon
-  // with AMX: 1,240 -> see docs/engine.md); fewer rows keep 64 (more tasks for the threads).
-  const int64_t mc_max = use_amx ? (M >= kAmxBigRows ? 256 : 64) : kMC;
+  const int64_t mc_max = use_amx ? 64 : kMC;
   const int64_t m_chunks = (M + mc_max - 1) / mc_max;
   int64_t MC = (M + m_chunks - 1) / m_chunks;           // equal chunks: 64 -> 32 + 32
   if (use_amx) MC = (MC + 15) / 16 * 16;                // AMX row blocks start at multiples of 16
-  const int64_t KCP = MC * 2 * kp * (use_dp ? 2 : 4) <= (use_amx ? kXSliceAmx : kXSlice) ? kp : std::min(kp, kKCP);
+  const int64_t KCP = MC * 2 * kp * (use_dp ? 2 : 4) <= kXSlice ? kp : std::min(kp, kKCP);
   at::Tensor acc;
   if (bf16_in && KCP < kp) acc = at::empty({M, N}, x.options().dtype(at::kFloat));
 

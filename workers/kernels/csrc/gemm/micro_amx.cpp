@@ -43,10 +43,6 @@ KV_AMX void amx_block(const uint16_t* __restrict x, int64_t ldx, const uint16_t*
   if constexpr (MB > 1) _tile_zero(2);
   if constexpr (MB > 1 && NP > 1) _tile_zero(3);
   for (int64_t t = 0; t < kp; t += 16) {
-    if (t + 16 < kp) {   // the next k-step's A rows (strided: the hardware prefetcher misses them)
-#pragma GCC unroll 16
-      for (int i = 0; i < 16 * MB; ++i) _mm_prefetch((const char*)(x + i * ldx + 2 * (t + 16)), _MM_HINT_T0);
-    }
     _tile_loadd(6, w + t * 2 * kPanel, 64);
     if constexpr (NP > 1) _tile_loadd(7, w + pstride + t * 2 * kPanel, 64);
     _tile_loadd(4, x + 2 * t, xs);
