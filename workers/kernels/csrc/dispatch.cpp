@@ -14,10 +14,9 @@ namespace {
 std::atomic<int> g_active{-1};
 }
 
-namespace {
 // CPUID.(EAX=7, ECX=0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; at::cpu::init_amx asks Linux for
 // the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), without which the first tile instruction faults.
-bool has_amx_bf16() {
+bool cpu_has_amx_bf16() {
 #if defined(__x86_64__)
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
@@ -26,7 +25,6 @@ bool has_amx_bf16() {
   return false;
 #endif
 }
-}  // namespace
 
 Isa cpu_isa() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -34,7 +32,7 @@ Isa cpu_isa() {
   if (__builtin_cpu_supports("avx512f")) {
     if (!(__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")))
       return ISA_AVX512;
-    static const bool amx = has_amx_bf16();
+    static const bool amx = cpu_has_amx_bf16();
     return amx ? ISA_AMX : ISA_AVX512BF16;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return ISA_AVX2;

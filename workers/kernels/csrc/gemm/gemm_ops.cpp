@@ -14,18 +14,17 @@
 // x is then padded to a multiple of 16 rows and row blocks are 16 or 32 rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #if defined(__x86_64__)
-#include <cpuid.h>
 #endif
 #include <cstdlib>
 #include <string>
 
+#include "../dispatch.h"
 #include "micro.h"
 
 namespace kvmesh_gemm {
@@ -35,17 +34,6 @@ enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 
 const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16", "amx"};
 constexpr int kNumIsas = 5;
 
-#if defined(__x86_64__)
-// CPUID.(EAX=7, ECX=0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; at::cpu::init_amx asks Linux for
-// permission to use the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM), false when refused.
-bool cpu_has_amx_bf16() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_max(0, nullptr) < 7) return false;
-  __cpuid_count(7, 0, a, b, c, d);
-  return (d & (1u << 22)) && (d & (1u << 24)) && at::cpu::init_amx();
-}
-#endif
-
 Isa detected_isa() {
   static const Isa isa = [] {
 #if defined(__x86_64__)
@@ -54,7 +42,7 @@ Isa detected_isa() {
     if (avx2 && __builtin_cpu_supports("avx512f"))
       // GCC's avx512bf16 target implies AVX512BW (it emits vmovdqu16); every such CPU has it.
       return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-                 ? (cpu_has_amx_bf16() ? Isa::kAmx : Isa::kAvx512Bf16) : Isa::kAvx512;
+                 ? (kvmesh::cpu_has_amx_bf16() ? Isa::kAmx : Isa::kAvx512Bf16) : Isa::kAvx512;
     if (avx2) return Isa::kAvx2;
 #endif
     return Isa::kScalar;
