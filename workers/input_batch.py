@@ -282,11 +282,7 @@ class InputBatch:
         if not groups:
             tables = self.gather(rows, seq_lens, width) if s else torch.zeros(0, 1, dtype=i32)
             return NativeMetadata(sum(counts), qsl.to(dev), seq_lens.to(i32).to(dev), tables.to(dev))
-        member, shifts = [-1] * s, [0] * s
-        for g, (grp, shared) in enumerate(groups):
-            for r in grp:
-                member[r], shifts[r] = g, len(shared)
-        shift = torch.tensor(shifts, dtype=torch.long)
+        member, shift = _group_rows(groups, s)
         seq_lens = seq_lens - shift * self.block_size
         tables = self.gather(rows, seq_lens, width, shift)
         pw = max(len(shared) for _, shared in groups)
@@ -315,15 +311,21 @@ class InputBatch:
             if groups:
                 md.cascade = [CascadeGroup(torch.tensor(g, dtype=torch.long, device=dev), block_index(shared, dev))
                               for g, shared in groups]
-                shifts = [0] * len(seqs)
-                for g, shared in groups:
-                    for r in g:
-                        shifts[r] = len(shared)
-                shift = torch.tensor(shifts, dtype=torch.long)
+                shift = _group_rows(groups, len(seqs))[1]
                 lens = lens - shift * bs
                 width = max(len(t) for t in tables)          # the stripped tables
         bt = self.gather(rows, lens, width, shift)
         set_decode_tensors(md, bt.long().to(dev), lens.to(dev), width, bs, dtype)
+
+
+def _group_rows(groups: list[tuple[list[int], list[int]]], n: int) -> tuple[list[int], torch.Tensor]:
+    """For ``n`` rows and :func:`cascade_groups`' groups: each row's group (-1: none) and
+    ``[n]`` int64 the blocks its table skips (its group's shared prefix; 0 outside a group)."""
+    member, shifts = [-1] * n, [0] * n
+    for g, (rows, shared) in enumerate(groups):
+        for r in rows:
+            member[r], shifts[r] = g, len(shared)
+    return member, torch.tensor(shifts, dtype=torch.long)
 
 
 def cascade_groups(tables: list[list[int]], lens: list[int], block_size: int) -> list[tuple[list[int], list[int]]]:

@@ -181,8 +181,8 @@ class ModelRunner:
         # prefill chunks through the kernel too where it beats SDPA (AMX: a bfloat16 cache, or an
         # int8 / float8 one, whose chunks go through the kernel in any case)
         self.prefill_native = False
-        quantized_kv = bool(self.kv_caches) and self.kv_caches[0].quantized
-        if self.attention_backend == "native" and (self.kv_dtype == self.dtype or quantized_kv):
+        self.quantized_kv = bool(self.kv_caches) and self.kv_caches[0].quantized
+        if self.attention_backend == "native" and (self.kv_dtype == self.dtype or self.quantized_kv):
             from workers import kernels
             self.prefill_native = kernels.prefill_in_kernel(self.dtype)
         # Cascade groups on the native backend only where its many-row path is the AMX one:
@@ -212,7 +212,7 @@ class ModelRunner:
         """The step's tensors from the persistent input batch (:meth:`InputBatch.prepare`)."""
         native = self.attention_backend == "native"
         return self.input_batch.prepare(step.seqs, native=native,
-                                        quantized=self.kv_caches[0].quantized if self.kv_caches else False,
+                                        quantized=self.quantized_kv,
                                         cascade=self.cfg.enable_prefix_caching and (not native or self.native_cascade),
                                         dtype=self.dtype,
                                         prefill_native=self.prefill_native)
