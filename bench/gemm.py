@@ -7,6 +7,9 @@ it times one pass over the chain, y = x @ W.T per matrix, for:
 - ``aten fp32``: ``torch.mm(x, W_t)`` with fp32 x and a contiguous fp32 ``W_t [K, N]``;
 - ``aten bf16``: ``F.linear(x, W)`` with bf16 x and bf16 ``W [N, K]`` (skipped when the
   previous M's time predicts more than ``--max-seconds``, shown as ``skip``);
+- ``onednn bf16``: oneDNN's linear on a weight prepacked for it
+  (``torch.ops.mkldnn._reorder_linear_weight(W, 1024)`` then ``_linear_pointwise``: what
+  Inductor's ``freezing`` emits), bf16 x;
 - ``kernel fp32 x`` / ``kernel bf16 x``: ``bf16_linear(x, pack_bf16_weight(W), N)`` with fp32
   or bf16 activations (weights bf16 either way).
 
@@ -47,7 +50,7 @@ CHAINS = {
     "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
     "qwen2.5-0.5b": (24, [(1152, 896), (896, 896), (9728, 896), (896, 4864)]),
 }
-COLUMNS = ("aten fp32", "aten bf16", "kernel fp32 x", "kernel bf16 x")
+COLUMNS = ("aten fp32", "aten bf16", "onednn bf16", "kernel fp32 x", "kernel bf16 x")
 
 
 _clock = time.perf_counter
@@ -74,6 +77,8 @@ def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float,
     w32t = [(n, k, w.t().contiguous()) for n, k, w in mats]
     w16 = [(n, k, w.to(torch.bfloat16)) for n, k, w in mats]
     packed = [(n, k, gemm.pack_bf16_weight(w)) for n, k, w in mats]
+    onednn = ([(n, k, torch.ops.mkldnn._reorder_linear_weight(w, 1024)) for n, k, w in w16]
+              if "onednn bf16" in columns else [])
     del mats
     ks = sorted({k for _, k in shapes})
     rows, last = [], {}
@@ -83,6 +88,8 @@ def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float,
         fns = {
             "aten fp32": (lambda: [torch.mm(x32[k], w) for _, k, w in w32t], 4),
             "aten bf16": (lambda: [F.linear(x16[k], w) for _, k, w in w16], 2),
+            "onednn bf16": (lambda: [torch.ops.mkldnn._linear_pointwise(x16[k], w, None, "none", [], "")
+                                     for _, k, w in onednn], 2),
             "kernel fp32 x": (lambda: [gemm.bf16_linear(x32[k], p, n) for n, k, p in packed], 2),
             "kernel bf16 x": (lambda: [gemm.bf16_linear(x16[k], p, n) for n, k, p in packed], 2),
         }

@@ -173,7 +173,7 @@ def set_isa(name: str) -> str:
 def prefill_in_kernel(dtype: torch.dtype) -> bool:
     """Whether prefill chunks of a ``dtype`` model over a cache of the same dtype are faster
     through ``paged_attention`` than through SDPA: on the AMX path for bfloat16 (a 1,500-token
-    SmolLM2 prompt, one thread, Xeon with AMX: 7.8 ms per layer against 22 ms for ATen's flash
+    SmolLM2 prompt, 2 threads, Xeon with AMX: 4.8 ms per layer against 9.4 ms for ATen's flash
     attention, ``python -m bench.kernels``). Elsewhere ATen's GEMM-shaped flash attention wins
     for chunks of ``SDPA_MIN_CHUNK_TOKENS`` tokens and more (workers/layers/attention.py)."""
     return dtype == torch.bfloat16 and available() and isa() == "amx"
