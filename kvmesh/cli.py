@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from kvmesh.config import ATTENTION_BACKENDS, WEIGHT_FORMATS
+from kvmesh.config import ATTENTION_BACKENDS, STAGE_PLACEMENTS, WEIGHT_FORMATS
 from scheduler.request import EngineError, SamplingParams
 from scheduler.router import ROUTING_POLICIES
 from scheduler.scheduler import POLICIES
@@ -156,11 +156,20 @@ SCHEDULER_FLAGS: list[tuple[str, str, dict]] = [
     ("--replicas", "replicas", dict(type=int, metavar="N", help="model replicas, each with its own KV cache (1)")),
     ("--pp", "pp", dict(type=int, metavar="N", help="pipeline-parallel stages per replica (1)")),
     ("--pp-layers", "pp_layers", dict(metavar="N,N,...", help="decoder layers per stage (default: even split)")),
-    ("--executor", "executor", dict(choices=("ray", "local"),
-                                    help="ray: stages are Ray actors; local: the model in this process, pp 1 (ray)")),
+    ("--executor", "executor", dict(choices=("auto", "local", "ray"),
+                                    help="local: the model in the engine's process, pp 1; ray: stages are Ray "
+                                         "actors; auto: local at pp 1 without --ray-address, else ray (auto)")),
+    ("--engine-process", "engine_process", dict(action=argparse.BooleanOptionalAction,
+                                                help="each replica's engine loop in a process of its own "
+                                                     "(--no-engine-process: a thread of the scheduler's process)")),
     ("--ray-address", "ray_address", dict(metavar="ADDR", help="existing Ray cluster (auto, ray://host:10001); "
                                                                "default: start a local one")),
-    ("--stage-num-cpus", "stage_num_cpus", dict(type=float, metavar="N", help="CPUs each stage actor reserves (1)")),
+    ("--stage-num-cpus", "stage_num_cpus", dict(type=float, metavar="N", help="CPUs each Ray stage actor reserves and its torch "
+                                                                "threads (0 = this machine's cores over "
+                                                                "replicas x pp, at least 1)")),
+    ("--stage-placement", "stage_placement", dict(choices=STAGE_PLACEMENTS,
+                                                  help="a replica's stages over Ray nodes: pack (as few nodes as "
+                                                       "fit), spread, strict-spread (one node each) (pack)")),
     ("--max-queued-requests", "max_queued_requests", dict(type=int, metavar="N",
                                                           help="waiting requests per replica before "
                                                                "RESOURCE_EXHAUSTED (1024)")),
@@ -591,7 +600,7 @@ async def _demo(engine_cfg, sched_cfg, gw_cfg, policy: str, system: str, turns: 
     from kvmesh import serve
     from kvmesh.client import Client
 
-    serve.announce(f"starting the mesh: {engine_cfg.model}, {sched_cfg.executor} executor, pp {sched_cfg.pp}, "
+    serve.announce(f"starting the mesh: {engine_cfg.model}, {sched_cfg.resolved_executor()} executor, pp {sched_cfg.pp}, "
                    f"{sched_cfg.replicas} replica(s) ...")
     t0 = time.monotonic()
 
@@ -617,7 +626,7 @@ def _demo_chat(client, mesh, startup: float, engine_cfg, sched_cfg, policy: str,
     info = client.list_models()[0]
     out.write(f"PolicyDesk demo: {info.name} ({info.dtype}, {engine_cfg.device}), mesh up in {startup:.1f} s: "
               f"gateway {mesh.gateway_address} -> scheduler {mesh.scheduler_address} "
-              f"({sched_cfg.executor} executor, pp {sched_cfg.pp})\n"
+              f"({sched_cfg.resolved_executor()} executor, pp {sched_cfg.pp})\n"
               f"system: PolicyDesk prompt + policy '{policy}'\n")
     session = new_session_id()
     messages = [{"role": "system", "content": system}]

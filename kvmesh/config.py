@@ -35,6 +35,18 @@ def cpu_has_native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
+EXECUTORS = ("auto", "local", "ray")
+STAGE_PLACEMENTS = ("pack", "spread", "strict-spread")
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _parse_bytes(v: str | float | int) -> float:
     """``"2GiB"``, ``"512MB"``, ``"0.2"`` (fraction), ``1e9`` → float."""
     if isinstance(v, (int, float)):
@@ -240,9 +252,18 @@ class SchedulerConfig:
         replicas: model replicas, each one engine loop with its own KV cache.
         pp: pipeline-parallel stages per replica (Ray actors).
         pp_layers: decoder layers per stage, comma-separated (``"20,10"``); empty = even split.
-        executor: ``ray`` (stages are Ray actors) or ``local`` (the model in this process; pp must be 1).
+        executor: ``ray`` (stages are Ray actors), ``local`` (the model in the engine's own
+            process; pp must be 1) or ``auto`` (:meth:`resolved_executor`: local at pp 1 without
+            ``ray_address``, else ray).
+        engine_process: run each replica's engine loop (scheduler, block manager, executor) in a
+            process of its own (:mod:`scheduler.engine_core`), as vLLM's engine core; False = a
+            thread of the scheduler service's process.
         ray_address: an existing Ray cluster (``auto``, ``ray://host:10001``); empty = start a local one.
-        stage_num_cpus: CPUs each stage actor reserves in Ray.
+        stage_num_cpus: CPUs each stage actor reserves in Ray; 0 = :meth:`cpus_per_stage` (this
+            machine's cores shared by every stage of every replica, at least 1).
+        stage_placement: how a replica's stages spread over Ray nodes (a placement group of one
+            bundle per stage): ``pack`` (as few nodes as fit), ``spread`` (different nodes where
+            possible) or ``strict-spread`` (each stage on its own node, else start-up fails).
         max_queued_requests: waiting requests per replica before RESOURCE_EXHAUSTED.
         routing: replica selection (:mod:`scheduler.router`): ``prefix`` (cached prefix
             blocks weighed against load), ``load`` (least loaded), ``round_robin``, ``random``.
@@ -268,9 +289,11 @@ class SchedulerConfig:
     replicas: int = 1
     pp: int = 1
     pp_layers: str = ""
-    executor: str = "ray"
+    executor: str = "auto"
+    engine_process: bool = True
     ray_address: str = ""
-    stage_num_cpus: float = 1.0
+    stage_num_cpus: float = 0.0
+    stage_placement: str = "pack"
     max_queued_requests: int = 1024
     routing: str = "prefix"
     redis_url: str = ""
@@ -297,12 +320,14 @@ class SchedulerConfig:
             raise EngineError(f"replicas must be >= 1, got {self.replicas}")
         if self.pp < 1:
             raise EngineError(f"pp must be >= 1, got {self.pp}")
-        if self.executor not in ("ray", "local"):
-            raise EngineError(f"executor must be ray or local, got {self.executor!r}")
+        if self.executor not in EXECUTORS:
+            raise EngineError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         if self.executor == "local" and self.pp != 1:
             raise EngineError("the local executor runs the whole model in one process: use --pp 1 or --executor ray")
         if self.stage_num_cpus < 0:
             raise EngineError(f"stage_num_cpus must be >= 0, got {self.stage_num_cpus}")
+        if self.stage_placement not in STAGE_PLACEMENTS:
+            raise EngineError(f"stage_placement must be one of {', '.join(STAGE_PLACEMENTS)}, got {self.stage_placement!r}")
         if self.max_queued_requests < 1:
             raise EngineError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.routing not in ROUTING_POLICIES:
@@ -316,6 +341,24 @@ class SchedulerConfig:
         if "/" in self.scheduler_id:
             raise EngineError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
         self.layer_split()
+
+    def resolved_executor(self) -> str:
+        """``executor``, with ``auto`` resolved: ``local`` (no Ray hop) for one stage on this
+        machine, ``ray`` for pipeline parallelism or a Ray cluster (``ray_address``)."""
+        if self.executor != "auto":
+            return self.executor
+        return "local" if self.pp == 1 and not self.ray_address else "ray"
+
+    def cpus_per_stage(self) -> float:
+        """CPUs each Ray stage actor reserves: ``stage_num_cpus``, or when it is 0 this
+        process's usable cores (:func:`available_cpus`) over ``replicas x pp`` stages (at
+        least 1). On a cluster (``ray_address``) 0 means 1: the head's cores say nothing
+        about the workers'."""
+        if self.stage_num_cpus:
+            return self.stage_num_cpus
+        if self.ray_address:
+            return 1.0
+        return float(max(1, available_cpus() // (self.replicas * self.pp)))
 
     def layer_split(self) -> list[int] | None:
         """``pp_layers`` as a list of ``pp`` positive ints, or None for an even split."""

@@ -217,21 +217,18 @@ class _ReplicaCollector:
         propose = CounterMetricFamily("kvmesh:spec_decode_propose_seconds",
                                       "Time spent proposing speculative tokens (seconds).", labels=labels)
         for r in list(self.service.replicas):
-            with r.engine.lock:
-                s, b = r.engine.scheduler, r.engine.block_manager.stats()
-                n_running, n_waiting, n_preempt = len(s.running), len(s.waiting), s.num_preemptions
-                t_propose = r.engine.spec_propose_seconds
+            st, info = r.aengine.stats, r.info          # pushed by the engine loop after each step
             lv = [model, str(r.index)]
-            running.add_metric(lv, n_running)
-            waiting.add_metric(lv, n_waiting)
-            usage.add_metric(lv, b.used / b.num_blocks if b.num_blocks else 0.0)
-            queries.add_metric(lv, b.prefix_cache_queries)
-            hits.add_metric(lv, b.prefix_cache_hits)
-            preempt.add_metric(lv, n_preempt)
-            propose.add_metric(lv, t_propose)
-            blocks.add_metric(lv, r.kv_info.num_blocks)
-            per_token.add_metric(lv, r.kv_info.bytes_per_token)
-            concurrency.add_metric(lv, r.kv_info.max_concurrency)
+            running.add_metric(lv, st.num_running)
+            waiting.add_metric(lv, r.num_waiting())
+            usage.add_metric(lv, st.used_blocks / info.num_blocks if info.num_blocks else 0.0)
+            queries.add_metric(lv, st.prefix_cache_queries)
+            hits.add_metric(lv, st.prefix_cache_hits)
+            preempt.add_metric(lv, st.num_preemptions)
+            propose.add_metric(lv, st.spec_propose_seconds)
+            blocks.add_metric(lv, info.num_blocks)
+            per_token.add_metric(lv, info.kv_bytes_per_token)
+            concurrency.add_metric(lv, info.max_concurrency)
         yield from (running, waiting, usage, queries, hits, preempt, propose, blocks, per_token, concurrency)
         router = self.service.router
         if router is not None:

@@ -53,6 +53,46 @@ class EngineOutput(SpecDecodeCounts):
     num_accepted_tokens: int = 0      # proposals accepted
 
 
+@dataclass
+class EngineInfo:
+    """What a replica's callers need to know of its engine once it has loaded (GetModelInfo,
+    the router's block hashes, KV gauges). Plain values: it crosses process boundaries."""
+
+    model: str
+    max_model_len: int            # tokens, resolved
+    vocab_size: int
+    dtype: str                    # weights and activations, e.g. "bfloat16"
+    kv_cache_dtype: str           # stored K/V, e.g. "int8"
+    block_size: int               # tokens per KV block
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+    hash_seed: int                # seed of the prefix-cache block hashes
+    kv_bytes_per_token: float     # K and V of one token over all layers, scales included
+    max_concurrency: int          # sequences of max_model_len tokens the pool holds at once
+
+
+@dataclass
+class EngineStats:
+    """A replica's state, pushed by its engine loop after each step (and after new requests
+    arrive), so that readers never take the engine's lock. Token counts are tokens; ``num_added``
+    counts the requests the engine had received when the snapshot was taken (a client adds
+    its own later submissions to the load it reads, :meth:`EngineCoreClient.load`)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    waiting_tokens: int = 0       # tokens of waiting requests not yet computed
+    running_tokens: int = 0       # tokens of running requests
+    num_blocks: int = 0
+    used_blocks: int = 0
+    cached_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    spec_propose_seconds: float = 0.0
+    num_added: int = 0
+
+
 def model_identity(model_dir: Path, name: str, cfg: EngineConfig, kv_dtype: torch.dtype) -> str:
     """Stable identity of the KV contents: model (name, or directory name + config digest),
     weight dtype/format (with int4 group size and calibration, workers.quant.store.weight_identity)
@@ -132,6 +172,7 @@ class LLMEngine:
         self._in_flight: set[str] = set()       # ids of the requests in submitted micro-batches
         self._deferred: dict[str, tuple[FinishReason, int | str | None]] = {}
         self.num_steps = 0
+        self.num_added = 0                       # add_request calls, accepted or not
         self.spec_propose_seconds = 0.0          # time spent proposing (ngram here, draft in the runner)
 
     # ---- requests ----------------------------------------------------------------------
@@ -141,6 +182,7 @@ class LLMEngine:
         """Queue a request. Raises EngineError (empty prompt, token id out of range, too
         long for max_model_len or for the whole KV pool, duplicate id). ``traceparent``: W3C
         trace context handed to the workers with the request's steps (kvmesh/telemetry.py)."""
+        self.num_added += 1
         params = params or SamplingParams()
         params.validate()
         if not prompt_token_ids:
@@ -191,6 +233,24 @@ class LLMEngine:
     def stats(self) -> BlockStats:
         with self.lock:
             return self.block_manager.stats()
+
+    def info(self) -> EngineInfo:
+        from workers.kv_cache import KVCacheInfo
+        kv = KVCacheInfo.of(self.cfg, self.model_config, self.block_manager.num_blocks)
+        return EngineInfo(self.cfg.model, self.cfg.max_model_len, self.model_config.vocab_size,
+                          str(self.cfg.torch_dtype).removeprefix("torch."), kv.dtype, self.cfg.block_size,
+                          self.block_manager.num_blocks, self.eos_token_ids, self.block_manager.hash_seed,
+                          kv.bytes_per_token, kv.max_concurrency)
+
+    def snapshot(self) -> EngineStats:
+        """The state readers see (:class:`EngineStats`), taken under the lock."""
+        with self.lock:
+            s, b = self.scheduler, self.block_manager.stats()
+            return EngineStats(len(s.waiting), len(s.running),
+                               sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                               sum(r.num_tokens for r in s.running), b.num_blocks, b.used, b.cached,
+                               b.prefix_cache_queries, b.prefix_cache_hits, self.num_steps, s.num_preemptions,
+                               self.spec_propose_seconds, self.num_added)
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -303,39 +363,66 @@ class InFlightStep:
     handle: object          # has .result() -> ModelRunnerOutput
 
 
-class AsyncEngine:
-    """Runs an :class:`LLMEngine`'s loop on a background thread; asyncio callers stream
-    outputs per request. Create it inside a running event loop."""
+def run_engine_loop(engine: LLMEngine, stopped, wait, emit, before_step=None) -> None:
+    """The engine loop (schedule → execute → update): keep up to ``engine.max_inflight``
+    micro-batches in flight (pipeline stages busy), applying each one's results as it returns,
+    in order. Shared by the engine thread (:class:`AsyncEngine`) and the engine process
+    (:mod:`scheduler.engine_core`).
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    Args:
+        stopped: ``() -> bool``, checked before each iteration.
+        wait: ``(timeout_s) -> None``, called when there is nothing to run; returns early when
+            new work may have arrived.
+        emit: ``(outputs) -> None`` after each iteration that ran a step or found ended requests.
+        before_step: ``() -> None`` at the top of each iteration (apply queued inputs).
+    """
+    inflight: deque[InFlightStep] = deque()
+    while not stopped():
+        if before_step is not None:
+            before_step()
+        while len(inflight) < engine.max_inflight:
+            step = engine.submit_step()
+            if step is None:
+                break
+            inflight.append(step)
+        if inflight:
+            outputs = engine.complete_step(inflight.popleft())
+        else:
+            outputs = engine.take_finished()
+            if not outputs:       # idle, or waiting requests that cannot start yet
+                wait(0.005 if engine.has_work() else 0.5)
+                continue
+        emit(outputs)
+
+
+class OutputStreams:
+    """The asyncio side of an engine loop that runs elsewhere (a thread, a process): a queue per
+    request, delivery of each step's outputs on the event loop, and failure of every stream
+    when the loop dies. Create it inside a running event loop.
+
+    Attributes:
+        errored: the exception the engine loop died of (None while it runs).
+        on_outputs: called on the event loop with each batch of outputs before delivery (metrics).
+        stats: the last :class:`EngineStats` the loop pushed.
+    """
+
+    def __init__(self):
         self._loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue] = {}
-        self._wake = threading.Event()
-        self._stop = False
         self.errored: BaseException | None = None
-        # called on the event loop with each batch of outputs before they are delivered (metrics)
         self.on_outputs = None
-        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
-        self._thread.start()
+        self.stats = EngineStats()
 
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, traceparent: str | None = None
                     ) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns its id and the queue its :class:`EngineOutput`s arrive on.
-        Raises EngineError at once for a request that cannot be served."""
-        if self.errored is not None:
-            raise EngineError(f"engine loop died: {self.errored!r}")
-        q: asyncio.Queue = asyncio.Queue()
-        req = self.engine.add_request(request_id, prompt_token_ids, params, traceparent=traceparent)
-        self._queues[req.request_id] = q
-        self._wake.set()
-        return req.request_id, q
+        raise NotImplementedError
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int],
                        params: SamplingParams | None = None, traceparent: str | None = None
                        ) -> AsyncIterator[EngineOutput]:
-        """Stream the request's outputs; aborts it if the consumer stops early."""
+        """Stream the request's outputs; aborts it if the consumer stops early. Raises
+        EngineError (a request the engine cannot serve, or the engine loop died)."""
         rid, q = self.add_request(request_id, prompt_token_ids, params, traceparent)
         try:
             while True:
@@ -350,14 +437,21 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> bool:
-        ok = self.engine.abort_request(request_id)
-        self._wake.set()
-        return ok
+        raise NotImplementedError
 
-    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
-        ok = self.engine.finish_request(request_id, reason, stop_reason)
-        self._wake.set()
-        return ok
+    def pending_load(self) -> tuple[int, int]:
+        """Requests (and their prompt tokens) added but not yet reflected in ``stats``."""
+        return 0, 0
+
+    # KV events of the prefix cache (kvstore.publisher): ``kv_lock`` held while a publisher is
+    # attached, so that no event falls between its snapshot and its first batch
+    kv_lock: threading.RLock
+
+    def set_kv_sink(self, sink) -> None:
+        raise NotImplementedError
+
+    def cached_block_hashes(self) -> list[int]:
+        raise NotImplementedError
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         if self.on_outputs is not None:
@@ -369,32 +463,85 @@ class AsyncEngine:
                 if o.finished:
                     self._queues.pop(o.request_id, None)
 
-    def _run(self) -> None:
-        """Keep up to ``engine.max_inflight`` micro-batches in flight (pipeline stages busy),
-        applying each one's results as it returns, in order."""
-        inflight: deque[InFlightStep] = deque()
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        """End one stream with ``error`` (on the event loop)."""
+        q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every open stream with ``error`` (on the event loop); each consumer then aborts
+        its request (a no-op where the engine is gone)."""
+        for q in self._queues.values():
+            q.put_nowait(error)
+
+
+class AsyncEngine(OutputStreams):
+    """Runs an :class:`LLMEngine`'s loop on a background thread; asyncio callers stream
+    outputs per request. Create it inside a running event loop."""
+
+    def __init__(self, engine: LLMEngine):
+        super().__init__()
+        self.engine = engine
+        self.info = engine.info()
+        self.stats = engine.snapshot()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None, traceparent: str | None = None
+                    ) -> tuple[str, asyncio.Queue]:
+        """Queue a request; returns its id and the queue its :class:`EngineOutput`s arrive on.
+        Raises EngineError at once for a request that cannot be served."""
+        if self.errored is not None:
+            raise EngineError(f"engine loop died: {self.errored!r}")
+        q: asyncio.Queue = asyncio.Queue()
         try:
-            while not self._stop:
-                while len(inflight) < self.engine.max_inflight:
-                    step = self.engine.submit_step()
-                    if step is None:
-                        break
-                    inflight.append(step)
-                if inflight:
-                    outputs = self.engine.complete_step(inflight.popleft())
-                else:
-                    outputs = self.engine.take_finished()
-                    if not outputs:       # idle, or waiting requests that cannot start yet
-                        self._wake.wait(0.005 if self.engine.has_work() else 0.5)
-                        self._wake.clear()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+            req = self.engine.add_request(request_id, prompt_token_ids, params, traceparent=traceparent)
+        finally:
+            self.stats = self.engine.snapshot()
+        self._queues[req.request_id] = q
+        self._wake.set()
+        return req.request_id, q
+
+    def abort(self, request_id: str) -> bool:
+        ok = self.engine.abort_request(request_id)
+        self._wake.set()
+        return ok
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
+        ok = self.engine.finish_request(request_id, reason, stop_reason)
+        self._wake.set()
+        return ok
+
+    @property
+    def kv_lock(self) -> threading.RLock:
+        return self.engine.lock
+
+    def set_kv_sink(self, sink) -> None:
+        with self.engine.lock:
+            self.engine.block_manager.sink = sink
+
+    def cached_block_hashes(self) -> list[int]:
+        with self.engine.lock:
+            return self.engine.block_manager.cached_block_hashes()
+
+    def _wait(self, timeout: float) -> None:
+        self._wake.wait(timeout)
+        self._wake.clear()
+
+    def _emit(self, outputs: list[EngineOutput]) -> None:
+        self.stats = self.engine.snapshot()
+        self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _run(self) -> None:
+        try:
+            run_engine_loop(self.engine, lambda: self._stop, self._wait, self._emit)
         except BaseException as e:  # surface to every waiting caller
             self.errored = e
-            def fail(e=e):                  # bind now: `e` is unset after the except block
-                for q in self._queues.values():
-                    q.put_nowait(EngineError(f"engine loop died: {e!r}"))
-            self._loop.call_soon_threadsafe(fail)
+            self._loop.call_soon_threadsafe(self._fail_all, EngineError(f"engine loop died: {e!r}"))
 
     async def shutdown(self) -> None:
         self._stop = True

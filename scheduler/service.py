@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 import uuid
@@ -38,7 +39,6 @@ from kvstore.index import open_index
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
 from scheduler.request import EngineError, FinishReason, SamplingParams
 from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
-from workers.kv_cache import KVCacheInfo, kv_dtype
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -131,14 +131,15 @@ def _redacted(url: str) -> str:
 
 
 class Replica:
-    """One engine loop and its executor. Reads engine state under ``engine.lock``.
-    ``replica_id`` is its name in the prefix index; ``publisher`` sends its KV events there
-    (None: not published)."""
+    """One engine loop: its engine process (:class:`scheduler.engine_core.EngineCoreClient`)
+    or a thread of this process (:class:`scheduler.engine.AsyncEngine`), both as ``aengine``.
+    Reads only what the loop pushes (``aengine.info``, ``aengine.stats``), never the engine's
+    lock. ``replica_id`` is its name in the prefix index; ``publisher`` sends its KV events
+    there (None: not published)."""
 
-    def __init__(self, index: int, engine: LLMEngine, replica_id: str = ""):
-        self.index, self.engine, self.replica_id = index, engine, replica_id or str(index)
-        self.kv_info = KVCacheInfo.of(engine.cfg, engine.model_config, engine.block_manager.num_blocks)
-        self.aengine = AsyncEngine(engine)
+    def __init__(self, index: int, aengine, replica_id: str = ""):
+        self.index, self.aengine, self.replica_id = index, aengine, replica_id or str(index)
+        self.info = aengine.info
         self.publisher = None
 
     @property
@@ -146,56 +147,56 @@ class Replica:
         return self.aengine.errored is None
 
     def num_waiting(self) -> int:
-        with self.engine.lock:
-            return len(self.engine.scheduler.waiting)
+        return self.aengine.stats.num_waiting + self.aengine.pending_load()[0]
 
     def load(self) -> ReplicaLoad:
-        with self.engine.lock:
-            s, bm = self.engine.scheduler, self.engine.block_manager
-            return ReplicaLoad(self.index, self.healthy,
-                               sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                               sum(r.num_tokens for r in s.running), bm.num_blocks * bm.block_size)
+        st = self.aengine.stats
+        _, pending_tokens = self.aengine.pending_load()
+        return ReplicaLoad(self.index, self.healthy, st.waiting_tokens + pending_tokens, st.running_tokens,
+                           self.info.num_blocks * self.info.block_size)
 
     def start_publishing(self, index) -> None:
         """Publish this replica's KV events to ``index``: a snapshot of its cached blocks, then
-        every event, with heartbeats. Attached under the engine lock, so no event is missed."""
+        every event, with heartbeats. Attached under ``kv_lock``, so no event is missed."""
         from kvstore.publisher import KVEventPublisher
 
-        def snapshot() -> list[int]:
-            with self.engine.lock:
-                return self.engine.block_manager.cached_block_hashes()
-
-        with self.engine.lock:
-            self.publisher = KVEventPublisher(index, self.replica_id, snapshot)
-            self.engine.block_manager.sink = self.publisher
+        with self.aengine.kv_lock:
+            self.publisher = KVEventPublisher(index, self.replica_id, self.aengine.cached_block_hashes)
+            self.aengine.set_kv_sink(self.publisher)
 
     def stop_publishing(self) -> None:
         """Stop publishing; the publisher removes the replica's entries from the index (blocks
         until its thread has ended, a fraction of a second). Idempotent."""
-        with self.engine.lock:
+        with self.aengine.kv_lock:
             pub, self.publisher = self.publisher, None
-            self.engine.block_manager.sink = None
+            self.aengine.set_kv_sink(None)
         if pub is not None:
             pub.close()
 
     def stats(self) -> scheduler_pb2.ReplicaStats:
-        with self.engine.lock:
-            s, load, b = self.engine.scheduler, self.load(), self.engine.stats()
-            pub = self.publisher
-            return scheduler_pb2.ReplicaStats(
-                replica=self.index, healthy=self.healthy, num_waiting=len(s.waiting), num_running=len(s.running),
-                num_waiting_tokens=load.waiting_tokens, num_running_tokens=load.running_tokens,
-                num_blocks=b.num_blocks, num_used_blocks=b.used, num_cached_blocks=b.cached,
-                num_steps=self.engine.num_steps, num_preemptions=s.num_preemptions,
-                prefix_cache_queries=b.prefix_cache_queries, prefix_cache_hits=b.prefix_cache_hits,
-                replica_id=self.replica_id, indexed=pub is not None,
-                index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
-                kv_cache_dtype=self.kv_info.dtype, kv_cache_bytes_per_token=self.kv_info.bytes_per_token,
-                max_concurrency=self.kv_info.max_concurrency)
+        st, load, info, pub = self.aengine.stats, self.load(), self.info, self.publisher
+        return scheduler_pb2.ReplicaStats(
+            replica=self.index, healthy=self.healthy, num_waiting=self.num_waiting(), num_running=st.num_running,
+            num_waiting_tokens=load.waiting_tokens, num_running_tokens=load.running_tokens,
+            num_blocks=info.num_blocks, num_used_blocks=st.used_blocks, num_cached_blocks=st.cached_blocks,
+            num_steps=st.num_steps, num_preemptions=st.num_preemptions,
+            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
+            replica_id=self.replica_id, indexed=pub is not None,
+            index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
+            kv_cache_dtype=info.kv_cache_dtype, kv_cache_bytes_per_token=info.kv_bytes_per_token,
+            max_concurrency=info.max_concurrency)
 
     async def shutdown(self) -> None:
-        await self.aengine.shutdown()
-        await asyncio.to_thread(self.engine.shutdown)
+        await close_engine_loop(self.aengine)
+
+
+async def close_engine_loop(aengine) -> None:
+    """Stop an engine loop: an engine process (its executor stops with it), or an engine
+    thread and then its engine's executor."""
+    await aengine.shutdown()
+    engine = getattr(aengine, "engine", None)
+    if engine is not None:
+        await asyncio.to_thread(engine.shutdown)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -216,15 +217,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         from kvmesh.metrics import SchedulerMetrics
         self.metrics = SchedulerMetrics(engine_cfg.model, self)
 
-    def start(self, engines: list[LLMEngine]) -> None:
-        """Serve with these loaded engines: their replicas, publishers and the router."""
+    def start(self, engines: list) -> None:
+        """Serve with these loaded engine loops (:class:`scheduler.engine.AsyncEngine` or
+        :class:`scheduler.engine_core.EngineCoreClient`): their replicas, publishers and the router."""
         sc = self.sched_cfg
         replicas = [Replica(i, e, f"{self.scheduler_id}/{i}") for i, e in enumerate(engines)]
         for r in replicas:
             r.aengine.on_outputs = self.metrics.observer(r.index)
-        bm = engines[0].block_manager
+        info = replicas[0].info
         self.router = Router(sc.routing, self.index, replica_ids=[r.replica_id for r in replicas],
-                             hash_seed=bm.hash_seed, block_size=bm.block_size, prefix_weight=sc.prefix_weight,
+                             hash_seed=info.hash_seed, block_size=info.block_size, prefix_weight=sc.prefix_weight,
                              load_weight=sc.load_weight, provisional_ttl=sc.provisional_ttl)
         self.replicas = replicas
         if self.index is not None:
@@ -295,7 +297,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         finally:
             self.requests.pop(rid, None)
             if span.is_recording():
-                _end_request_span(self.tracer, span, last, replica.engine.cfg.block_size)
+                _end_request_span(self.tracer, span, last, replica.info.block_size)
 
     def _request_span(self, request, context, rid: str, replica: "Replica", params: SamplingParams):
         """The span of one request (``kvmesh.scheduler.request``), a child of the gateway's span
@@ -318,12 +320,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def GetModelInfo(self, request, context):
         await self._check_available(context)
-        eng = self.replicas[0].engine
-        kv = kv_dtype(eng.cfg.kv_cache_dtype, eng.cfg.torch_dtype)
+        info = self.replicas[0].info
         return scheduler_pb2.GetModelInfoResponse(
-            name=self.engine_cfg.model, max_model_len=eng.cfg.max_model_len, vocab_size=eng.model_config.vocab_size,
-            dtype=str(eng.cfg.torch_dtype).removeprefix("torch."), kv_cache_dtype=str(kv).removeprefix("torch."),
-            block_size=eng.cfg.block_size, eos_token_ids=eng.eos_token_ids, num_replicas=len(self.replicas),
+            name=self.engine_cfg.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            dtype=info.dtype, kv_cache_dtype=info.kv_cache_dtype, block_size=info.block_size,
+            eos_token_ids=info.eos_token_ids, num_replicas=len(self.replicas),
             pipeline_parallel_size=self.sched_cfg.pp)
 
     async def GetStats(self, request, context):
@@ -354,18 +355,13 @@ class SchedulerServer:
 
     async def _load(self) -> None:
         sc, ec = self.service.sched_cfg, self.service.engine_cfg
-
-        def build(i: int) -> LLMEngine:
-            from workers.executor import create_executor
-            return LLMEngine(ec, executor_factory=lambda cfg, model_dir: create_executor(cfg, model_dir, sc, i))
-
         t0 = time.monotonic()
-        log.info("loading %d replica(s) of %s (executor %s, pp %d)", sc.replicas, ec.model, sc.executor, sc.pp)
-        # the first replica alone (its executor may start Ray), then the others concurrently
-        built = await asyncio.gather(asyncio.to_thread(build, 0), return_exceptions=True)
-        if not isinstance(built[0], BaseException):
-            built += await asyncio.gather(*(asyncio.to_thread(build, i) for i in range(1, sc.replicas)),
-                                          return_exceptions=True)
+        log.info("loading %d replica(s) of %s (executor %s, pp %d, %s)", sc.replicas, ec.model,
+                 sc.resolved_executor(), sc.pp, "an engine process each" if sc.engine_process else "engine threads")
+        if sc.engine_process:
+            built = await self._start_engine_processes(sc, ec)
+        else:
+            built = await self._build_engine_threads(sc, ec)
         failed = [e for e in built if isinstance(e, BaseException)]
         if not failed and not self.service.stopping:
             try:
@@ -373,21 +369,58 @@ class SchedulerServer:
             except Exception as e:          # a publisher that cannot start
                 failed = [e]
                 await self.service.close_index()
-                for r in self.service.replicas:
-                    await r.aengine.shutdown()
                 self.service.replicas = []
         if failed or self.service.stopping:
             for e in built:
-                if isinstance(e, LLMEngine):
-                    await asyncio.to_thread(e.shutdown)
+                if not isinstance(e, BaseException):
+                    await close_engine_loop(e)
             if failed:
                 log.error("loading replicas failed: %s", failed[0])
                 raise failed[0]
             return
+        for r in self.service.replicas:
+            r.aengine.on_death = self._replica_died
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         log.info("scheduler serving on %s: %d replica(s) loaded in %.1f s", self.address, sc.replicas,
                  time.monotonic() - t0)
+
+    async def _start_engine_processes(self, sc, ec) -> list:
+        """One engine process per replica (:mod:`scheduler.engine_core`), loading concurrently.
+        A Ray executor's local Ray is started here first, so that every replica joins the same."""
+        from scheduler.engine_core import EngineCoreClient
+        if sc.resolved_executor() == "ray":
+            from workers.executor import ensure_ray, ray_address_of_this_process
+            cpus = sc.cpus_per_stage()
+            await asyncio.to_thread(ensure_ray, sc.ray_address,
+                                    max(os.cpu_count() or 1, sc.replicas * sc.pp * cpus))
+            sc = sc.replace(ray_address=sc.ray_address or ray_address_of_this_process(), stage_num_cpus=cpus)
+        clients = [EngineCoreClient(ec, sc, i, collect_events=sc.routing == "prefix") for i in range(sc.replicas)]
+        started = await asyncio.gather(*(c.start() for c in clients), return_exceptions=True)
+        return [e if isinstance(e, BaseException) else c for c, e in zip(clients, started)]
+
+    async def _build_engine_threads(self, sc, ec) -> list:
+        """Engines in this process, each loop on a thread (:class:`scheduler.engine.AsyncEngine`)."""
+        def build(i: int) -> LLMEngine:
+            from workers.executor import create_executor
+            return LLMEngine(ec, executor_factory=lambda cfg, model_dir: create_executor(cfg, model_dir, sc, i))
+
+        # the first replica alone (its executor may start Ray), then the others concurrently
+        built = await asyncio.gather(asyncio.to_thread(build, 0), return_exceptions=True)
+        if not isinstance(built[0], BaseException):
+            built += await asyncio.gather(*(asyncio.to_thread(build, i) for i in range(1, sc.replicas)),
+                                          return_exceptions=True)
+        return [e if isinstance(e, BaseException) else AsyncEngine(e) for e in built]
+
+    def _replica_died(self, client) -> None:
+        """A replica's engine process exited unasked: out of the index; NOT_SERVING when no
+        replica is left (issue: restarts)."""
+        asyncio.ensure_future(self.service.retire_dead())
+        up = sum(r.healthy for r in self.service.replicas)
+        if not up and not self.service.stopping:
+            log.error("no replica is up (0 of %d): the scheduler reports NOT_SERVING", len(self.service.replicas))
+            for name in ("", SERVICE_NAME):
+                asyncio.ensure_future(self.health.set(name, _NOT_SERVING))
 
     async def wait_ready(self) -> None:
         """Wait until every replica has loaded. Raises what loading raised (EngineError: bad

@@ -242,7 +242,7 @@ def index(redis_url, prefix):
 
 @pytest.fixture(scope="module")
 def seed(server):
-    return server.service.replicas[0].engine.block_manager.hash_seed
+    return server.service.replicas[0].info.hash_seed
 
 
 # ---- tests --------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ async def test_redis_outage_routes_by_load_then_recovers(smollm2_dir):
     index = RedisIndex(rs.url, prefix=prefix, timeout=1.0)
     try:
         await srv.wait_ready()
-        seed = srv.service.replicas[0].engine.block_manager.hash_seed
+        seed = srv.service.replicas[0].info.hash_seed
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             stats = lambda: stub.GetStats(pb.GetStatsRequest())     # noqa: E731

@@ -285,8 +285,10 @@ async def test_health_serving(channel):
 # ---------------------------------------------------------------------------------------------
 # a server of its own: health while loading, queue limit, shutdown with requests in flight
 
-async def test_health_queue_limit_and_stop(smollm2_dir, prompts):
-    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, executor="local", max_queued_requests=1),
+@pytest.mark.parametrize("engine_process", [True, False])
+async def test_health_queue_limit_and_stop(smollm2_dir, prompts, engine_process):
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, executor="local", max_queued_requests=1,
+                                                engine_process=engine_process),
                                 _engine_cfg(smollm2_dir, max_num_seqs=1))
     try:
         async with grpc.aio.insecure_channel(srv.address) as ch:
@@ -323,7 +325,9 @@ async def test_health_queue_limit_and_stop(smollm2_dir, prompts):
                     assert msgs[-1].finished and msgs[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
                 except grpc.aio.AioRpcError as e:
                     assert e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
-            assert srv.service.replicas[0].aengine._thread.is_alive() is False
+            aengine = srv.service.replicas[0].aengine
+            loop_alive = aengine.process.is_alive() if engine_process else aengine._thread.is_alive()
+            assert loop_alive is False
     finally:
         await srv.stop(grace=0)
 

@@ -205,15 +205,23 @@ def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executo
     Args:
         cfg: the replica's resolved :class:`kvmesh.config.EngineConfig`.
         model_dir: checkpoint directory.
-        sched_cfg: :class:`kvmesh.config.SchedulerConfig` (``executor``, ``pp``, ``pp_layers``,
-            ``ray_address``, ``stage_num_cpus``).
+        sched_cfg: :class:`kvmesh.config.SchedulerConfig` (``executor`` — ``auto`` is local at
+            pp 1 without ``ray_address`` —, ``pp``, ``pp_layers``, ``ray_address``,
+            ``stage_num_cpus``: 0 shares this machine's cores among the stages).
         replica: index of the replica.
     Raises:
         EngineError: bad pipeline settings, or the model cannot be loaded.
     """
-    if sched_cfg.executor == "local":
+    if sched_cfg.resolved_executor() == "local":
         return InProcessExecutor(cfg, model_dir)
-    need = sched_cfg.replicas * sched_cfg.pp * sched_cfg.stage_num_cpus
+    cpus = sched_cfg.cpus_per_stage()
+    need = sched_cfg.replicas * sched_cfg.pp * cpus
     ensure_ray(sched_cfg.ray_address, num_cpus=max(os.cpu_count() or 1, need))
-    return RayPipelineExecutor(cfg, model_dir, sched_cfg.pp, sched_cfg.layer_split(),
-                               sched_cfg.stage_num_cpus, replica)
+    return RayPipelineExecutor(cfg, model_dir, sched_cfg.pp, sched_cfg.layer_split(), cpus, replica)
+
+
+def ray_address_of_this_process() -> str:
+    """The GCS address (``host:port``) of the Ray this process is connected to, for other
+    processes of this machine to join the same instance (engine processes, docs/mesh.md)."""
+    import ray
+    return ray.get_runtime_context().gcs_address

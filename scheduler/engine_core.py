@@ -1,0 +1,402 @@
+"""The engine core process of one replica, and the scheduler service's client of it.
+
+As vLLM v1's engine core: each replica's engine loop (:class:`scheduler.engine.LLMEngine`:
+scheduler, block manager, executor; :func:`scheduler.engine.run_engine_loop`) runs in a
+process of its own, so the gateway's and the scheduler service's Python work (gRPC, protobuf,
+routing) never holds the GIL that the loop needs between model steps, and the model's torch
+threads have the process to themselves.
+
+Channel: two one-way pipes (:func:`multiprocessing.Pipe`), msgpack frames. Requests to the
+core (``ADD``, ``ABORT``, ``FINISH``, ``SHUTDOWN``) are read by a thread of the core into a
+queue the loop drains before each step, so a sender never waits for a model step. From the
+core: ``READY`` (an :class:`~scheduler.engine.EngineInfo`) once loaded, ``FATAL`` (why it could
+not load or why its loop died), and after each step one ``STEP`` message for all its requests:
+their outputs, the requests it rejected, its :class:`~scheduler.engine.EngineStats`, and the
+step's KV events (for the prefix index, :mod:`kvstore.publisher`).
+
+The client (:class:`EngineCoreClient`) streams per-request outputs to asyncio callers with the
+same API as :class:`scheduler.engine.AsyncEngine`. A core that exits (killed, crashed) fails
+every open stream with EngineError at once and marks the client ``errored``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from collections import deque
+
+import msgpack
+
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored
+from scheduler.engine import EngineInfo, EngineOutput, EngineStats, OutputStreams
+from scheduler.request import EngineError, FinishReason, SamplingParams
+
+log = logging.getLogger("kvmesh.scheduler")
+
+# message kinds, to the core and from it
+ADD, ABORT, FINISH, SHUTDOWN = range(4)
+READY, STEP, FATAL = range(3)
+
+_OUTPUT_FIELDS = [f.name for f in dataclasses.fields(EngineOutput)]
+_REASON_AT = _OUTPUT_FIELDS.index("finish_reason")
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def _pack(msg) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def _unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+
+
+def _output_row(o: EngineOutput) -> list:
+    row = [getattr(o, f) for f in _OUTPUT_FIELDS]
+    if o.finish_reason is not None:
+        row[_REASON_AT] = o.finish_reason.value
+    return row
+
+
+def _output_of(row: list) -> EngineOutput:
+    if row[_REASON_AT] is not None:
+        row[_REASON_AT] = FinishReason(row[_REASON_AT])
+    return EngineOutput(*row)
+
+
+def _event_row(e) -> list:
+    if isinstance(e, BlockStored):
+        return [0, list(e.block_hashes), e.parent_hash, e.block_size]
+    if isinstance(e, BlockRemoved):
+        return [1, list(e.block_hashes)]
+    return [2]
+
+
+def _event_of(row: list):
+    if row[0] == 0:
+        return BlockStored(tuple(row[1]), row[2], row[3])
+    if row[0] == 1:
+        return BlockRemoved(tuple(row[1]))
+    return AllBlocksCleared()
+
+
+# ---- the core (child process) ---------------------------------------------------------------
+
+class _EventBuffer:
+    """The core's KV event sink: events wait here until the step's message carries them."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def publish(self, events) -> None:
+        self.events.extend(events)
+
+
+class EngineCore:
+    """The engine loop of one replica in this process, fed from ``conn_in``, reporting to
+    ``conn_out`` (module docstring). ``collect_events``: carry KV events (prefix routing)."""
+
+    def __init__(self, engine, conn_in, conn_out, collect_events: bool):
+        self.engine, self.conn_out = engine, conn_out
+        self.events = _EventBuffer() if collect_events else None
+        if self.events is not None:
+            engine.block_manager.sink = self.events
+        self._inputs: deque = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._rejected: list[list] = []
+        self._dirty = False                  # inputs applied since the last message
+        self._reader = threading.Thread(target=self._read, args=(conn_in,), name="kvmesh-core-input", daemon=True)
+        self._reader.start()
+
+    def _read(self, conn) -> None:
+        """Input thread: frames from the client into the queue; EOF (the client is gone) stops."""
+        try:
+            while True:
+                self._inputs.append(_unpack(conn.recv_bytes()))
+                self._wake.set()
+        except (EOFError, OSError):
+            self._inputs.append([SHUTDOWN])
+            self._wake.set()
+
+    def _apply_inputs(self) -> None:
+        eng = self.engine
+        while self._inputs:
+            msg = self._inputs.popleft()
+            self._dirty = True
+            kind = msg[0]
+            if kind == ADD:
+                _, rid, prompt, params, traceparent, arrival = msg
+                try:
+                    eng.add_request(rid, prompt, SamplingParams(**params), arrival_time=arrival,
+                                    traceparent=traceparent)
+                except EngineError as e:
+                    self._rejected.append([rid, str(e)])
+            elif kind == ABORT:
+                eng.abort_request(msg[1])
+            elif kind == FINISH:
+                eng.finish_request(msg[1], FinishReason(msg[2]), msg[3])
+            elif kind == SHUTDOWN:
+                self._stop = True
+
+    def _wait(self, timeout: float) -> None:
+        if self._dirty or self._rejected:
+            self._emit([])                   # new requests show in the stats before they run
+        if not self._inputs:
+            self._wake.wait(timeout)
+        self._wake.clear()
+
+    def _emit(self, outputs: list[EngineOutput]) -> None:
+        events = []
+        if self.events is not None and self.events.events:
+            events, self.events.events = [_event_row(e) for e in self.events.events], []
+        stats = dataclasses.astuple(self.engine.snapshot())
+        rejected, self._rejected = self._rejected, []
+        self._dirty = False
+        self.conn_out.send_bytes(_pack([STEP, [_output_row(o) for o in outputs], rejected, stats, events]))
+
+    def run(self) -> None:
+        from scheduler.engine import run_engine_loop
+        run_engine_loop(self.engine, lambda: self._stop, self._wait, self._emit, self._apply_inputs)
+
+
+def engine_core_main(engine_cfg, sched_cfg, replica: int, conn_in, conn_out, collect_events: bool) -> None:
+    """Entry point of a replica's engine process: load, say READY (or FATAL), run the loop
+    until SHUTDOWN or until the client's pipe closes, then shut the executor down."""
+    engine = None
+    try:
+        import torch
+        from kvmesh import telemetry
+        from kvmesh.config import available_cpus
+        from scheduler.engine import LLMEngine
+        from workers.executor import create_executor
+
+        if sched_cfg.resolved_executor() == "local":
+            if not engine_cfg.num_threads:      # the replicas of this machine share its cores
+                engine_cfg = engine_cfg.replace(num_threads=max(1, available_cpus() // sched_cfg.replicas))
+        else:
+            torch.set_num_threads(1)            # the model runs in the stage actors
+        engine = LLMEngine(engine_cfg, executor_factory=lambda cfg, model_dir: create_executor(
+            cfg, model_dir, sched_cfg, replica))
+        info = dataclasses.astuple(engine.info())
+        conn_out.send_bytes(_pack([READY, info, torch.get_num_threads(), os.getpid()]))
+        core = EngineCore(engine, conn_in, conn_out, collect_events)
+        core.run()
+    except BaseException as e:
+        detail = str(e) if isinstance(e, EngineError) else f"{e!r}\n{traceback.format_exc()}"
+        try:
+            conn_out.send_bytes(_pack([FATAL, detail]))
+        except OSError:
+            pass
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        try:
+            from kvmesh import telemetry
+            telemetry.shutdown_tracing()
+        except Exception:
+            pass
+
+
+# ---- the client (scheduler service process) -------------------------------------------------
+
+class EngineCoreClient(OutputStreams):
+    """A replica's engine process, seen from the scheduler service (API of
+    :class:`scheduler.engine.AsyncEngine`). Create it inside a running event loop, then
+    ``await start()``.
+
+    Attributes:
+        info: the engine's :class:`EngineInfo` (after ``start``).
+        stats: the last :class:`EngineStats` the core pushed.
+        num_threads: torch threads of the core process; ``pid``: its process id.
+        on_death: called on the event loop, once, when the core exits unasked.
+        sink: KV event sink (:class:`kvstore.publisher.KVEventPublisher`), or None.
+    Raises (``start``): EngineError with the core's reason when it cannot load.
+    """
+
+    def __init__(self, engine_cfg, sched_cfg, replica: int = 0, *, collect_events: bool = False):
+        super().__init__()
+        self.replica = replica
+        ctx = multiprocessing.get_context("spawn")      # torch, gRPC and Ray threads do not survive fork
+        in_recv, self._in = ctx.Pipe(duplex=False)
+        self._out, out_send = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=engine_core_main, name=f"kvmesh-engine-{replica}", daemon=True,
+                                   args=(engine_cfg, sched_cfg, replica, in_recv, out_send, collect_events))
+        self.process.start()
+        in_recv.close()
+        out_send.close()
+        self.info: EngineInfo | None = None
+        self.num_threads = 0
+        self.pid = self.process.pid
+        self.on_death = None
+        self.sink = None
+        self.cached_hashes: set[int] = set()    # mirror of the core's prefix cache (from KV events)
+        self.kv_lock = threading.RLock()
+        self._send_lock = threading.Lock()
+        self._pending: deque[tuple[int, int]] = deque()   # (add number, prompt tokens) not yet in stats
+        self._num_sent = 0
+        self._closing = False
+        self._reader: threading.Thread | None = None
+
+    async def start(self, timeout: float | None = None) -> None:
+        """Wait until the core has loaded (READY), then start reading its messages."""
+        try:
+            msg = await asyncio.to_thread(self._recv_first, timeout)
+        except BaseException:
+            await self.shutdown()
+            raise
+        _, info, self.num_threads, self.pid = msg
+        info[7] = tuple(info[7])
+        self.info = EngineInfo(*info)
+        self.stats = dataclasses.replace(self.stats, num_blocks=self.info.num_blocks)
+        self._reader = threading.Thread(target=self._read, name=f"kvmesh-engine-client-{self.replica}", daemon=True)
+        self._reader.start()
+
+    def _recv_first(self, timeout: float | None):
+        if not self._out.poll(timeout):
+            raise EngineError(f"replica {self.replica}: the engine process did not load within {timeout} s")
+        try:
+            msg = _unpack(self._out.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(5)
+            raise EngineError(f"replica {self.replica}: the engine process exited while loading "
+                              f"(exit code {self.process.exitcode})") from None
+        if msg[0] == FATAL:
+            raise EngineError(msg[1])
+        return msg
+
+    # ---- requests (event loop) ---------------------------------------------------------------
+    def _send(self, msg) -> None:
+        data = _pack(msg)
+        with self._send_lock:
+            self._in.send_bytes(data)
+
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | None = None, traceparent: str | None = None
+                    ) -> tuple[str, asyncio.Queue]:
+        """Send a request to the core; returns its id and its output queue. A request the
+        core cannot serve ends its stream with EngineError (the core's message). Raises
+        EngineError when the core is down."""
+        if self.errored is not None:
+            raise EngineError(f"replica {self.replica}: engine process down: {self.errored}")
+        import uuid
+        rid = request_id or uuid.uuid4().hex
+        params = params or SamplingParams()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        self._num_sent += 1
+        self._pending.append((self._num_sent, len(prompt_token_ids)))
+        try:
+            self._send([ADD, rid, list(prompt_token_ids), {f: getattr(params, f) for f in _PARAM_FIELDS},
+                        traceparent, time.monotonic()])
+        except (OSError, ValueError) as e:
+            self._queues.pop(rid, None)
+            raise EngineError(f"replica {self.replica}: engine process down: {e!r}") from None
+        return rid, q
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request the client still streams; False when it is not open here."""
+        found = request_id in self._queues
+        if self.errored is None:
+            try:
+                self._send([ABORT, request_id])
+            except (OSError, ValueError):
+                pass
+        return found
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
+        found = request_id in self._queues
+        if self.errored is None:
+            try:
+                self._send([FINISH, request_id, reason.value, stop_reason])
+            except (OSError, ValueError):
+                pass
+        return found
+
+    def pending_load(self) -> tuple[int, int]:
+        """Requests (and their prompt tokens) sent to the core and not yet in ``stats``."""
+        seen = self.stats.num_added
+        while self._pending and self._pending[0][0] <= seen:
+            self._pending.popleft()
+        return len(self._pending), sum(t for _, t in self._pending)
+
+    # ---- messages from the core (reader thread) ----------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = _unpack(self._out.recv_bytes())
+                if msg[0] == STEP:
+                    self._on_step(msg)
+                elif msg[0] == FATAL:
+                    raise EngineError(f"replica {self.replica}: engine loop died: {msg[1]}")
+        except BaseException as e:
+            if self._closing:
+                return
+            if not isinstance(e, EngineError):
+                self.process.join(2)
+                e = EngineError(f"replica {self.replica}: the engine process (pid {self.pid}) exited "
+                                f"(exit code {self.process.exitcode})")
+            self._loop.call_soon_threadsafe(self._died, e)
+
+    def _on_step(self, msg) -> None:
+        _, rows, rejected, stats, events = msg
+        if events:
+            evs = [_event_of(r) for r in events]
+            with self.kv_lock:
+                for ev in evs:
+                    if isinstance(ev, BlockStored):
+                        self.cached_hashes.update(ev.block_hashes)
+                    elif isinstance(ev, BlockRemoved):
+                        self.cached_hashes.difference_update(ev.block_hashes)
+                    else:
+                        self.cached_hashes.clear()
+                if self.sink is not None:
+                    self.sink.publish(evs)
+        self.stats = EngineStats(*stats)
+        outputs = [_output_of(r) for r in rows]
+        if outputs or rejected:
+            self._loop.call_soon_threadsafe(self._step_done, outputs, rejected)
+
+    def _step_done(self, outputs: list[EngineOutput], rejected: list[list]) -> None:
+        for rid, message in rejected:
+            self._fail(rid, EngineError(message))
+        if outputs:
+            self._deliver(outputs)
+
+    def _died(self, error: EngineError) -> None:
+        if self.errored is not None:
+            return
+        self.errored = error
+        log.error("%s", error)
+        self._fail_all(error)
+        if self.on_death is not None:
+            self.on_death(self)
+
+    def set_kv_sink(self, sink) -> None:
+        with self.kv_lock:
+            self.sink = sink
+
+    def cached_block_hashes(self) -> list[int]:
+        """The core's cached block hashes as its KV events say (the publisher's resync)."""
+        with self.kv_lock:
+            return list(self.cached_hashes)
+
+    async def shutdown(self, timeout: float = 15.0) -> None:
+        """Ask the core to stop (its executor shuts down), wait for it, kill it if it hangs."""
+        self._closing = True
+        try:
+            self._send([SHUTDOWN])
+        except (OSError, ValueError):
+            pass
+        await asyncio.to_thread(self.process.join, timeout)
+        if self.process.is_alive():
+            log.warning("replica %d: the engine process did not stop within %.0f s; killing it", self.replica, timeout)
+            self.process.kill()
+            await asyncio.to_thread(self.process.join, 5)
+        for conn in (self._in, self._out):
+            conn.close()
