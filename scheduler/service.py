@@ -141,6 +141,7 @@ class Replica:
         self.index, self.aengine, self.replica_id = index, aengine, replica_id or str(index)
         self.info = aengine.info
         self.publisher = None
+        self.restarts = 0
 
     @property
     def healthy(self) -> bool:
@@ -184,7 +185,7 @@ class Replica:
             replica_id=self.replica_id, indexed=pub is not None,
             index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
             kv_cache_dtype=info.kv_cache_dtype, kv_cache_bytes_per_token=info.kv_bytes_per_token,
-            max_concurrency=info.max_concurrency)
+            max_concurrency=info.max_concurrency, restarts=self.restarts, pid=getattr(self.aengine, "pid", 0))
 
     async def shutdown(self) -> None:
         await close_engine_loop(self.aengine)
@@ -212,6 +213,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.replicas: list[Replica] = []
         self.router: Router | None = None
         self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
+        self.restarting: set[int] = set()           # replicas whose engine process is being restarted
         self.stopping = False
         self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
         from kvmesh.metrics import SchedulerMetrics
@@ -232,6 +234,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         if self.index is not None:
             for r in replicas:
                 r.start_publishing(self.index)
+
+    async def replace_engine(self, replica: Replica, aengine) -> None:
+        """Give ``replica`` a new engine loop (after a restart): its metrics observer, a fresh
+        publisher to the prefix index (the new engine's cache starts empty), one more restart."""
+        await asyncio.to_thread(replica.stop_publishing)
+        aengine.on_outputs = self.metrics.observer(replica.index)
+        replica.aengine, replica.info = aengine, aengine.info
+        replica.restarts += 1
+        if self.index is not None:
+            replica.start_publishing(self.index)
 
     async def retire_dead(self) -> None:
         """Take replicas whose engine loop died out of the prefix index."""
@@ -267,13 +279,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             params = sampling_params_from_proto(request.sampling)
         except EngineError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        prompt = list(request.prompt_token_ids)
+        replica = await self._pick(context, request.session_id, prompt)
         if rid in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
-        prompt = list(request.prompt_token_ids)
-        try:
-            replica = self.replicas[self.router.pick([r.load() for r in self.replicas], request.session_id, prompt)]
-        except NoHealthyReplicaError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if replica.num_waiting() >= self.sched_cfg.max_queued_requests:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"replica {replica.index} has {self.sched_cfg.max_queued_requests} requests waiting "
@@ -282,7 +291,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         # to the engine): concurrent Submits see each other's load.
         self.requests[rid] = replica
         span = self._request_span(request, context, rid, replica, params)
-        stream = replica.aengine.generate(rid, prompt, params, telemetry.traceparent(span))
+        aengine = replica.aengine           # this stream's engine loop (a restart gives the replica a new one)
+        stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span))
         last = None
         try:
             async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
@@ -291,13 +301,30 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                     if out.new_token_ids or out.finished:
                         await context.write(_response(rid, replica.index, out))
         except EngineError as e:
-            if not replica.healthy:
+            if aengine.errored is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {replica.index} failed: {e}")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.requests.pop(rid, None)
             if span.is_recording():
                 _end_request_span(self.tracer, span, last, replica.info.block_size)
+
+    async def _pick(self, context, session_id: str, prompt: list[int]) -> "Replica":
+        """The router's replica for a new request. While none is up and some are restarting,
+        waits for one (``restart_wait`` seconds at most, within the call's deadline); then, or
+        when none is restarting, aborts the call with UNAVAILABLE."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return self.replicas[self.router.pick([r.load() for r in self.replicas], session_id, prompt)]
+            except NoHealthyReplicaError as e:
+                remaining = context.time_remaining()
+                bound = self.sched_cfg.restart_wait if remaining is None else min(remaining, self.sched_cfg.restart_wait)
+                waited = time.monotonic() - t0
+                if not self.restarting or self.stopping or waited >= bound:
+                    extra = f"; waited {waited:.1f} s for a restarting replica" if waited > 0.05 else ""
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}{extra}")
+                await asyncio.sleep(0.05)
 
     def _request_span(self, request, context, rid: str, replica: "Replica", params: SamplingParams):
         """The span of one request (``kvmesh.scheduler.request``), a child of the gateway's span
@@ -352,6 +379,9 @@ class SchedulerServer:
         self.metrics = None
         self._load_task: asyncio.Task | None = None
         self._stopped = False
+        self._tasks: set[asyncio.Task] = set()      # restarts, the watchdog
+        self._health_status = _NOT_SERVING
+        self._engine_sched_cfg = service.sched_cfg   # what engine processes get (Ray address resolved)
 
     async def _load(self) -> None:
         sc, ec = self.service.sched_cfg, self.service.engine_cfg
@@ -380,6 +410,9 @@ class SchedulerServer:
             return
         for r in self.service.replicas:
             r.aengine.on_death = self._replica_died
+        if sc.engine_process and sc.step_timeout:
+            self._tasks.add(asyncio.ensure_future(self._watchdog()))
+        self._health_status = _SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         log.info("scheduler serving on %s: %d replica(s) loaded in %.1f s", self.address, sc.replicas,
@@ -395,6 +428,7 @@ class SchedulerServer:
             await asyncio.to_thread(ensure_ray, sc.ray_address,
                                     max(os.cpu_count() or 1, sc.replicas * sc.pp * cpus))
             sc = sc.replace(ray_address=sc.ray_address or ray_address_of_this_process(), stage_num_cpus=cpus)
+        self._engine_sched_cfg = sc
         clients = [EngineCoreClient(ec, sc, i, collect_events=sc.routing == "prefix") for i in range(sc.replicas)]
         started = await asyncio.gather(*(c.start() for c in clients), return_exceptions=True)
         return [e if isinstance(e, BaseException) else c for c, e in zip(clients, started)]
@@ -413,14 +447,74 @@ class SchedulerServer:
         return [e if isinstance(e, BaseException) else AsyncEngine(e) for e in built]
 
     def _replica_died(self, client) -> None:
-        """A replica's engine process exited unasked: out of the index; NOT_SERVING when no
-        replica is left (issue: restarts)."""
+        """A replica's engine process exited unasked (or the watchdog killed it): out of the
+        index, health updated, and (``restart_replicas``) a restart with backoff begins."""
+        replica = next((r for r in self.service.replicas if r.aengine is client), None)
+        if replica is None or self.service.stopping:
+            return
         asyncio.ensure_future(self.service.retire_dead())
+        self._update_health()
+        if self.service.sched_cfg.restart_replicas and replica.index not in self.service.restarting:
+            self.service.restarting.add(replica.index)
+            self._tasks.add(asyncio.ensure_future(self._restart(replica)))
+
+    def _update_health(self) -> None:
+        """SERVING while at least one replica is up, NOT_SERVING (with a log line) while none is."""
         up = sum(r.healthy for r in self.service.replicas)
-        if not up and not self.service.stopping:
-            log.error("no replica is up (0 of %d): the scheduler reports NOT_SERVING", len(self.service.replicas))
-            for name in ("", SERVICE_NAME):
-                asyncio.ensure_future(self.health.set(name, _NOT_SERVING))
+        status = _SERVING if up else _NOT_SERVING
+        if status == self._health_status or self.service.stopping:
+            return
+        self._health_status = status
+        if not up:
+            log.error("no replica is up (0 of %d): the scheduler reports NOT_SERVING%s", len(self.service.replicas),
+                      " until one is restarted" if self.service.restarting else "")
+        else:
+            log.warning("%d of %d replica(s) up: the scheduler reports SERVING", up, len(self.service.replicas))
+        for name in ("", SERVICE_NAME):
+            asyncio.ensure_future(self.health.set(name, status))
+
+    async def _restart(self, replica: "Replica") -> None:
+        """Replace a dead replica's engine process: reap the old one (its Ray stages, owned by
+        it, go with it), start a new one, retrying with backoff (0.5 s doubling to 30 s)."""
+        from scheduler.engine_core import EngineCoreClient
+        service, delay = self.service, 0.5
+        try:
+            await close_engine_loop(replica.aengine)
+            while not service.stopping:
+                t0 = time.monotonic()
+                client = EngineCoreClient(service.engine_cfg, self._engine_sched_cfg, replica.index,
+                                          collect_events=service.sched_cfg.routing == "prefix")
+                try:
+                    await client.start()
+                except EngineError as e:
+                    log.error("replica %d: restart failed (%s); next try in %.1f s", replica.index, e, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 30.0)
+                    continue
+                if service.stopping:
+                    await close_engine_loop(client)
+                    return
+                await service.replace_engine(replica, client)
+                client.on_death = self._replica_died
+                log.warning("replica %d: engine process restarted (pid %d) in %.1f s", replica.index, client.pid,
+                            time.monotonic() - t0)
+                break
+        finally:
+            service.restarting.discard(replica.index)
+            self._update_health()
+
+    async def _watchdog(self) -> None:
+        """Kill an engine process that has requests and sent nothing for ``step_timeout``
+        seconds (a hung step); its death then restarts it."""
+        timeout = self.service.sched_cfg.step_timeout
+        while not self.service.stopping:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            for r in self.service.replicas:
+                stalled = getattr(r.aengine, "stalled_for", None)
+                if stalled is not None and stalled() > timeout:
+                    log.error("replica %d: no step for %.0f s with requests open (step_timeout): killing its "
+                              "engine process", r.index, stalled())
+                    r.aengine.kill(f"killed by the watchdog after {timeout:g} s without a step")
 
     async def wait_ready(self) -> None:
         """Wait until every replica has loaded. Raises what loading raised (EngineError: bad
@@ -438,6 +532,11 @@ class SchedulerServer:
         self._stopped = True
         self.service.stopping = True
         await self.health.enter_graceful_shutdown()
+        if self._tasks:                    # restarts see `stopping` and end; the watchdog is cancelled
+            done, pending = await asyncio.wait(self._tasks, timeout=30)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         with contextlib.suppress(BaseException):
             await self._load_task          # an engine thread cannot be interrupted mid-load
         n = self.service.abort_all()

@@ -68,7 +68,8 @@ async def test_default_engine_processes_use_the_cores(smollm2_dir, replicas):
 
 @aio
 async def test_killed_engine_process_unavailable_and_not_serving(smollm2_dir, prose_ids, caplog):
-    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1), _engine_cfg(smollm2_dir))
+    """restart_replicas off: the service stays NOT_SERVING with a clear log line."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, restart_replicas=False), _engine_cfg(smollm2_dir))
     try:
         await srv.wait_ready()
         async with grpc.aio.insecure_channel(srv.address) as ch:
@@ -105,6 +106,87 @@ async def test_killed_engine_process_unavailable_and_not_serving(smollm2_dir, pr
         assert any("NOT_SERVING" in r.getMessage() for r in caplog.records)
     finally:
         await srv.stop(grace=0)
+
+
+async def _health(health, name: str = "") -> int:
+    return (await health.Check(health_pb2.HealthCheckRequest(service=name))).status
+
+
+async def _until(predicate, timeout: float):
+    t0 = time.monotonic()
+    while not await predicate():
+        assert time.monotonic() - t0 < timeout, "condition not met in time"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+@aio
+async def test_killed_engine_process_is_restarted(smollm2_dir, prose_ids, caplog):
+    """A killed engine process: in-flight streams UNAVAILABLE at once, NOT_SERVING while it is
+    down, a request sent meanwhile waits for the restart and is served, the replica back and
+    SERVING within 30 s with a new pid, its restart counted in GetStats and /metrics."""
+    import urllib.request
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, metrics_port=0), _engine_cfg(smollm2_dir))
+    try:
+        await srv.wait_ready()
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+            call = stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(400)))
+            await call.read()
+            old_pid = srv.service.replicas[0].aengine.pid
+            os.kill(old_pid, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await _drain(call)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert await _health(health) == health_pb2.HealthCheckResponse.NOT_SERVING or \
+                srv.service.replicas[0].healthy       # (a very fast restart may already be back)
+            # sent while the replica is down: waits for the restart, then is served
+            msgs = await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(4))))
+            assert msgs[-1].finished and sum(len(m.token_ids) for m in msgs) == 4
+            SERVING = health_pb2.HealthCheckResponse.SERVING
+            await _until(lambda: _health_is(health, SERVING), 30)
+            assert await _health(health, SERVICE_NAME) == SERVING
+            st = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
+            assert st.healthy and st.restarts == 1 and st.pid not in (0, old_pid)
+            body = urllib.request.urlopen(srv.metrics.url, timeout=10).read().decode()
+            assert 'kvmesh:replica_restarts_total{model_name=' in body and "kvmesh:replicas_up{" in body
+            assert any(line.startswith("kvmesh:replicas_up{") and line.endswith(" 1.0") for line in body.splitlines())
+        assert any("restarted" in r.getMessage() for r in caplog.records)
+    finally:
+        await srv.stop(grace=0)
+
+
+async def _health_is(health, status) -> bool:
+    return await _health(health) == status
+
+
+@aio
+async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
+    """An engine process that stops stepping (SIGSTOP) with a request open is killed after
+    step_timeout and restarted; the request ends UNAVAILABLE naming the watchdog."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, step_timeout=2.0), _engine_cfg(smollm2_dir))
+    try:
+        await srv.wait_ready()
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            call = stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(400)))
+            await call.read()
+            pid = srv.service.replicas[0].aengine.pid
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await _drain(call)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "watchdog" in ei.value.details()
+            assert 2.0 <= time.monotonic() - t0 < 10
+            await _until(lambda: _replica_back(stub, pid), 30)
+    finally:
+        await srv.stop(grace=0)
+
+
+async def _replica_back(stub, old_pid: int) -> bool:
+    st = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
+    return st.healthy and st.pid != old_pid and st.restarts == 1
 
 
 async def _drain(call) -> list[pb.SubmitResponse]:
