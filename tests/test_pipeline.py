@@ -1,10 +1,14 @@
 """Pipeline parallelism over Ray: stage actors, micro-batches in flight, parity with the
-in-process engine (real Ray, real SmolLM2 weights, float32)."""
+in-process engine (real Ray, real SmolLM2 weights, float32), and the incremental step messages
+the stages get (workers/step_delta.py): decoded as a stage decodes them, they rebuild exactly
+the full StepInput of the in-process executor under chunked prefill, preemption, penalties,
+static batching's padding rows and speculative decoding."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import shutil
 
 import pytest
@@ -12,7 +16,9 @@ import pytest
 from kvmesh.config import EngineConfig, SchedulerConfig
 from scheduler.engine import AsyncEngine, LLMEngine
 from scheduler.request import EngineError, SamplingParams
-from workers.executor import RayPipelineExecutor, create_executor, ensure_ray, split_layers
+from workers.executor import Completed, RayPipelineExecutor, create_executor, ensure_ray, split_layers
+from workers.model_runner import StepInput
+from workers.step_delta import StepDecoder, StepEncoder
 
 KV = 64 * 2**20
 
@@ -143,3 +149,145 @@ def test_a_stage_that_cannot_load_is_an_engine_error(ray_local, smollm2_dir, tmp
     cfg = EngineConfig(model=str(broken), dtype="float32", kv_cache_memory=KV, max_model_len=512)
     with pytest.raises(EngineError, match="pipeline stage failed to start.*no \\*.safetensors"):
         RayPipelineExecutor(cfg, str(broken), pp=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# incremental step messages
+
+class _DeltaChecked:
+    """The in-process executor, each of whose steps is also sent as RayPipelineExecutor sends
+    it: encoded, pickled and decoded as a stage decodes it (the last stage: it records the
+    sampled tokens). The decoded sequences must equal the full StepInput the model runs."""
+
+    def __init__(self, base, num_blocks: int | None = None):
+        self.base, self.kv_cache_bytes = base, base.kv_cache_bytes
+        self.num_blocks = num_blocks or base.num_blocks
+        self.encoder, self.decoder = StepEncoder(base.block_size), StepDecoder()
+        self.sizes: list[tuple[int, int, bool]] = []     # (message bytes, full StepInput bytes, plain decodes)
+
+    def submit(self, out):
+        full = StepInput.from_scheduler_output(out, self.base.block_size)
+        raw = pickle.dumps(self.encoder.encode(out))
+        delta = pickle.loads(raw)
+        assert self.decoder.apply(delta).seqs == full.seqs
+        result = self.base.execute(out)
+        self.decoder.record(result.sampled)
+        self.decoder.free(delta.done)
+        plain = all(s.num_scheduled_tokens == 1 and not s.padding for s in out.seqs)   # (padding rows: sent anew)
+        self.sizes.append((len(raw), len(pickle.dumps(full)), plain))
+        return Completed(result)
+
+    def free_requests(self, ids):
+        self.decoder.free(self.encoder.free(ids))
+        self.base.free_requests(ids)
+
+    def shutdown(self):
+        pass
+
+
+def _mix(prose_ids, h):
+    """Greedy, seeded with repetition penalty, presence/frequency penalties, min_tokens,
+    logprobs; prompts of 40-150 tokens (10 blocks at most: a 12-block pool preempts)."""
+    return [("g", prose_ids[:70], h.greedy(10)),
+            ("rep", prose_ids[10:120], SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3, max_tokens=10,
+                                                      ignore_eos=True)),
+            ("pen", prose_ids[50:90], h.greedy(10, frequency_penalty=0.6, presence_penalty=0.3)),
+            ("min", prose_ids[5:45], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6)),
+            ("lp", prose_ids[30:180], h.greedy(6, logprobs=2)),
+            ("long", prose_ids[:150], h.greedy(8))]
+
+
+@pytest.fixture(scope="module")
+def scratch_engine(smollm2_dir):
+    """An in-process engine whose KV blocks other engines overwrite (not local_engine: its
+    prefix cache would then serve blocks holding other K/V)."""
+    return LLMEngine(_cfg(smollm2_dir))
+
+
+@pytest.mark.parametrize("variant", ["preemption", "static", "ngram"])
+def test_step_messages_rebuild_the_full_step_input(scratch_engine, prose_ids, h, variant):
+    reqs = _mix(prose_ids, h)
+    if variant == "preemption":      # a 12-block pool and 64-token chunks: preempted and recomputed
+        kw, num_blocks = dict(max_num_batched_tokens=64), 12
+    elif variant == "static":        # finished rows stay in the batch (padding) after their free
+        kw, num_blocks = dict(policy="static", max_num_seqs=4), None
+    else:                            # proposals verified, rejected ones rolled back (blocks trimmed)
+        kw, num_blocks = dict(speculative_method="ngram", num_speculative_tokens=4), None
+        reqs = [("copy", prose_ids[:80] + prose_ids[:30], h.greedy(24)), ("plain", prose_ids[100:150], h.greedy(12)),
+                ("seeded", prose_ids[:60] + prose_ids[:20], SamplingParams(temperature=0.8, seed=7, max_tokens=16,
+                                                                            ignore_eos=True))]
+    ex = _DeltaChecked(scratch_engine.executor, num_blocks)
+    eng = LLMEngine(scratch_engine.cfg.replace(**kw), executor=ex)
+    out = h.run(eng, reqs)
+    if variant == "preemption":
+        assert eng.scheduler.num_preemptions > 0
+    if variant == "ngram":
+        assert out["copy"].num_draft_tokens > out["copy"].num_accepted_tokens > 0    # accepted and rejected
+        assert out["seeded"].num_draft_tokens > 0
+    assert len(ex.encoder) == 0 and not ex.decoder.states          # every request forgotten on both sides
+    decodes = [(m, f) for m, f, d in ex.sizes if d]
+    assert decodes and all(m * 4 < f for m, f in decodes)           # decode steps: under a quarter of the bytes
+
+
+class _Pool:
+    """An executor seen with a smaller KV pool (its block ids stay valid): preemption without
+    a second pipeline."""
+
+    def __init__(self, base, num_blocks: int):
+        self.base, self.num_blocks, self.kv_cache_bytes = base, num_blocks, base.kv_cache_bytes
+        self.max_inflight = base.max_inflight
+
+    def submit(self, out):
+        return self.base.submit(out)
+
+    def free_requests(self, ids):
+        self.base.free_requests(ids)
+
+    def shutdown(self):
+        pass
+
+
+async def test_pp2_preemption_and_static_padding_match_and_free_every_request(pp2, local_engine, prose_ids, h):
+    import ray
+    reqs = _mix(prose_ids, h)
+    expected = _offline(local_engine, h, reqs)
+    try:
+        small = LLMEngine(pp2.cfg.replace(max_num_batched_tokens=64), executor=_Pool(pp2.executor, 12))
+        got = await _stream_all(small, [(f"p-{rid}", ids, sp) for rid, ids, sp in reqs])
+        assert small.scheduler.num_preemptions > 0
+        assert {k[2:]: v for k, v in got.items()} == expected
+        static = LLMEngine(pp2.cfg.replace(policy="static", max_num_seqs=4),
+                           executor=_Pool(pp2.executor, pp2.executor.num_blocks))
+        got = await _stream_all(static, [(f"t-{rid}", ids, sp) for rid, ids, sp in reqs])
+        assert {k[2:]: v for k, v in got.items()} == expected
+    finally:
+        pp2.block_manager.reset_prefix_cache()    # its cached blocks now hold these engines' K/V
+    assert len(pp2.executor.encoder) == 0
+    assert [i["num_requests"] for i in ray.get([s.info.remote() for s in pp2.executor.stages])] == [0, 0]
+
+
+def test_pp2_a_step_failing_on_one_stage_fails_the_next_and_keeps_the_link_in_step(pp2, local_engine, prose_ids, h):
+    """Stage 0 fails a step (a message for a request it does not hold) that stage 1 could run:
+    stage 1 gets the error frame instead of hidden states and fails it too; the next step
+    runs on both as if nothing happened (no frame left behind on the link)."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from workers.step_delta import StepDelta
+    prompt = prose_ids[:20]
+    want = _offline(local_engine, h, [("link", prompt, h.greedy(2))])["link"]
+    s0, s1 = pp2.executor.stages
+    hd, sp = 10**6, h.greedy(2)                   # a handle the executor's encoder never gives out
+    try:
+        first = StepDelta([(hd, "link-test", sp, (), 0, None, None, None)], [(hd, 0, prompt, True, (0, 0, 1))], [])
+        refs = [s.execute.remote(first) for s in (s0, s1)]
+        assert ray.get(refs[1]).sampled == {"link-test": want[:1]}
+        decode = StepDelta([], [(hd, 20, want[:1], True, ())], [])
+        refs = [s0.execute.remote(StepDelta([], [(hd + 1, 20, want[:1], True, ())], [])), s1.execute.remote(decode)]
+        with pytest.raises(RayTaskError, match=f"stage 0: step for request handle {hd + 1}"):
+            ray.get(refs[1])
+        refs = [s.execute.remote(decode) for s in (s0, s1)]
+        assert ray.get(refs[1]).sampled == {"link-test": want[1:2]}
+    finally:
+        ray.get([s.free_requests.remote([hd]) for s in (s0, s1)])
+        pp2.block_manager.reset_prefix_cache()    # blocks 0 and 1 now hold this test's K/V

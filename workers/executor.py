@@ -118,6 +118,8 @@ def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
 
 
 class RayHandle:
+    """The in-flight step of a :class:`RayPipelineExecutor`: ``ref`` is the last stage's result."""
+
     def __init__(self, ref):
         self.ref = ref
 
@@ -129,25 +131,39 @@ class RayHandle:
 class RayPipelineExecutor:
     """A replica's model as ``pp`` Ray actors, one per pipeline stage.
 
-    ``submit`` puts the step input in Ray's object store once and chains the stages'
-    ``execute`` calls by ObjectRef: stage k+1 receives stage k's hidden states (``[T,
-    hidden_size]``) straight from Ray, without the engine loop waiting in between (small
-    results travel inline through the owner, large ones through the object store). Each
-    actor runs its calls in submission order, so with ``pp`` micro-batches in flight every
-    stage has work. The last stage samples; with speculative decoding it also verifies the
-    proposals and runs the draft model, whose proposals for a request's next step come back
-    with this step's output (docs/spec_decode.md).
+    ``submit`` sends every stage the step's incremental message (:mod:`workers.step_delta`: a
+    request's prompt-side data and block ids once, then per step its new tokens and new
+    blocks) at once; stage k+1 prepares its inputs and takes stage k's hidden states (``[T,
+    hidden_size]``) from the TCP link between them (:class:`workers.stage.StageLink`, set up
+    here), and the last stage's result comes back through Ray. Each actor runs its calls in
+    submission order, so with ``pp`` micro-batches in flight every stage has work. The last
+    stage samples; with speculative decoding it also verifies the proposals and runs the
+    draft model, whose proposals for a request's next step come back with this step's output
+    (docs/spec_decode.md).
 
+    Args:
+        cfg: the replica's EngineConfig.
+        model_dir: checkpoint directory (the same path on every node).
+        pp: stages.
+        layer_split: decoder layers per stage (None: even split).
+        stage_num_cpus: CPUs each stage reserves (> 0); its torch threads unless
+            ``cfg.num_threads`` is set.
+        replica: the replica's index (messages, spans).
     Raises:
-        EngineError: a bad layer split, or a stage fails to load the model.
+        EngineError: a bad layer split, a stage fails to load the model, or consecutive
+            stages cannot connect (their nodes must reach each other on any TCP port, as Ray's workers do).
     """
 
     def __init__(self, cfg, model_dir: str, pp: int, layer_split: list[int] | None = None,
                  stage_num_cpus: float = 1.0, replica: int = 0):
+        import threading
+
         import ray
+
+        from workers.kv_cache import budget_bytes, bytes_per_block, kv_dtype
         from workers.loader import load_config
         from workers.stage import PipelineStage
-        from workers.kv_cache import budget_bytes, bytes_per_block, kv_dtype
+        from workers.step_delta import StepEncoder
 
         m = load_config(model_dir)
         bounds = split_layers(m.num_layers, pp, layer_split)
@@ -158,6 +174,9 @@ class RayPipelineExecutor:
             raise EngineError(f"KV cache budget holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.block_size = cfg.block_size
         self.max_inflight = pp
+        self.stages = []
+        self.encoder = StepEncoder(cfg.block_size)
+        self._lock = threading.Lock()       # encoder state and the stage calls, in one order
         cfg = cfg.replace(num_threads=cfg.num_threads or max(1, round(stage_num_cpus)))
         actor = ray.remote(PipelineStage).options(num_cpus=stage_num_cpus, max_concurrency=1)
         self.stages = [actor.remote(cfg, model_dir, start, end, self.num_blocks, i, replica)
@@ -169,25 +188,38 @@ class RayPipelineExecutor:
             lines = str(e).strip().splitlines()     # the traceback's last line names the error
             raise EngineError(f"replica {replica}: a pipeline stage failed to start: "
                               f"{lines[-1] if lines else e!r}") from None
+        try:
+            for prev, nxt in zip(self.stages, self.stages[1:]):     # hidden states: stage k -> k+1 over TCP
+                host, port, token = ray.get(nxt.listen.remote())
+                ray.get([prev.connect_next.remote(host, port, token), nxt.accept_prev.remote()])
+        except ray.exceptions.RayError as e:
+            self.shutdown()
+            lines = str(e).strip().splitlines()
+            raise EngineError(f"replica {replica}: pipeline stages could not connect: "
+                              f"{lines[-1] if lines else e!r}") from None
+        self.stage_info = infos
         self.kv_cache_bytes = sum(i["kv_cache_bytes"] for i in infos)
         self.layer_bounds = bounds
 
     def submit(self, out: SchedulerOutput) -> RayHandle:
-        import ray
-        step = StepInput.from_scheduler_output(out, self.block_size)
-        if len(self.stages) > 1:
-            step = ray.put(step)      # stored once, read by every stage (one stage: inline is cheaper)
-        ref = None
-        for stage in self.stages:
-            ref = stage.execute.remote(step, ref)
-        return RayHandle(ref)
+        """Start one step on the stages; the handle's ``result()`` waits for its output."""
+        with self._lock:
+            delta = self.encoder.encode(out)
+            refs = [stage.execute.remote(delta) for stage in self.stages]
+        return RayHandle(refs[-1])
 
     def free_requests(self, request_ids: list[str]) -> None:
-        # every stage: the last keeps per-request sampler state, each one the request's span
-        for stage in self.stages:
-            stage.free_requests.remote(request_ids)
+        """Forget finished or aborted requests on every stage (the last keeps per-request
+        sampler state, each one the request's state and span). Called between the steps that
+        include them: a stage runs the call after the steps submitted before it."""
+        with self._lock:
+            handles = self.encoder.free(request_ids)
+            if handles:
+                for stage in self.stages:
+                    stage.free_requests.remote(handles)
 
     def shutdown(self) -> None:
+        """Kill the stage actors (idempotent)."""
         import ray
         if tracing_enabled() and self.stages:       # the stages' last spans, before they are killed
             try:

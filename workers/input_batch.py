@@ -18,10 +18,11 @@ lengths, and the block tables of the native kernel and of the torch decode path 
 rows gathered with ``index_select``, narrowed to the widest row, each row zeroed past the blocks
 its sequence needs, which is exactly the zero-padded table of the old list-based preparation).
 
-``SeqInput`` is unchanged: the whole block table still arrives with every step (it crosses
-process boundaries to pipeline stages); the batch compares it with the stored copy (a C-level
-list comparison) instead of rebuilding tensors from it. Each pipeline stage's runner keeps its
-own batch; they see the same steps, so they hold the same rows.
+Each ``SeqInput`` carries its whole block table (in-process, from the scheduler; on a Ray
+pipeline stage, rebuilt from the step message's new blocks by :mod:`workers.step_delta`); the
+batch compares it with the stored copy (a C-level list comparison) instead of rebuilding
+tensors from it. Each pipeline stage's runner keeps its own batch; they see the same steps, so
+they hold the same rows.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -65,8 +66,10 @@ def _plain_greedy(p: SamplingParams) -> bool:
 
 @dataclass
 class SeqInput:
-    """One sequence of a step, as the workers see it (no scheduler state: it crosses process
-    boundaries to pipeline stages). Token ids are Python ints; positions count from 0.
+    """One sequence of a step, as the workers see it (no scheduler state). Token ids are
+    Python ints; positions count from 0. In-process it comes from the scheduler
+    (:meth:`StepInput.from_scheduler_output`); a Ray pipeline stage rebuilds it from the
+    incremental step message and its own per-request state (:mod:`workers.step_delta`).
 
     ``token_ids`` are the tokens at positions ``[start, start + len(token_ids))``;
     ``block_table`` lists the KV blocks covering positions ``[0, start + len(token_ids))``.
@@ -232,14 +235,19 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, step: StepInput, hidden: torch.Tensor | None = None) -> ModelRunnerOutput | torch.Tensor:
+    def execute(self, step: StepInput, hidden: torch.Tensor | Callable[[], torch.Tensor] | None = None
+                ) -> ModelRunnerOutput | torch.Tensor:
         """Run one step through this runner's layers: K/V of every scheduled token into the
         cache. The first stage takes token ids from ``step``; later stages take ``hidden``
-        (``[T, hidden_size]``, the previous stage's output, tokens in ``_prepare``'s order).
+        (``[T, hidden_size]``, the previous stage's output, tokens in ``_prepare``'s order), or
+        a function returning it, called once the step's inputs are prepared (a pipeline stage
+        prepares while the previous stage still computes).
         A stage that is not the last returns its hidden states; the last samples one token
         per sequence whose chunk ends at its last token and returns a ModelRunnerOutput."""
         with torch.profiler.record_function("prepare"):
             input_ids, positions, md, sample_idx, sample_seqs = self._prepare(step)
+        if callable(hidden):
+            hidden = hidden()
         x = input_ids if hidden is None else hidden
         with torch.profiler.record_function("forward"):
             hidden = None
