@@ -128,8 +128,17 @@ class RayHandle:
         return ray.get(self.ref)
 
 
+# --stage-placement -> Ray placement group strategy (one bundle per stage)
+PLACEMENT_STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict-spread": "STRICT_SPREAD"}
+
+
 class RayPipelineExecutor:
     """A replica's model as ``pp`` Ray actors, one per pipeline stage.
+
+    The stages are placed by a Ray placement group of one ``{"CPU": stage_num_cpus}`` bundle
+    per stage (``placement``: ``pack`` puts them on as few nodes as fit, ``spread`` on
+    different nodes where it can, ``strict-spread`` on different nodes or not at all); each
+    actor runs in its bundle, and the group is removed at :meth:`shutdown`.
 
     ``submit`` sends every stage the step's incremental message (:mod:`workers.step_delta`: a
     request's prompt-side data and block ids once, then per step its new tokens and new
@@ -149,22 +158,33 @@ class RayPipelineExecutor:
         stage_num_cpus: CPUs each stage reserves (> 0); its torch threads unless
             ``cfg.num_threads`` is set.
         replica: the replica's index (messages, spans).
+        placement: ``pack``, ``spread`` or ``strict-spread`` (:data:`PLACEMENT_STRATEGIES`).
+        placement_timeout: seconds to wait for the placement group.
     Raises:
-        EngineError: a bad layer split, a stage fails to load the model, or consecutive
-            stages cannot connect (their nodes must reach each other on any TCP port, as Ray's workers do).
+        EngineError: a bad layer split or placement, the stages cannot be placed within
+            ``placement_timeout`` (the message names the bundles asked for and what the
+            cluster has free), a stage fails to load the model, or consecutive stages cannot
+            connect (their nodes must reach each other on any TCP port, as Ray's workers do).
     """
 
     def __init__(self, cfg, model_dir: str, pp: int, layer_split: list[int] | None = None,
-                 stage_num_cpus: float = 1.0, replica: int = 0):
+                 stage_num_cpus: float = 1.0, replica: int = 0, placement: str = "pack",
+                 placement_timeout: float = 60.0):
         import threading
 
         import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from workers.kv_cache import budget_bytes, bytes_per_block, kv_dtype
         from workers.loader import load_config
         from workers.stage import PipelineStage
         from workers.step_delta import StepEncoder
 
+        if placement not in PLACEMENT_STRATEGIES:
+            raise EngineError(f"stage placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
+        if stage_num_cpus <= 0:
+            raise EngineError(f"stage_num_cpus must be > 0, got {stage_num_cpus}")
         m = load_config(model_dir)
         bounds = split_layers(m.num_layers, pp, layer_split)
         per_block = bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim,
@@ -177,9 +197,23 @@ class RayPipelineExecutor:
         self.stages = []
         self.encoder = StepEncoder(cfg.block_size)
         self._lock = threading.Lock()       # encoder state and the stage calls, in one order
+        bundles = [{"CPU": float(stage_num_cpus)} for _ in bounds]
+        strategy = PLACEMENT_STRATEGIES[placement]
+        self.placement_group = placement_group(bundles, strategy=strategy)
+        if not self.placement_group.wait(timeout_seconds=placement_timeout):
+            free = {k: v for k, v in sorted(ray.available_resources().items()) if not k.startswith("node:")}
+            nodes = sum(n["Alive"] for n in ray.nodes())
+            self.shutdown()
+            raise EngineError(f"replica {replica}: Ray could not place {pp} pipeline stages within "
+                              f"{placement_timeout:g} s: asked for bundles {bundles} with strategy {strategy} "
+                              f"(--stage-placement {placement}, --stage-num-cpus); the cluster has {free} "
+                              f"free on {nodes} alive node(s)")
         cfg = cfg.replace(num_threads=cfg.num_threads or max(1, round(stage_num_cpus)))
-        actor = ray.remote(PipelineStage).options(num_cpus=stage_num_cpus, max_concurrency=1)
-        self.stages = [actor.remote(cfg, model_dir, start, end, self.num_blocks, i, replica)
+        actor = ray.remote(PipelineStage)
+        self.stages = [actor.options(num_cpus=stage_num_cpus, max_concurrency=1,
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                         self.placement_group, placement_group_bundle_index=i))
+                       .remote(cfg, model_dir, start, end, self.num_blocks, i, replica)
                        for i, (start, end) in enumerate(bounds)]
         try:
             infos = ray.get([s.info.remote() for s in self.stages])
@@ -219,7 +253,7 @@ class RayPipelineExecutor:
                     stage.free_requests.remote(handles)
 
     def shutdown(self) -> None:
-        """Kill the stage actors (idempotent)."""
+        """Kill the stage actors and remove the placement group (idempotent)."""
         import ray
         if tracing_enabled() and self.stages:       # the stages' last spans, before they are killed
             try:
@@ -229,6 +263,13 @@ class RayPipelineExecutor:
         for s in self.stages:
             ray.kill(s)
         self.stages = []
+        pg, self.placement_group = getattr(self, "placement_group", None), None
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+            try:
+                remove_placement_group(pg)
+            except Exception:                       # Ray already shut down
+                pass
 
 
 def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executor:
@@ -249,7 +290,8 @@ def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executo
     cpus = sched_cfg.cpus_per_stage()
     need = sched_cfg.replicas * sched_cfg.pp * cpus
     ensure_ray(sched_cfg.ray_address, num_cpus=max(os.cpu_count() or 1, need))
-    return RayPipelineExecutor(cfg, model_dir, sched_cfg.pp, sched_cfg.layer_split(), cpus, replica)
+    return RayPipelineExecutor(cfg, model_dir, sched_cfg.pp, sched_cfg.layer_split(), cpus, replica,
+                               placement=sched_cfg.stage_placement)
 
 
 def ray_address_of_this_process() -> str:
