@@ -29,6 +29,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections import deque
 
 import msgpack
@@ -171,7 +172,6 @@ def engine_core_main(engine_cfg, sched_cfg, replica: int, conn_in, conn_out, col
     engine = None
     try:
         import torch
-        from kvmesh import telemetry
         from kvmesh.config import available_cpus
         from scheduler.engine import LLMEngine
         from workers.executor import create_executor
@@ -287,7 +287,6 @@ class EngineCoreClient(OutputStreams):
         EngineError when the core is down."""
         if self.errored is not None:
             raise EngineError(f"replica {self.replica}: engine process down: {self.errored}")
-        import uuid
         rid = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
         q: asyncio.Queue = asyncio.Queue()
