@@ -1,5 +1,5 @@
-"""The AMX attention paths on and off, alternating inside one process (the ratios that hold on
-a shared host whose speed drifts between runs).
+"""The flash attention paths (AMX tiles or AVX512-BF16 registers) on and off, alternating inside
+one process (the ratios that hold on a shared host whose speed drifts between runs).
 
 Builds one in-process engine (SmolLM2 bf16 by default) and flips the model runner's switches
 between measurements: ``prefill_native`` (prefill chunks through ``kvmesh::paged_attention``
@@ -18,10 +18,13 @@ printed with the CPU model:
 Usage::
 
     python -m bench.runtime_ab [--model smollm2-135m-instruct] [--rounds 8] [--batch 32]
-                               [--only ttft decode offline]
+                               [--only ttft decode offline] [--threads N] [--cpu-time]
 
-The switches only change anything on a CPU whose kernel path is ``amx`` (elsewhere the
-runner never sets them; the script says so and stops).
+The switches only change anything on a CPU whose kernel path is ``amx`` or ``avx512bf16``
+(elsewhere the runner never sets them; the script says so and stops). ``--cpu-time`` times
+``ttft`` and ``decode`` by the CPU time of the process instead of the wall clock: with
+``--threads 1`` on a host whose other processes take the cores now and then, it counts only
+the work measured.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import time
 import torch
 
 from bench.machine import cpu_model
+
+CLOCK = time.perf_counter     # --cpu-time: time.process_time
 
 
 def _ttft(engine, tokenizer, rounds: int) -> dict:
@@ -46,10 +51,10 @@ def _ttft(engine, tokenizer, rounds: int) -> dict:
             runner.prefill_native = flag
             ids = [100 + 2 * i + flag] + base[1:]             # uncached: a new first token
             engine.add_request(f"ttft{i}{name}", ids, SamplingParams(temperature=0.0, max_tokens=1))
-            t = time.perf_counter()
+            t = CLOCK()
             while engine.has_unfinished_requests():
                 engine.step()
-            res[name].append((time.perf_counter() - t) * 1e3)
+            res[name].append((CLOCK() - t) * 1e3)
     runner.prefill_native = True
     return res
 
@@ -67,9 +72,9 @@ def _decode(engine, tokenizer, batch: int, rounds: int) -> dict:
     for _ in range(2 * rounds):
         for name, flag in (("plain", False), ("cascade", True)):
             runner.native_cascade = flag
-            t = time.perf_counter()
+            t = CLOCK()
             engine.step()
-            res[name].append((time.perf_counter() - t) * 1e3)
+            res[name].append((CLOCK() - t) * 1e3)
     for r in reqs:
         engine.abort_request(r.request_id)
     engine.step()
@@ -112,19 +117,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--only", nargs="+", default=["ttft", "decode", "offline"], choices=["ttft", "decode", "offline"])
+    ap.add_argument("--threads", type=int, default=0, help="engine torch threads (0: the engine's default)")
+    ap.add_argument("--cpu-time", action="store_true", help="time ttft/decode by CPU time (use with --threads 1)")
     args = ap.parse_args(argv)
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     from transformers import AutoTokenizer
 
     from kvmesh.config import EngineConfig
     from scheduler.engine import LLMEngine
     from workers import kernels
     from workers.registry import resolve_model
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_num_seqs=max(64, args.batch)))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_num_seqs=max(64, args.batch),
+                                    num_threads=args.threads))
     runner = engine.executor.runner
     print(f"# CPU: {cpu_model()}; kernel path {kernels.isa()}; torch threads {torch.get_num_threads()}; "
-          f"model {args.model} bfloat16")
+          f"model {args.model} bfloat16; {'CPU time of the process' if args.cpu_time else 'wall clock'}")
     if not runner.prefill_native:
-        raise SystemExit("the AMX attention paths are off on this CPU (kernel path is not amx): nothing to compare")
+        raise SystemExit("the flash attention paths are off on this CPU (kernel path is neither amx nor avx512bf16): "
+                         "nothing to compare")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
 
     def show(title: str, res: dict, unit: str) -> None:

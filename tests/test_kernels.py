@@ -30,6 +30,9 @@ if not kernels.available():
 RANK = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "amx": 4}
 ISAS = [i for i in RANK if RANK[i] <= RANK[kernels.cpu_isa()]]
 QUANT = (torch.int8, torch.float8_e4m3fn)
+# paths whose work items of >= 9 rows of a bfloat16 q run the flash path (csrc/attn_flash.h),
+# which rounds the softmax probabilities to bfloat16 before P V
+FLASH = ("avx512bf16", "amx")
 
 
 @pytest.fixture(params=ISAS)
@@ -70,11 +73,11 @@ def make_batch(lens, ns, bs, nb, gen, shared=None):
 def check(out, ref, low_precision, bf16_probs=False):
     """``ref``: float32 reference of the same (possibly bfloat16) inputs; a low-precision
     ``out`` may differ by its own rounding (half an ulp: relative 2^-9 for bfloat16).
-    ``bf16_probs``: the AMX path (bfloat16 q), which rounds the softmax probabilities to
-    bfloat16 before P V (as ATen's bf16 flash attention does), and an int8 / float8 cache's
-    dequantized K and V too: each weight is off by up to 2^-9 relative, so the output by up
+    ``bf16_probs``: the flash path (avx512bf16 or amx, bfloat16 q), which rounds the softmax
+    probabilities to bfloat16 before P V (as ATen's bf16 flash attention does), and an int8 /
+    float8 cache's dequantized K and V too: each weight is off by up to 2^-9 relative, so the output by up
     to 2^-9 max|V| more (|V| < 8 here: atol 2^-6); its error against ATen's bfloat16 SDPA is
-    checked in test_amx_prefill_error_matches_aten_bf16_sdpa."""
+    checked in test_flash_prefill_error_matches_aten_bf16_sdpa."""
     assert out.shape == ref.shape
     if bf16_probs:
         torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -8, atol=2 ** -6)
@@ -105,7 +108,7 @@ def test_mixed_batch_matches_reference(isa, shape, qdt, kvdt):
     q = torch.randn(int(qsl[-1]), h, d, generator=gen).to(qdt)
     out = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5)
     ref = paged_attention_ref(q.float(), cache.data, cache.scales, qsl, sl, bt, d ** -0.5, compute_dtype=torch.float32)
-    check(out, ref, qdt != torch.float32 or kvdt == torch.bfloat16, isa == "amx" and qdt == torch.bfloat16)
+    check(out, ref, qdt != torch.float32 or kvdt == torch.bfloat16, isa in FLASH and qdt == torch.bfloat16)
 
 
 @pytest.mark.parametrize("kvdt", [torch.float32, torch.int8], ids=str)
@@ -123,13 +126,15 @@ def test_long_prefill_after_context_and_a_single_long_decode(isa, kvdt):
         check(out, paged_attention_ref(q, cache.data, cache.scales, qsl, sl, bt, 0.125), False)
 
 
-@pytest.mark.skipif(kernels.cpu_isa() != "amx", reason="the CPU has no AMX-BF16")
+@pytest.mark.parametrize("flash_isa", [i for i in FLASH if i in ISAS] or
+                         [pytest.param("avx512bf16", marks=pytest.mark.skip(reason="the CPU has no AVX512-BF16"))])
 @pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (12, 2, 128)], ids=str)
-def test_amx_prefill_error_matches_aten_bf16_sdpa(h, kvh, d):
-    """The AMX path on long bfloat16 prefills (a 1,500-token prompt without context, 300 tokens
-    after 1,300 cached): against the float32 reference its error is no larger than that of
-    ATen's bfloat16 SDPA on the same inputs (the path it replaces; both round P to bfloat16),
-    and it differs from the avx512bf16 path (float32 P) by no more than that either."""
+def test_flash_prefill_error_matches_aten_bf16_sdpa(flash_isa, h, kvh, d):
+    """The flash path (VDPBF16PS registers or AMX tiles) on long bfloat16 prefills (a 1,500-token
+    prompt without context, 300 tokens after 1,300 cached): against the float32 reference its
+    error is no larger than that of ATen's bfloat16 SDPA on the same inputs (the path it
+    replaces; both round P to bfloat16), and it differs from the avx512 path (float32 P) by no
+    more than that either."""
     bs = 16
     gen = torch.Generator().manual_seed(5)
     for lens, ns in (([1500], [1500]), ([1600], [300])):
@@ -139,16 +144,17 @@ def test_amx_prefill_error_matches_aten_bf16_sdpa(h, kvh, d):
         q = torch.randn(int(qsl[-1]), h, d, generator=gen).to(torch.bfloat16)
         ref = paged_attention_ref(q.float(), cache.data, cache.scales, qsl, sl, bt, d ** -0.5, compute_dtype=torch.float32)
         aten = paged_attention_ref(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5).float()
-        kernels.set_isa("amx")
+        kernels.set_isa(flash_isa)
         try:
-            amx = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5).float()
-            kernels.set_isa("avx512bf16")
+            flash = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5).float()
+            kernels.set_isa("avx512")
             f32p = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5).float()
         finally:
             kernels.set_isa("auto")
-        err, aten_err = (amx - ref).abs(), (aten - ref).abs()
+        err, aten_err = (flash - ref).abs(), (aten - ref).abs()
         assert err.max() <= 1.05 * aten_err.max() and err.mean() <= 1.05 * aten_err.mean(), (err.max(), aten_err.max())
-        assert (amx - f32p).abs().max() <= 2 * aten_err.max()
+        assert (flash - f32p).abs().max() <= 2 * aten_err.max()
+        assert (flash - f32p).abs().max() > 0          # the flash path ran (P in bfloat16), not the float32-P one
 
 
 @pytest.mark.parametrize("qdt,kvdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -173,7 +179,7 @@ def test_cascade_groups(isa, qdt, kvdt):
     out = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, 0.3, pg, pbt, pl)
     ref = paged_attention_ref(q.float(), cache.data, cache.scales, qsl, sl, bt, 0.3, pg, pbt, pl, compute_dtype=torch.float32)
     low = qdt != torch.float32 or kvdt == torch.bfloat16
-    check(out, ref, low, isa == "amx" and qdt == torch.bfloat16)
+    check(out, ref, low, isa in FLASH and qdt == torch.bfloat16)
     if plens[0] % bs == 0:      # group 0 as plain sequences: prefix blocks + own blocks in one table
         rows = [0, 1, 2, 3]
         full = torch.full((4, 8), -1, dtype=torch.int32)
@@ -186,7 +192,7 @@ def test_cascade_groups(isa, qdt, kvdt):
                                         sl[:4] + plens[0], full, 0.3)
         # both outputs rounded to q's dtype: equal up to one rounding each
         torch.testing.assert_close(out[:int(qsl[4])].float(), plain.float(), rtol=2 ** -7 if low else 1e-5,
-                                   atol=2 ** -6 if isa == "amx" and low else 1e-5)
+                                   atol=2 ** -6 if isa in FLASH and low else 1e-5)
 
 
 def test_decode_attends_only_to_its_own_tokens():

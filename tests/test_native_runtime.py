@@ -161,9 +161,12 @@ def test_bf16_model_uses_the_native_gemm_where_it_wins(smollm2_dir, prose_ids, h
     assert torch.equal(logits["bfloat16"].argmax(-1), logits["float32"].argmax(-1))
 
 
-@pytest.mark.skipif(kernels.cpu_isa() != "amx", reason="prefill chunks go through the kernel only on the AMX path")
-def test_bf16_prefill_through_the_amx_kernel_matches_sdpa(smollm2_dir, prose_ids, h):
-    """On AMX, a bfloat16 model prefills through ``paged_attention`` (every chunk, cached
+FLASH_ISA = kernels.cpu_isa() in ("amx", "avx512bf16")
+
+
+@pytest.mark.skipif(not FLASH_ISA, reason="prefill chunks go through the kernel only on its flash paths (AMX, AVX512-BF16)")
+def test_bf16_prefill_through_the_flash_kernel_matches_sdpa(smollm2_dir, prose_ids, h):
+    """On the flash paths (AMX tiles, AVX512-BF16 registers), a bfloat16 model prefills through ``paged_attention`` (every chunk, cached
     context or not) instead of SDPA: against the float32 model's logits (a cold and a chunked
     prefill), its error is no larger than the SDPA path's (both round P to bfloat16), with
     the same greedy tokens."""
@@ -187,10 +190,10 @@ def test_bf16_prefill_through_the_amx_kernel_matches_sdpa(smollm2_dir, prose_ids
     assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
 
 
-@pytest.mark.skipif(kernels.cpu_isa() != "amx", reason="native cascade groups run only on the AMX path")
+@pytest.mark.skipif(not FLASH_ISA, reason="native cascade groups run only on the kernel's flash paths (AMX, AVX512-BF16)")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_bf16_native_cascade_groups_match_plain_rows(smollm2_dir, prose_ids, h, kv_cache_dtype):
-    """On AMX, decode rows sharing a prefix of blocks (prefix caching) form cascade groups on
+    """On the flash paths, decode rows sharing a prefix of blocks (prefix caching) form cascade groups on
     the native backend too, over a bfloat16 or an int8 cache: the kernel reads the shared
     prefix once for all members. Against
     the same engine without groups, step by step: logits within bfloat16 noise (1.5 on logits

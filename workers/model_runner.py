@@ -181,17 +181,19 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, cfg.block_size,
                                            m.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
         self.attention_backend = resolve_attention_backend(cfg, self.device, m.head_dim)
-        # prefill chunks through the kernel too where it beats SDPA (AMX: a bfloat16 cache, or an
-        # int8 / float8 one, whose chunks go through the kernel in any case)
+        # prefill chunks through the kernel too where it beats SDPA (its flash path on AMX or
+        # AVX512-BF16: a bfloat16 cache, or an int8 / float8 one, whose chunks go through the
+        # kernel in any case)
         self.prefill_native = False
         self.quantized_kv = bool(self.kv_caches) and self.kv_caches[0].quantized
         if self.attention_backend == "native" and (self.kv_dtype == self.dtype or self.quantized_kv):
             from workers import kernels
             self.prefill_native = kernels.prefill_in_kernel(self.dtype)
-        # Cascade groups on the native backend only where its many-row path is the AMX one:
-        # on the avx512bf16 path a group's prefix read once, then a merge, measured slower than
-        # each row reading its whole context (SmolLM2 bf16, 32 rows on 6 policies at 1.6k
-        # context, Sapphire Rapids class Xeon: 112 ms per step with groups, 94 ms without).
+        # Cascade groups on the native backend only where a group's rows run the flash path (AMX
+        # or AVX512-BF16 register tiles; SmolLM2 bf16, 32 rows on 8 policies at 1.6k context, one
+        # thread of an AMD EPYC Zen 5: 77 ms per step with groups, 101 ms without, bench.runtime_ab):
+        # through the float32 many-row path a group's prefix read once, then a merge, measured
+        # slower than each row reading its whole context (Sapphire Rapids class Xeon: 112 vs 94 ms).
         self.native_cascade = self.prefill_native
         self.compiled_decode = None
         if cfg.enable_compile and self.attention_backend == "native":

@@ -16,9 +16,10 @@ a CPU that is not x86-64, or when the build fails (no compiler, no ``ninja``...)
 
 Instruction set: one build carries a scalar, an AVX2+FMA+F16C, an AVX-512F, an AVX-512F +
 AVX512-BF16 and an AMX attention path (each translation unit compiled with ``#pragma GCC
-target``; avx512bf16 computes q K^T of a bfloat16 cache with ``vdpbf16ps``; amx adds AMX-BF16
-tiles for work items of at least 9 query rows of a bfloat16 q over a bfloat16 cache: prefill
-and verify chunks, cascade groups, ``csrc/attn_amx.h``); the best one the CPU supports is
+target``; avx512bf16 computes q K^T of a bfloat16 cache with ``vdpbf16ps``, and work items of
+at least 9 query rows of a bfloat16 q (prefill and verify chunks, cascade groups) run the flash
+path of ``csrc/attn_flash.h`` with ``vdpbf16ps`` register tiles; amx runs that path on AMX-BF16
+tiles, ``csrc/attn_amx.h``); the best one the CPU supports is
 chosen at run time (``__builtin_cpu_supports``, CPUID and the kernel's permission for the tile
 state). ``KVMESH_KERNEL_ISA=scalar|avx2|avx512|avx512bf16|amx`` selects a lower path (a path
 above what the CPU has is lowered to it; the GEMM reads the same variable); :func:`set_isa`
@@ -172,11 +173,14 @@ def set_isa(name: str) -> str:
 
 def prefill_in_kernel(dtype: torch.dtype) -> bool:
     """Whether prefill chunks of a ``dtype`` model over a cache of the same dtype are faster
-    through ``paged_attention`` than through SDPA: on the AMX path for bfloat16 (a 1,500-token
-    SmolLM2 prompt, 2 threads, Xeon with AMX: 4.8 ms per layer against 9.4 ms for ATen's flash
-    attention, ``python -m bench.kernels``). Elsewhere ATen's GEMM-shaped flash attention wins
-    for chunks of ``SDPA_MIN_CHUNK_TOKENS`` tokens and more (workers/layers/attention.py)."""
-    return dtype == torch.bfloat16 and available() and isa() == "amx"
+    through ``paged_attention`` than through SDPA: for bfloat16 on the two flash paths
+    (``csrc/attn_flash.h``): ``amx`` (a 1,500-token SmolLM2 prompt, 2 threads, Xeon with AMX:
+    4.8 ms per layer against 9.4 ms for ATen's flash attention) and ``avx512bf16`` (the same
+    prompt on one thread of an AMD EPYC Zen 5, CPU time: 8.2 ms per layer against 41.7 ms for
+    SDPA; ``python -m bench.kernels --threads 1 --cpu-time``). Elsewhere ATen's GEMM-shaped flash
+    attention wins for chunks of ``SDPA_MIN_CHUNK_TOKENS`` tokens and more
+    (workers/layers/attention.py)."""
+    return dtype == torch.bfloat16 and available() and isa() in ("amx", "avx512bf16")
 
 
 def _require():

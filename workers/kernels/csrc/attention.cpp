@@ -20,7 +20,7 @@ namespace kvmesh {
 namespace {
 
 constexpr int kOwnRowsPerItem = 64;    // own-part rows per work item (long prefill chunks)
-constexpr int kAmxRowsPerItem = 256;   // the same on the AMX path (K/V packed once per item)
+constexpr int kFlashRowsPerItem = 256; // the same on the flash paths (K/V packed once per item)
 constexpr int kMinSplitKeys = 128;     // a KV split holds at least this many keys
 
 DType dtype_code(at::ScalarType t, const char* what) {
@@ -127,8 +127,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
   const int G = int(H / KVH);
   const int nthreads = at::get_num_threads();
   const RunFn run = select_kernel(int(D));
-  const int rows_per_item = run == run_items_amx && qd == BF16 && (kd == BF16 || kd == I8 || kd == FP8)
-                                ? kAmxRowsPerItem : kOwnRowsPerItem;
+  const bool flash = (run == run_items_amx || run == run_items_avx512bf16) && qd == BF16 &&
+                     (kd == BF16 || kd == I8 || kd == FP8);
+  const int rows_per_item = flash ? kFlashRowsPerItem : kOwnRowsPerItem;
   // group members' tokens (CSR) and each member's first row within its group
   std::vector<int32_t> gtok, gstart(NG + 1, 0), member_row0(S, 0);
   if (cascade) {

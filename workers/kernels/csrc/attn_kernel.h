@@ -312,6 +312,9 @@ struct Kernel {
   }
 };
 
+#if KVMESH_ISA >= 3
+#include "attn_flash.h"
+#endif
 #if KVMESH_ISA >= 4
 #include "attn_amx.h"
 #endif
@@ -323,9 +326,14 @@ static void run_items(const AttnArgs& a, const WorkItem* items, int64_t begin, i
 #endif
   for (int64_t i = begin; i < end; ++i) {
 #if KVMESH_ISA >= 4
-    if (amx_item(a, items[i])) {
-      run_amx(a, items[i]);
+    if (flash_item(a, items[i])) {
+      run_flash<AmxMul>(a, items[i]);
       tiles = true;
+      continue;
+    }
+#elif KVMESH_ISA == 3
+    if (flash_item(a, items[i])) {
+      run_flash<DpMul>(a, items[i]);
       continue;
     }
 #endif
