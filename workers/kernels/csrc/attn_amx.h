@@ -47,7 +47,7 @@ static inline void tiles_mul(const uint16_t* A, int lda, int nk, const uint16_t*
 struct AmxMul {
   static inline void begin() { _tile_loadconfig(&kAttnTiles); }
   template <int N>
-  static inline void mul(const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out) {
-    tiles_mul<N>(A, lda, nk, B, bk, out);
+  static inline void mul(const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out, int) {
+    tiles_mul<N>(A, lda, nk, B, bk, out);      // a tile holds 16 rows: padding rows cost nothing more
   }
 };

@@ -88,7 +88,9 @@ static inline void transpose16_u32(const uint32_t* const* rows, uint32_t* dst) {
 // tiles_mul (attn_amx.h) on the same operands (A rows lda bytes apart, step k at A + 32 k; the
 // N packed B tiles of step k at B + k * bk + 512 n), as R x N register tiles of 16 lanes: per
 // dim pair p, N B rows are loaded and each A row's 32-bit pair p is broadcast (R = 6, N = 4:
-// 24 accumulators).
+// 24 accumulators). Only the row groups holding the first `nr` rows are computed (a cascade
+// group of 8 decode rows x 3 query heads fills 1.5 tiles): the rows after them are left as they
+// were, and the caller masks them.
 struct DpMul {
   static inline void begin() {}
   template <int R, int N>
@@ -122,21 +124,22 @@ struct DpMul {
       for (int n = 0; n < N; ++n) _mm512_store_ps(out + r * 64 + 16 * n, acc[r][n]);
   }
   template <int N>
-  static inline void mul(const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out) {
+  static inline void mul(const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out, int nr) {
     const char* a = (const char*)A;
     rows<6, N>(a, lda, nk, B, bk, out);
-    rows<6, N>(a + 6 * lda, lda, nk, B, bk, out + 6 * 64);
-    rows<4, N>(a + 12 * lda, lda, nk, B, bk, out + 12 * 64);
+    if (nr > 6) rows<6, N>(a + 6 * lda, lda, nk, B, bk, out + 6 * 64);
+    if (nr > 12) rows<4, N>(a + 12 * lda, lda, nk, B, bk, out + 12 * 64);
   }
 };
 
 template <class Mul>
-static inline void mul_n(int n, const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out) {
+static inline void mul_n(int n, const uint16_t* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out,
+                         int nr) {
   switch (n) {
-    case 1: Mul::template mul<1>(A, lda, nk, B, bk, out); break;
-    case 2: Mul::template mul<2>(A, lda, nk, B, bk, out); break;
-    case 3: Mul::template mul<3>(A, lda, nk, B, bk, out); break;
-    default: Mul::template mul<4>(A, lda, nk, B, bk, out);
+    case 1: Mul::template mul<1>(A, lda, nk, B, bk, out, nr); break;
+    case 2: Mul::template mul<2>(A, lda, nk, B, bk, out, nr); break;
+    case 3: Mul::template mul<3>(A, lda, nk, B, bk, out, nr); break;
+    default: Mul::template mul<4>(A, lda, nk, B, bk, out, nr);
   }
 }
 
@@ -161,11 +164,12 @@ static inline __m512 reduce16(__m512* v) {
 // One row tile's scores and online softmax for a chunk: S = Q K^T (tq 16-key tiles), scaled
 // and masked (row r sees chunk keys < min(lim[r] - b0 + 1, vis)); the running max mx and sum
 // of the 16 rows updated; alpha = exp(m_old - m_new) (1 for a row that sees nothing); P the
-// bfloat16 probabilities [16, 64] (0 where masked).
+// bfloat16 probabilities [16, 64] (0 where masked). Rows from nr on are padding (lim -1).
 template <class Mul>
 static inline void softmax_tile(const uint16_t* Qt, int D, const uint16_t* Kp, float* S, int tq, const int32_t* lim,
-                                int b0, int vis, __m512 vscale, float* mx, float* sum, float* alpha, uint16_t* P) {
-  mul_n<Mul>(tq, Qt, D * 2, D / 32, Kp, 4 * 512, S);      // S = Q K^T, tq tiles of 16 keys
+                                int b0, int vis, __m512 vscale, float* mx, float* sum, float* alpha, uint16_t* P,
+                                int nr) {
+  mul_n<Mul>(tq, Qt, D * 2, D / 32, Kp, 4 * 512, S, nr);      // S = Q K^T, tq tiles of 16 keys
   __m512 red[16];
   for (int r = 0; r < 16; ++r) {
     int ve = lim[r] - b0 + 1;
@@ -205,14 +209,15 @@ static inline void softmax_tile(const uint16_t* Qt, int D, const uint16_t* Kp, f
   _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), al, reduce16<false>(red)));
 }
 
-// O [16, D] (row stride D) = O * alpha + P V for one row tile (nks 32-key steps of P).
+// O [nr, D] (row stride D) = O * alpha + P V for the first nr rows of a row tile (nks 32-key
+// steps of P).
 template <class Mul>
 static inline void pv_tile(const uint16_t* P, int nks, const uint16_t* Vp, int NCOL, float* T, const float* alpha,
-                           float* O, int D) {
+                           float* O, int D, int nr) {
   for (int c0 = 0; c0 < NCOL; c0 += 4) {
     const int nc = NCOL - c0 < 4 ? NCOL - c0 : 4;
-    mul_n<Mul>(nc, P, 128, nks, Vp + c0 * 512, int64_t(NCOL) * 512, T);   // P V, nc tiles of 16 dims
-    for (int r = 0; r < 16; ++r) {
+    mul_n<Mul>(nc, P, 128, nks, Vp + c0 * 512, int64_t(NCOL) * 512, T, nr);   // P V, nc tiles of 16 dims
+    for (int r = 0; r < nr; ++r) {
       float* o = O + r * D + c0 * 16;
       const __m512 al = _mm512_set1_ps(alpha[r]);
       for (int c = 0; c < nc; ++c)
@@ -367,11 +372,12 @@ static void run_flash(const AttnArgs& a, const WorkItem& it) {
           cur_ks = (vis + 31) / 32;
           const int buf_i = (r0 / 16) & 1;
           softmax_tile<Mul>(Qb + r0 * D, D, Kp, S, (vis + 15) / 16, lim + r0, b0, vis, vscale, mx + r0, sum + r0,
-                       alpha + 16 * buf_i, P + 1024 * buf_i);
+                            alpha + 16 * buf_i, P + 1024 * buf_i, M - r0 < 16 ? M - r0 : 16);
         }
       }
       if (pend >= 0)
-        pv_tile<Mul>(P + 1024 * ((pend / 16) & 1), pend_ks, Vp, NCOL, T, alpha + 16 * ((pend / 16) & 1), O + pend * D, D);
+        pv_tile<Mul>(P + 1024 * ((pend / 16) & 1), pend_ks, Vp, NCOL, T, alpha + 16 * ((pend / 16) & 1), O + pend * D, D,
+                     M - pend < 16 ? M - pend : 16);
       pend = cur_ks ? r0 : -1;
       pend_ks = cur_ks;
     }
