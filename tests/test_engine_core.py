@@ -12,7 +12,9 @@ import signal
 import time
 
 import grpc
+import psutil
 import pytest
+import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.config import EngineConfig, SchedulerConfig, available_cpus
@@ -184,9 +186,13 @@ async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
         await srv.stop(grace=0)
 
 
-async def _replica_back(stub, old_pid: int) -> bool:
-    st = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
-    return st.healthy and st.pid != old_pid and st.restarts == 1
+async def _replica_back(stub, old_pid: int, restarts: int = 1, replica: int = 0) -> bool:
+    st = (await stub.GetStats(pb.GetStatsRequest())).replicas[replica]
+    return st.healthy and st.pid != old_pid and st.restarts == restarts
+
+
+async def _truthy(value) -> bool:
+    return bool(value)
 
 
 async def _drain(call) -> list[pb.SubmitResponse]:
@@ -194,3 +200,118 @@ async def _drain(call) -> list[pb.SubmitResponse]:
     while (m := await call.read()) is not grpc.aio.EOF:
         out.append(m)
     return out
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _tokens(stub, prompt: list[int], n: int, timeout: float | None = None) -> list[int]:
+    msgs = await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prompt, sampling=_greedy(n)), timeout=timeout))
+    assert msgs[-1].finished
+    return [t for m in msgs for t in m.token_ids]
+
+
+def _live(pids) -> set[int]:
+    """Those of ``pids`` whose process still runs (a zombie holds no memory)."""
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _stage_processes() -> set[int]:
+    """Live Ray pipeline-stage actor processes of this test's own Ray (descendants of this
+    process: the local Ray's raylet is its child, the actor workers the raylet's)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith("ray::PipelineStage") and p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+async def _watch_health(ch, seen: list) -> None:
+    """Record every health status the service reports (the Watch stream) into ``seen``."""
+    async for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
+        seen.append(r.status)
+
+
+@pytest.fixture(scope="module")
+def ray_two_cpus():
+    """This module's local Ray with 2 logical CPUs: exactly the pp=2 replica's two {CPU: 1}
+    stage bundles, so a restarted replica's stages can only be placed once the dead one's
+    placement group is gone."""
+    import ray
+    from workers.executor import ensure_ray
+    if ray.is_initialized():
+        ray.shutdown()
+    ensure_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pp2_server(ray_two_cpus, smollm2_dir):
+    """One pp=2 replica (engine process + two Ray stage actors), restarted by each test."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, pp=2, stage_num_cpus=1),
+                                _engine_cfg(smollm2_dir, num_threads=1))
+    await srv.wait_ready()
+    yield srv
+    await srv.stop(grace=0)
+    t0 = time.monotonic()
+    while _stage_processes():                 # stopped: its stage actors are killed
+        assert time.monotonic() - t0 < 10, _stage_processes()
+        await asyncio.sleep(0.1)
+
+
+@aio
+@pytest.mark.parametrize("victim", ["stage 0", "stage 1", "engine process", "idle stage 1"])
+async def test_pp2_replica_restarts_whole_after_a_process_dies(pp2_server, prose_ids, victim):
+    """pp=2: a stage process (or the engine process) SIGKILLed during streams, or a stage while
+    the replica is idle (the engine's idle health check finds it). The streams end
+    UNAVAILABLE naming the stage, the service is NOT_SERVING while its only replica is down, a
+    request sent meanwhile waits for the restart and gets the same greedy tokens as before, the
+    replica is back (new engine and stage processes) and SERVING within 30 s, and nothing of the
+    dead replica is left: no stage process of it runs, its placement group is removed."""
+    from ray.util import placement_group_table
+    srv = pp2_server
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        want = await _tokens(stub, prose_ids[:20], 6)
+        before = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
+        old = srv.service.replicas[0].aengine
+        assert before.healthy and len(old.stage_pids) == 2 and _stage_processes() == set(old.stage_pids)
+        seen: list = []
+        watcher = asyncio.ensure_future(_watch_health(ch, seen))
+        calls = [] if victim.startswith("idle") else [
+            stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[i:20 + i], sampling=_greedy(400)))
+            for i in range(3)]
+        for c in calls:
+            await c.read()                                   # streaming
+        victim_pid = old.pid if victim == "engine process" else old.stage_pids[int(victim[-1])]
+        t_kill = time.monotonic()
+        os.kill(victim_pid, signal.SIGKILL)
+        for c in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await _drain(c)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
+            assert ("exited" if victim == "engine process" else "pipeline stage 1") in ei.value.details()
+        if victim.startswith("idle"):                        # found by the idle check, not by a request
+            await _until(lambda: _truthy(NOT_SERVING in seen), 10)
+        # sent while the replica is down: waits for the restart (within its deadline), same tokens
+        assert await _tokens(stub, prose_ids[:20], 6, timeout=60) == want
+        await _until(lambda: _replica_back(stub, old.pid, before.restarts + 1), 30 - (time.monotonic() - t_kill))
+        await _until(lambda: _truthy(seen and seen[-1] == SERVING), 5)
+        watcher.cancel()
+        assert NOT_SERVING in seen, seen
+        new = srv.service.replicas[0].aengine
+        assert not _live([old.pid, *old.stage_pids])
+        assert _stage_processes() == set(new.stage_pids) and not set(new.stage_pids) & set(old.stage_pids)
+        assert [pg["state"] for pg in placement_group_table().values()].count("CREATED") == 1
+        assert await _tokens(stub, prose_ids[:20], 6) == want
