@@ -312,8 +312,24 @@ class EngineCoreClient(OutputStreams):
                         traceparent, time.monotonic()])
         except (OSError, ValueError) as e:
             self._queues.pop(rid, None)
-            raise EngineError(f"replica {self.replica}: engine process down: {e!r}") from None
+            error = EngineError(f"replica {self.replica}: engine process down: {e!r}")
+            self._died(error)                # the core is gone and the reader has not said so yet
+            raise error from None
         return rid, q
+
+    def is_up(self) -> bool:
+        """Not known dead, and the process alive: one that has just died is down at once, before
+        the reader has noticed, so that no new request is sent to it. Looks without reaping
+        (``WNOWAIT``): the reader thread reaps, and ``Process.is_alive`` racing it can say alive
+        for a process it has just reaped."""
+        if self.errored is not None:
+            return False
+        if not hasattr(os, "waitid"):
+            return self.process.is_alive()
+        try:
+            return os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:            # reaped already
+            return False
 
     def abort(self, request_id: str) -> bool:
         """Abort a request the client still streams; False when it is not open here."""
