@@ -322,7 +322,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 remaining = context.time_remaining()
                 bound = self.sched_cfg.restart_wait if remaining is None else min(remaining, self.sched_cfg.restart_wait)
                 waited = time.monotonic() - t0
-                comes_back = self.restarting or (self.sched_cfg.restart_replicas and self.sched_cfg.engine_process)
+                comes_back = self.sched_cfg.restart_replicas and self.sched_cfg.engine_process
                 if not comes_back or self.stopping or waited >= bound:
                     extra = f"; waited {waited:.1f} s for a restarting replica" if waited > 0.05 else ""
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}{extra}")

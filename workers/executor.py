@@ -119,6 +119,12 @@ def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
                  configure_logging=False)
 
 
+def _first_line(e: BaseException) -> str:
+    """The first line of a Ray error's message (the rest: actor ids, addresses, advice)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class RayHandle:
     """The in-flight step of a :class:`RayPipelineExecutor`: ``ref`` is the result of its last
     stage, ``stage`` that stage's index.
@@ -135,11 +141,12 @@ class RayHandle:
         try:
             return ray.get(self.ref)
         except ray.exceptions.ActorDiedError as e:
-            lines = str(e).strip().splitlines()
-            raise EngineError(f"pipeline stage {self.stage} died: {lines[0] if lines else type(e).__name__}") from None
+            raise EngineError(f"pipeline stage {self.stage} died: {_first_line(e)}") from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, EngineError) else repr(e.cause)
             raise EngineError(f"pipeline stage {self.stage}: {cause}") from None
+        except ray.exceptions.RayError as e:       # lost objects, a dead owner, ...
+            raise EngineError(f"pipeline stage {self.stage}: {_first_line(e)}") from None
 
 
 # --stage-placement -> Ray placement group strategy (one bundle per stage)
@@ -266,8 +273,7 @@ class RayPipelineExecutor:
         except ray.exceptions.GetTimeoutError:
             raise EngineError(f"a pipeline stage did not answer a health check within {timeout:g} s") from None
         except ray.exceptions.RayError as e:
-            lines = str(e).strip().splitlines()
-            raise EngineError(f"a pipeline stage is down: {lines[0] if lines else type(e).__name__}") from None
+            raise EngineError(f"a pipeline stage is down: {_first_line(e)}") from None
 
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests on every stage (the last keeps per-request
