@@ -439,6 +439,10 @@ class OutputStreams:
     def abort(self, request_id: str) -> bool:
         raise NotImplementedError
 
+    def is_up(self) -> bool:
+        """Whether the engine loop runs: the router sends new requests only to one that does."""
+        return self.errored is None
+
     def pending_load(self) -> tuple[int, int]:
         """Requests (and their prompt tokens) added but not yet reflected in ``stats``."""
         return 0, 0

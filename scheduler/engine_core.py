@@ -98,12 +98,19 @@ class _EventBuffer:
         self.events.extend(events)
 
 
+HEALTH_CHECK_INTERVAL = 1.0     # seconds between the idle loop's executor health checks
+
+
 class EngineCore:
     """The engine loop of one replica in this process, fed from ``conn_in``, reporting to
-    ``conn_out`` (module docstring). ``collect_events``: carry KV events (prefix routing)."""
+    ``conn_out`` (module docstring). ``collect_events``: carry KV events (prefix routing).
+    While it has no step in flight it checks its executor's health (``check_health``: Ray
+    stages) every HEALTH_CHECK_INTERVAL seconds; a failed check ends the loop (FATAL)."""
 
     def __init__(self, engine, conn_in, conn_out, collect_events: bool):
         self.engine, self.conn_out = engine, conn_out
+        self._check_health = getattr(engine.executor, "check_health", None)
+        self._next_check = time.monotonic() + HEALTH_CHECK_INTERVAL
         self.events = _EventBuffer() if collect_events else None
         if self.events is not None:
             engine.block_manager.sink = self.events
@@ -148,6 +155,9 @@ class EngineCore:
     def _wait(self, timeout: float) -> None:
         if self._dirty or self._rejected:
             self._emit([])                   # new requests show in the stats before they run
+        if self._check_health is not None and time.monotonic() >= self._next_check:
+            self._check_health()             # EngineError: a stage died while nothing ran
+            self._next_check = time.monotonic() + HEALTH_CHECK_INTERVAL
         if not self._inputs:
             self._wake.wait(timeout)
         self._wake.clear()
@@ -184,7 +194,8 @@ def engine_core_main(engine_cfg, sched_cfg, replica: int, conn_in, conn_out, col
         engine = LLMEngine(engine_cfg, executor_factory=lambda cfg, model_dir: create_executor(
             cfg, model_dir, sched_cfg, replica))
         info = dataclasses.astuple(engine.info())
-        conn_out.send_bytes(_pack([READY, info, torch.get_num_threads(), os.getpid()]))
+        stage_pids = [i["pid"] for i in getattr(engine.executor, "stage_info", ())]
+        conn_out.send_bytes(_pack([READY, info, torch.get_num_threads(), os.getpid(), stage_pids]))
         core = EngineCore(engine, conn_in, conn_out, collect_events)
         core.run()
     except BaseException as e:
@@ -214,6 +225,7 @@ class EngineCoreClient(OutputStreams):
         info: the engine's :class:`EngineInfo` (after ``start``).
         stats: the last :class:`EngineStats` the core pushed.
         num_threads: torch threads of the core process; ``pid``: its process id.
+        stage_pids: process ids of its Ray pipeline stages, by stage (empty at pp 1).
         on_death: called on the event loop, once, when the core exits unasked.
         sink: KV event sink (:class:`kvstore.publisher.KVEventPublisher`), or None.
     Raises (``start``): EngineError with the core's reason when it cannot load.
@@ -233,6 +245,7 @@ class EngineCoreClient(OutputStreams):
         self.info: EngineInfo | None = None
         self.num_threads = 0
         self.pid = self.process.pid
+        self.stage_pids: list[int] = []
         self.on_death = None
         self.sink = None
         self.cached_hashes: set[int] = set()    # mirror of the core's prefix cache (from KV events)
@@ -253,7 +266,7 @@ class EngineCoreClient(OutputStreams):
         except BaseException:
             await self.shutdown()
             raise
-        _, info, self.num_threads, self.pid = msg
+        _, info, self.num_threads, self.pid, self.stage_pids = msg
         info[7] = tuple(info[7])
         self.info = EngineInfo(*info)
         self.stats = dataclasses.replace(self.stats, num_blocks=self.info.num_blocks)
@@ -299,8 +312,24 @@ class EngineCoreClient(OutputStreams):
                         traceparent, time.monotonic()])
         except (OSError, ValueError) as e:
             self._queues.pop(rid, None)
-            raise EngineError(f"replica {self.replica}: engine process down: {e!r}") from None
+            error = EngineError(f"replica {self.replica}: engine process down: {e!r}")
+            self._died(error)                # the core is gone and the reader has not said so yet
+            raise error from None
         return rid, q
+
+    def is_up(self) -> bool:
+        """Not known dead, and the process alive: one that has just died is down at once, before
+        the reader has noticed, so that no new request is sent to it. Looks without reaping
+        (``WNOWAIT``): the reader thread reaps, and ``Process.is_alive`` racing it can say alive
+        for a process it has just reaped."""
+        if self.errored is not None:
+            return False
+        if not hasattr(os, "waitid"):
+            return self.process.is_alive()
+        try:
+            return os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:            # reaped already
+            return False
 
     def abort(self, request_id: str) -> bool:
         """Abort a request the client still streams; False when it is not open here."""

@@ -145,7 +145,7 @@ class Replica:
 
     @property
     def healthy(self) -> bool:
-        return self.aengine.errored is None
+        return self.aengine.is_up()
 
     def num_waiting(self) -> int:
         return self.aengine.stats.num_waiting + self.aengine.pending_load()[0]
@@ -250,7 +250,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         for r in self.replicas:
             if r.publisher is not None and not r.healthy:
                 log.warning("replica %s is down (%r): removing it from the prefix index", r.replica_id,
-                            r.aengine.errored)
+                            r.aengine.errored or "its process exited")
                 await asyncio.to_thread(r.stop_publishing)
 
     async def close_index(self) -> None:
@@ -310,9 +310,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 _end_request_span(self.tracer, span, last, replica.info.block_size)
 
     async def _pick(self, context, session_id: str, prompt: list[int]) -> "Replica":
-        """The router's replica for a new request. While none is up and some are restarting,
-        waits for one (``restart_wait`` seconds at most, within the call's deadline); then, or
-        when none is restarting, aborts the call with UNAVAILABLE."""
+        """The router's replica for a new request. While none is up and one is restarting or
+        will be (``restart_replicas``: an engine process that has just died, before the service
+        has noticed), waits for one (``restart_wait`` seconds at most, within the call's
+        deadline); then, or when none will come back, aborts the call with UNAVAILABLE."""
         t0 = time.monotonic()
         while True:
             try:
@@ -321,7 +322,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 remaining = context.time_remaining()
                 bound = self.sched_cfg.restart_wait if remaining is None else min(remaining, self.sched_cfg.restart_wait)
                 waited = time.monotonic() - t0
-                if not self.restarting or self.stopping or waited >= bound:
+                comes_back = self.sched_cfg.restart_replicas and self.sched_cfg.engine_process
+                if not comes_back or self.stopping or waited >= bound:
                     extra = f"; waited {waited:.1f} s for a restarting replica" if waited > 0.05 else ""
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}{extra}")
                 await asyncio.sleep(0.05)

@@ -12,14 +12,16 @@ import signal
 import time
 
 import grpc
+import psutil
 import pytest
+import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.config import EngineConfig, SchedulerConfig, available_cpus
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from scheduler.engine import EngineOutput
 from scheduler.engine_core import _output_of, _output_row, _pack, _unpack
-from scheduler.request import FinishReason
+from scheduler.request import EngineError, FinishReason, SamplingParams
 from scheduler.service import SERVICE_NAME, serve_scheduler
 
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -136,6 +138,12 @@ async def test_killed_engine_process_is_restarted(smollm2_dir, prose_ids, caplog
             await call.read()
             old_pid = srv.service.replicas[0].aengine.pid
             os.kill(old_pid, signal.SIGKILL)
+            while not _exited(old_pid):
+                time.sleep(0.001)            # blocking: the service has not heard of the death yet
+            # sent right after the death, maybe before the service noticed it: waits for the
+            # restart (the replica is down, and will come back), then is served
+            early = asyncio.ensure_future(_drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20],
+                                                                              sampling=_greedy(4)))))
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await _drain(call)
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -144,6 +152,7 @@ async def test_killed_engine_process_is_restarted(smollm2_dir, prose_ids, caplog
             # sent while the replica is down: waits for the restart, then is served
             msgs = await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(4))))
             assert msgs[-1].finished and sum(len(m.token_ids) for m in msgs) == 4
+            assert [t for m in await early for t in m.token_ids] == [t for m in msgs for t in m.token_ids]
             SERVING = health_pb2.HealthCheckResponse.SERVING
             await _until(lambda: _health_is(health, SERVING), 30)
             assert await _health(health, SERVICE_NAME) == SERVING
@@ -184,9 +193,13 @@ async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
         await srv.stop(grace=0)
 
 
-async def _replica_back(stub, old_pid: int) -> bool:
-    st = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
-    return st.healthy and st.pid != old_pid and st.restarts == 1
+async def _replica_back(stub, old_pid: int, restarts: int = 1, replica: int = 0) -> bool:
+    st = (await stub.GetStats(pb.GetStatsRequest())).replicas[replica]
+    return st.healthy and st.pid != old_pid and st.restarts == restarts
+
+
+async def _truthy(value) -> bool:
+    return bool(value)
 
 
 async def _drain(call) -> list[pb.SubmitResponse]:
@@ -194,3 +207,203 @@ async def _drain(call) -> list[pb.SubmitResponse]:
     while (m := await call.read()) is not grpc.aio.EOF:
         out.append(m)
     return out
+
+
+@aio
+async def test_two_replicas_keep_serving_while_one_restarts(smollm2_dir, prose_ids):
+    """Two replicas (engine processes, pp 1), new requests sent all the while by two clients.
+    One replica's engine process is SIGKILLed: its in-flight stream ends UNAVAILABLE, the other
+    replica's stream finishes, every request sent after the process died succeeds (the live
+    replica serves it), health never leaves SERVING, the dead replica is back within 30 s
+    (restarts 1; the other 0) and both replicas serve new requests again."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=2, routing="load"), _engine_cfg(smollm2_dir))
+    try:
+        await srv.wait_ready()
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            seen: list = []
+            watcher = asyncio.ensure_future(_watch_health(ch, seen))
+            doomed = stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(400)))
+            victim = (await doomed.read()).replica
+            other = stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[1:21], sampling=_greedy(40)))
+            other_first = await other.read()
+            assert other_first.replica == 1 - victim           # load routing: one long stream on each
+            results: list[tuple[float, int | None, grpc.aio.AioRpcError | None]] = []  # (sent, replica, error)
+            stop = asyncio.Event()
+
+            async def client(k: int) -> None:
+                i = 0
+                while not stop.is_set():
+                    t = time.monotonic()
+                    prompt = prose_ids[(7 * i + k) % 100:][:12]
+                    try:
+                        msgs = await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prompt, sampling=_greedy(3)),
+                                                        timeout=30))
+                        assert msgs[-1].finished and sum(len(m.token_ids) for m in msgs) == 3
+                        results.append((t, msgs[-1].replica, None))
+                    except grpc.aio.AioRpcError as e:
+                        results.append((t, None, e))
+                    i += 1
+
+            clients = [asyncio.ensure_future(client(k)) for k in range(2)]
+            await _until(lambda: _truthy(len(results) >= 4), 30)
+            dead = srv.service.replicas[victim].aengine
+            old_pid = dead.pid
+            os.kill(old_pid, signal.SIGKILL)
+            while not _exited(old_pid):
+                time.sleep(0.001)            # blocking: the service's loop cannot hear of the death yet
+            t_dead = time.monotonic()
+            # dead before the service's reader has noticed: already out of routing, and a request
+            # sent to it anyway is an engine-down error (UNAVAILABLE), never a bad request
+            assert dead.errored is None and not srv.service.replicas[victim].healthy
+            with pytest.raises(EngineError, match="engine process down"):
+                dead.add_request(None, prose_ids[:8], SamplingParams(max_tokens=1))
+            assert dead.errored is not None
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await _drain(doomed)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+            await _until(lambda: _replica_back(stub, old_pid, 1, victim), 30 - (time.monotonic() - t_dead))
+            t_back = time.monotonic()
+            await _until(lambda: _truthy(any(t > t_back and r == victim for t, r, _ in results)), 15)
+            stop.set()
+            await asyncio.gather(*clients)
+            watcher.cancel()
+            rest = await _drain(other)
+            assert rest[-1].finished and sum(len(m.token_ids) for m in [other_first, *rest]) == 40
+            failed = [(t, e.code()) for t, _, e in results if e is not None]
+            assert all(t < t_dead and code == grpc.StatusCode.UNAVAILABLE for t, code in failed), failed
+            after = [r for t, r, e in results if t > t_dead]
+            assert len(after) >= 3 and None not in after
+            assert seen and set(seen) == {SERVING}, seen        # never NOT_SERVING
+            st = (await stub.GetStats(pb.GetStatsRequest())).replicas
+            assert [r.healthy for r in st] == [True, True]
+            assert st[victim].restarts == 1 and st[1 - victim].restarts == 0
+    finally:
+        await srv.stop(grace=0)
+
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _tokens(stub, prompt: list[int], n: int, timeout: float | None = None) -> list[int]:
+    msgs = await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prompt, sampling=_greedy(n)), timeout=timeout))
+    assert msgs[-1].finished
+    return [t for m in msgs for t in m.token_ids]
+
+
+def _exited(pid: int) -> bool:
+    """Whether this process's child ``pid`` has exited, every thread of it (a killed process's
+    main thread shows as a zombie while its other threads still exit): its exit status waits
+    for the parent, or the parent has taken it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _live(pids) -> set[int]:
+    """Those of ``pids`` whose process still runs (a zombie holds no memory)."""
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _stage_processes() -> set[int]:
+    """Live Ray pipeline-stage actor processes of this test's own Ray (descendants of this
+    process: the local Ray's raylet is its child, the actor workers the raylet's)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith("ray::PipelineStage") and p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+async def _watch_health(ch, seen: list) -> None:
+    """Record every health status the service reports (the Watch stream) into ``seen``."""
+    async for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
+        seen.append(r.status)
+
+
+@pytest.fixture(scope="module")
+def ray_two_cpus():
+    """This module's local Ray with 2 logical CPUs: exactly the pp=2 replica's two {CPU: 1}
+    stage bundles, so a restarted replica's stages can only be placed once the dead one's
+    placement group is gone."""
+    import ray
+    from workers.executor import ensure_ray
+    if ray.is_initialized():
+        ray.shutdown()
+    ensure_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pp2_server(ray_two_cpus, smollm2_dir):
+    """One pp=2 replica (engine process + two Ray stage actors), restarted by each test; its
+    watchdog takes 10 s without a step with requests open for a hang."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, pp=2, stage_num_cpus=1, step_timeout=10),
+                                _engine_cfg(smollm2_dir, num_threads=1))
+    await srv.wait_ready()
+    yield srv
+    await srv.stop(grace=0)
+    t0 = time.monotonic()
+    while _stage_processes():                 # stopped: its stage actors are killed
+        assert time.monotonic() - t0 < 10, _stage_processes()
+        await asyncio.sleep(0.1)
+
+
+@aio
+@pytest.mark.parametrize("victim", ["stage 0", "stage 1", "engine process", "idle stage 1", "hung stage 1"])
+async def test_pp2_replica_restarts_whole_after_a_process_dies(pp2_server, prose_ids, victim):
+    """pp=2: a stage process (or the engine process) SIGKILLed during streams, or a stage while
+    the replica is idle (the engine's idle health check finds it), or a stage stopped (SIGSTOP)
+    during streams (the watchdog kills the engine process). The streams end UNAVAILABLE
+    naming the stage (the watchdog), the service is NOT_SERVING while its only replica is down, a
+    request sent meanwhile waits for the restart and gets the same greedy tokens as before, the
+    replica is back (new engine and stage processes) and SERVING within 30 s, and nothing of the
+    dead replica is left: no stage process of it runs, its placement group is removed."""
+    from ray.util import placement_group_table
+    srv = pp2_server
+    async with grpc.aio.insecure_channel(srv.address) as ch:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        want = await _tokens(stub, prose_ids[:20], 6)
+        before = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
+        old = srv.service.replicas[0].aengine
+        assert before.healthy and len(old.stage_pids) == 2 and _stage_processes() == set(old.stage_pids)
+        seen: list = []
+        watcher = asyncio.ensure_future(_watch_health(ch, seen))
+        calls = [] if victim.startswith("idle") else [
+            stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[i:20 + i], sampling=_greedy(400)))
+            for i in range(3)]
+        for c in calls:
+            await c.read()                                   # streaming
+        victim_pid = old.pid if victim == "engine process" else old.stage_pids[int(victim[-1])]
+        t_kill = time.monotonic()
+        os.kill(victim_pid, signal.SIGSTOP if victim.startswith("hung") else signal.SIGKILL)
+        why = {"engine process": "exited", "hung stage 1": "watchdog"}.get(victim, "pipeline stage 1")
+        for c in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await _drain(c)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and why in ei.value.details(), ei.value.details()
+        if victim.startswith("idle"):                        # found by the idle check, not by a request
+            await _until(lambda: _truthy(NOT_SERVING in seen), 10)
+        # sent while the replica is down: waits for the restart (within its deadline), same tokens
+        assert await _tokens(stub, prose_ids[:20], 6, timeout=60) == want
+        await _until(lambda: _replica_back(stub, old.pid, before.restarts + 1), 30 - (time.monotonic() - t_kill))
+        await _until(lambda: _truthy(seen and seen[-1] == SERVING), 5)
+        watcher.cancel()
+        assert NOT_SERVING in seen, seen
+        new = srv.service.replicas[0].aengine
+        assert not _live([old.pid, *old.stage_pids])
+        assert _stage_processes() == set(new.stage_pids) and not set(new.stage_pids) & set(old.stage_pids)
+        assert [pg["state"] for pg in placement_group_table().values()].count("CREATED") == 1
+        assert await _tokens(stub, prose_ids[:20], 6) == want

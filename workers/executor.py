@@ -2,7 +2,9 @@
 
 ``submit(out)`` starts one model step (a micro-batch) and returns a handle whose
 ``result()`` waits for its :class:`ModelRunnerOutput`; up to ``max_inflight`` steps may be
-in flight at once (pipeline parallelism: one micro-batch per stage, as vLLM's PP).
+in flight at once (pipeline parallelism: one micro-batch per stage, as vLLM's PP). An executor
+whose parts can die on their own (Ray stages) also has ``check_health()``, which the engine
+process calls while idle.
 
 - :class:`InProcessExecutor`: the whole model in the engine's own process (tests, offline
   ``LLM``); a step completes inside ``submit``.
@@ -117,15 +119,34 @@ def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
                  configure_logging=False)
 
 
-class RayHandle:
-    """The in-flight step of a :class:`RayPipelineExecutor`: ``ref`` is the last stage's result."""
+def _first_line(e: BaseException) -> str:
+    """The first line of a Ray error's message (the rest: actor ids, addresses, advice)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
-    def __init__(self, ref):
-        self.ref = ref
+
+class RayHandle:
+    """The in-flight step of a :class:`RayPipelineExecutor`: ``ref`` is the result of its last
+    stage, ``stage`` that stage's index.
+
+    Raises (``result``): EngineError naming the stage when the step failed: the last stage died,
+    or its step failed (an earlier stage died: its link closed; or an error in the step). The
+    engine loop dies of it, and with it the replica (:mod:`scheduler.engine_core`)."""
+
+    def __init__(self, ref, stage: int):
+        self.ref, self.stage = ref, stage
 
     def result(self) -> ModelRunnerOutput:
         import ray
-        return ray.get(self.ref)
+        try:
+            return ray.get(self.ref)
+        except ray.exceptions.ActorDiedError as e:
+            raise EngineError(f"pipeline stage {self.stage} died: {_first_line(e)}") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, EngineError) else repr(e.cause)
+            raise EngineError(f"pipeline stage {self.stage}: {cause}") from None
+        except ray.exceptions.RayError as e:       # lost objects, a dead owner, ...
+            raise EngineError(f"pipeline stage {self.stage}: {_first_line(e)}") from None
 
 
 # --stage-placement -> Ray placement group strategy (one bundle per stage)
@@ -240,7 +261,19 @@ class RayPipelineExecutor:
         with self._lock:
             delta = self.encoder.encode(out)
             refs = [stage.execute.remote(delta) for stage in self.stages]
-        return RayHandle(refs[-1])
+        return RayHandle(refs[-1], len(refs) - 1)
+
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Raise EngineError when a stage is dead or does not answer within ``timeout`` seconds
+        (a hung process). The engine loop calls it while it has no step in flight: a stage that
+        dies while its replica is idle takes the replica down at once, not at the next request."""
+        import ray
+        try:
+            ray.get([s.info.remote() for s in self.stages], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise EngineError(f"a pipeline stage did not answer a health check within {timeout:g} s") from None
+        except ray.exceptions.RayError as e:
+            raise EngineError(f"a pipeline stage is down: {_first_line(e)}") from None
 
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests on every stage (the last keeps per-request

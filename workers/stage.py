@@ -23,6 +23,7 @@ caller sees the error from the last stage.
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import struct
@@ -136,14 +137,14 @@ class PipelineStage:
     def info(self) -> dict:
         """The stage as it runs: ``index``, ``start_layer`` / ``end_layer``, ``num_blocks``,
         ``kv_cache_bytes``, ``num_threads`` (torch's intra-op threads in this process),
-        ``node_id`` (the Ray node it runs on, hex) and ``num_requests`` (requests whose state
-        it holds: sent and not yet freed)."""
+        ``node_id`` (the Ray node it runs on, hex), ``pid`` (its process) and ``num_requests``
+        (requests whose state it holds: sent and not yet freed)."""
         import ray
         m = self.runner.model
         return {"index": self.index, "start_layer": m.start_layer, "end_layer": m.end_layer,
                 "num_blocks": self.runner.num_blocks, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "num_threads": torch.get_num_threads(), "node_id": ray.get_runtime_context().get_node_id(),
-                "num_requests": len(self.requests.states)}
+                "pid": os.getpid(), "num_requests": len(self.requests.states)}
 
     # ---- the link to the next stage (set up by the executor: listen, connect_next, accept_prev)
     def listen(self) -> tuple[str, int, bytes]:
