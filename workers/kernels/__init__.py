@@ -3,8 +3,8 @@ bf16-weight GEMM (:mod:`workers.kernels.gemm`, sources in ``csrc/gemm/``).
 
 The C++ sources under ``csrc/`` are compiled, as one extension, on first use with
 ``torch.utils.cpp_extension.load`` into ``$KVMESH_HOME/torch_extensions/<key>`` (``KVMESH_HOME``
-defaults to ``~/.cache/kvmesh``; ``key`` hashes the sources, the torch and Python versions and
-the compiler flags), so a build is reused by every later process and a changed source builds
+defaults to ``~/.cache/kvmesh``; ``key`` hashes the checkout's path, the sources, the torch and
+Python versions and the compiler flags), so a build is reused by every later process and a changed source builds
 into a new directory. Several processes may load at once: an exclusive ``flock`` on
 ``<build dir>.flock`` lets one of them build while the others wait; the kernel releases it when
 its holder dies, and the holder clears a baton file (``<build dir>/lock``) that a process
@@ -70,7 +70,10 @@ def _sources() -> list[Path]:
 
 
 def _build_key() -> str:
-    h = hashlib.sha256()
+    # The checkout's path is part of the key: ninja's build file names the sources by absolute
+    # path, so two checkouts (git worktrees, a CI clone) sharing one build directory would
+    # rebuild it for each other in turn.
+    h = hashlib.sha256(str(_CSRC.resolve()).encode() + b"\0")
     for p in _sources():
         h.update(str(p.relative_to(_CSRC)).encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{_CFLAGS}|{_LDFLAGS}".encode())
