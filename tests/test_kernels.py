@@ -344,6 +344,9 @@ def test_loader_reuses_the_build_and_honours_the_isa_and_off_switches():
     assert r.stdout.split() == ["False", "none"], r.stderr
     assert "KVMESH_NATIVE_KERNELS=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert str(kernels.build_directory()).startswith(os.environ.get("KVMESH_HOME", os.path.expanduser("~/.cache/kvmesh")))
+    # the directory this (loaded) process names is the one the children reused: loading must not
+    # change the key (torch's loader appends to the flag lists it is given)
+    assert (kernels.build_directory() / "lock").exists() or any(kernels.build_directory().glob("kvmesh_kernels*.so"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

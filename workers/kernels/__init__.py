@@ -134,7 +134,9 @@ def _build():
     with open(bdir.with_name(bdir.name + ".flock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)          # released by the kernel if this process dies
         (bdir / "lock").unlink(missing_ok=True)   # a baton left by a build that was killed
-        return cpp_extension.load(name=name, sources=sources, extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+        # copies: cpp_extension.load appends torch's library flags to the lists it is given,
+        # which would change _build_key() (build_directory()) for the rest of the process
+        return cpp_extension.load(name=name, sources=sources, extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
                                   extra_include_paths=[str(_CSRC), str(_CSRC / "gemm")],
                                   build_directory=str(bdir), verbose=False)
 
