@@ -27,8 +27,10 @@ class BlockStats:
     used: int          # referenced by at least one request
     cached: int        # free, but holding a reusable hashed block
     free: int          # free and empty (includes cached: free == allocatable)
-    prefix_cache_queries: int   # prompt tokens looked up
-    prefix_cache_hits: int      # of which found in the cache
+    prefix_cache_queries: int   # prompt tokens looked up, once per request (first admission)
+    prefix_cache_hits: int      # of which found in the cache (= the requests' num_cached_tokens)
+    preempted_queries: int      # tokens looked up again by re-admissions after a preemption
+    preempted_hits: int         # of which found in the cache (the rest is recomputed)
 
     @property
     def usage(self) -> float:
@@ -58,6 +60,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}          # block hash -> block id
         self.queries = self.hits = 0
+        self.preempted_queries = self.preempted_hits = 0
         self._events: list[KVEvent] = []
 
     # ---- queries ---------------------------------------------------------------------
@@ -71,7 +74,8 @@ class BlockManager:
     def stats(self) -> BlockStats:
         free = len(self.free_queue)
         cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
-        return BlockStats(self.num_blocks, self.num_blocks - free, cached, free, self.queries, self.hits)
+        return BlockStats(self.num_blocks, self.num_blocks - free, cached, free, self.queries, self.hits,
+                          self.preempted_queries, self.preempted_hits)
 
     def cached_block_hashes(self) -> list[int]:
         """Hashes of every block in the prefix cache (in use or free-but-cached), for a
@@ -116,9 +120,14 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens after its computed ones.
 
-        ``cached_blocks`` (first allocation only) are prefix-cache hits from
+        ``cached_blocks`` (at admission only) are prefix-cache hits from
         :meth:`find_cached_prefix`; they are shared and count as computed. Returns False
         (and changes nothing) when the pool cannot supply the blocks.
+
+        An admission (a request holding no blocks yet) records its look-up once: a request's
+        first admission adds its prompt to ``queries`` and its hits to ``hits`` and
+        ``req.num_cached_tokens``; a re-admission after a preemption adds its tokens so far
+        (prompt + output) to ``preempted_queries`` and its hits to ``preempted_hits``.
         """
         reused_free = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
         have = len(req.block_table) + len(cached_blocks)
@@ -126,20 +135,22 @@ class BlockManager:
         need = self.blocks_needed(computed + num_new_tokens) - have
         if max(need, 0) + reused_free > len(self.free_queue):
             return False
+        if self.enable_prefix_caching and not req.block_table:      # an admission
+            hit = len(cached_blocks) * self.block_size
+            if req.num_preemptions == 0:      # usage reports the first admission's hits only
+                self.queries += req.num_tokens
+                self.hits += hit
+                req.num_cached_tokens = hit
+            else:
+                self.preempted_queries += req.num_tokens
+                self.preempted_hits += hit
         if cached_blocks:
-            n = len(req.prompt_token_ids)
-            self.queries += n
-            self.hits += len(cached_blocks) * self.block_size
             for b in cached_blocks:
                 if self.ref_count[b] == 0:
                     del self.free_queue[b]
                 self.ref_count[b] += 1
             req.block_table.extend(cached_blocks)
             req.num_computed_tokens = computed
-            if req.num_preemptions == 0:      # usage reports the first schedule's hits only
-                req.num_cached_tokens = computed
-        elif req.num_computed_tokens == 0 and self.enable_prefix_caching:
-            self.queries += len(req.prompt_token_ids)
         for _ in range(need):
             req.block_table.append(self._pop_free())
         return True
