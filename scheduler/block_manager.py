@@ -7,6 +7,13 @@ user frees it, it stays in the cache, reusable by a later request with the same 
 until the allocator needs it (LRU eviction, oldest freed first). Design after vLLM's
 automatic prefix caching and nano-vllm's block manager.
 
+The free queue is the allocation order: freed blocks without a hash (nothing reusable) go to
+its front and are handed out first, then blocks never used yet, then cached blocks, least
+recently freed first. So a cached block is evicted only when no empty block is left, and the
+KV pool's pages (committed on first write, :func:`workers.kv_cache.zeroed_host_tensor`) become
+resident only as the running requests and the prefix cache's contents need them: the engine's
+resident memory grows with the cache up to the pool's size (``kv_cache_memory``), not beyond.
+
 KV events (:mod:`kvstore.events`) go out through ``sink`` when a hashed block becomes
 reusable (stored) or is evicted (removed).
 """
@@ -197,24 +204,29 @@ class BlockManager:
         kept: a registered block is full and computed, and is never past ``num_tokens``)."""
         keep = self.blocks_needed(num_tokens)
         while len(req.block_table) > keep:
-            b = req.block_table.pop()
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free_queue[b] = None
+            self._release(req.block_table.pop())
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so that the tail is evicted first."""
         for b in reversed(req.block_table):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free_queue[b] = None
+            self._release(b)
         req.block_table = []
         req.num_registered_blocks = 0
 
+    def _release(self, b: int) -> None:
+        """Drop a reference to block ``b``; unreferenced, it joins the free queue: at the back
+        (evicted last) when it holds a cached block, at the front (reused first) when empty."""
+        self.ref_count[b] -= 1
+        if self.ref_count[b] == 0:
+            self.free_queue[b] = None
+            if self.block_hash[b] is None:
+                self.free_queue.move_to_end(b, last=False)
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached (unreferenced) block."""
-        for b in self.free_queue:
+        """Forget every cached (unreferenced) block; emptied, they move to the free queue's front."""
+        for b in [b for b in self.free_queue if self.block_hash[b] is not None]:
             self.block_hash[b] = None
+            self.free_queue.move_to_end(b, last=False)
         self.cached = {h: b for h, b in self.cached.items() if self.ref_count[b] > 0}
         self._events.append(AllBlocksCleared())
 
