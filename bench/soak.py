@@ -156,12 +156,14 @@ def rss(pid: int) -> int:
 
 
 def kv_pool_rss(pid: int, pool_bytes: int) -> int:
-    """Resident bytes of the KV pool of engine process ``pid`` (Linux): the smallest anonymous
-    mapping in ``/proc/PID/smaps`` from 0.9 x ``pool_bytes`` (the K/V data, without int8 KV's
-    scales) to ``pool_bytes`` + 64 MiB long (a neighbour merged into it counts too). Raises RuntimeError when there is none (the KV on a
-    device, or in Ray stage actors at pp > 1)."""
-    sizes: list[tuple[int, int]] = []          # (size, rss) of anonymous mappings, bytes
-    anonymous = False
+    """Resident bytes of the KV pool of engine process ``pid`` (Linux): the largest anonymous
+    mapping in ``/proc/PID/smaps``, which must be at least 0.9 x ``pool_bytes`` long (the K/V
+    data without int8 KV's scales). The layers' mappings, made one after the other at load,
+    merge into one; a small neighbour merged into it counts too. Meant for a pool larger than
+    the process's other anonymous mappings (the default 2 GiB is). Raises RuntimeError when the
+    largest is too small (the KV on a device or in Ray stage actors at pp > 1)."""
+    largest = (0, 0)                           # (size, rss) of the largest anonymous mapping, bytes
+    anonymous, size = False, 0
     with open(f"/proc/{pid}/smaps", encoding="ascii", errors="replace") as f:
         for line in f:
             head = line.split()
@@ -169,12 +171,12 @@ def kv_pool_rss(pid: int, pool_bytes: int) -> int:
                 anonymous = len(head) == 5
             elif anonymous and head[0] == "Size:":
                 size = int(head[1]) * 1024
-            elif anonymous and head[0] == "Rss:":
-                sizes.append((size, int(head[1]) * 1024))
-    fits = [(size, r) for size, r in sizes if 0.9 * pool_bytes <= size <= pool_bytes + 64 * 2**20]
-    if not fits:
-        raise RuntimeError(f"no anonymous mapping of the KV pool's {pool_bytes} bytes in process {pid}")
-    return min(fits)[1]
+            elif anonymous and head[0] == "Rss:" and size > largest[0]:
+                largest = (size, int(head[1]) * 1024)
+    if largest[0] < 0.9 * pool_bytes:
+        raise RuntimeError(f"no anonymous mapping of the KV pool's {pool_bytes} bytes in process {pid} "
+                           f"(the largest has {largest[0]})")
+    return largest[1]
 
 
 async def _stats(sched_stub):
