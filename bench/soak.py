@@ -107,7 +107,8 @@ class Soak:
             return s.Generate(llm_pb2.GenerateRequest(prompt=prompt, request_id=rid,
                                                       sampling=self._sampling(256, ignore_eos=True)))
         if kind == "deadline":
-            return s.Generate(llm_pb2.GenerateRequest(prompt=prompt, request_id=rid, timeout=Duration(nanos=200_000_000),
+            return s.Generate(llm_pb2.GenerateRequest(prompt=prompt, request_id=rid,
+                                                      timeout=Duration(nanos=200_000_000),
                                                       sampling=self._sampling(256, ignore_eos=True)))
         bad = self.rng.randrange(5)
         if bad == 0:

@@ -252,8 +252,8 @@ class _ReplicaCollector:
         replicas = list(self.service.replicas)
         up_total = GaugeMetricFamily("kvmesh:replicas_up", "Replicas whose engine loop runs.", labels=["model_name"])
         up_total.add_metric([model], sum(r.healthy for r in replicas))
-        yield from (running, waiting, usage, queries, hits, re_queries, re_hits, preempt, propose, blocks, per_token, concurrency, up,
-                    restarts, up_total)
+        yield from (running, waiting, usage, queries, hits, re_queries, re_hits, preempt, propose, blocks, per_token,
+                    concurrency, up, restarts, up_total)
         router = self.service.router
         if router is not None:
             st = router.stats
