@@ -22,7 +22,11 @@ Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's i
 * read from engine state under the engine lock at scrape time (:class:`_ReplicaCollector`):
   ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (blocks held by
   requests / all blocks, 0..1), ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``
-  (prompt tokens looked up / found, as GetStats), ``num_preemptions_total``, the KV cache's
+  (prompt tokens looked up / found, as GetStats: once per request, at its first admission, so
+  the hits equal the sum of the responses' ``cached_prompt_tokens``),
+  ``prefix_cache_preempted_queries_total`` and ``prefix_cache_preempted_hits_total`` (what
+  re-admissions after a preemption by recompute looked up again, prompt + output so far, and
+  found; queries - hits = tokens computed again), ``num_preemptions_total``, the KV cache's
   capacity ``kv_cache_blocks``, ``kv_cache_bytes_per_token`` (all layers, quantization scales
   included) and ``max_concurrency`` (sequences of ``max_model_len`` tokens the pool holds),
   ``spec_decode_propose_seconds_total`` (time spent proposing: prompt lookup or the draft model); and the router's
@@ -74,6 +78,8 @@ SCHEDULER_METRICS = {
     "kvmesh:kv_cache_usage_perc": "gauge",
     "kvmesh:prefix_cache_queries_total": "counter",
     "kvmesh:prefix_cache_hits_total": "counter",
+    "kvmesh:prefix_cache_preempted_queries_total": "counter",
+    "kvmesh:prefix_cache_preempted_hits_total": "counter",
     "kvmesh:num_preemptions_total": "counter",
     "kvmesh:kv_cache_blocks": "gauge",
     "kvmesh:kv_cache_bytes_per_token": "gauge",
@@ -202,10 +208,16 @@ class _ReplicaCollector:
                                     labels=labels)
         usage = GaugeMetricFamily("kvmesh:kv_cache_usage_perc",
                                   "KV cache usage: blocks held by requests / all blocks (1 = full).", labels=labels)
-        queries = CounterMetricFamily("kvmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels=labels)
-        hits = CounterMetricFamily("kvmesh:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   labels=labels)
+        queries = CounterMetricFamily("kvmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(once per request, at its first admission).", labels=labels)
+        hits = CounterMetricFamily("kvmesh:prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(once per request, at its first admission).", labels=labels)
+        re_queries = CounterMetricFamily("kvmesh:prefix_cache_preempted_queries",
+                                         "Tokens (prompt + output so far) looked up again in the prefix cache by "
+                                         "re-admissions after a preemption.", labels=labels)
+        re_hits = CounterMetricFamily("kvmesh:prefix_cache_preempted_hits",
+                                      "Tokens found in the prefix cache by re-admissions after a preemption "
+                                      "(the rest was computed again).", labels=labels)
         preempt = CounterMetricFamily("kvmesh:num_preemptions", "Preemptions.", labels=labels)
         blocks = GaugeMetricFamily("kvmesh:kv_cache_blocks", "KV cache blocks in the pool.", labels=labels)
         per_token = GaugeMetricFamily("kvmesh:kv_cache_bytes_per_token",
@@ -228,6 +240,8 @@ class _ReplicaCollector:
             usage.add_metric(lv, st.used_blocks / info.num_blocks if info.num_blocks else 0.0)
             queries.add_metric(lv, st.prefix_cache_queries)
             hits.add_metric(lv, st.prefix_cache_hits)
+            re_queries.add_metric(lv, st.prefix_cache_preempted_queries)
+            re_hits.add_metric(lv, st.prefix_cache_preempted_hits)
             preempt.add_metric(lv, st.num_preemptions)
             propose.add_metric(lv, st.spec_propose_seconds)
             blocks.add_metric(lv, info.num_blocks)
@@ -238,8 +252,8 @@ class _ReplicaCollector:
         replicas = list(self.service.replicas)
         up_total = GaugeMetricFamily("kvmesh:replicas_up", "Replicas whose engine loop runs.", labels=["model_name"])
         up_total.add_metric([model], sum(r.healthy for r in replicas))
-        yield from (running, waiting, usage, queries, hits, preempt, propose, blocks, per_token, concurrency, up,
-                    restarts, up_total)
+        yield from (running, waiting, usage, queries, hits, re_queries, re_hits, preempt, propose, blocks, per_token,
+                    concurrency, up, restarts, up_total)
         router = self.service.router
         if router is not None:
             st = router.stats

@@ -7,6 +7,13 @@ user frees it, it stays in the cache, reusable by a later request with the same 
 until the allocator needs it (LRU eviction, oldest freed first). Design after vLLM's
 automatic prefix caching and nano-vllm's block manager.
 
+The free queue is the allocation order: freed blocks without a hash (nothing reusable) go to
+its front and are handed out first, then blocks never used yet, then cached blocks, least
+recently freed first. So a cached block is evicted only when no empty block is left, and the
+KV pool's pages (committed on first write, :func:`workers.kv_cache.zeroed_host_tensor`) become
+resident only as the running requests and the prefix cache's contents need them: the engine's
+resident memory grows with the cache up to the pool's size (``kv_cache_memory``), not beyond.
+
 KV events (:mod:`kvstore.events`) go out through ``sink`` when a hashed block becomes
 reusable (stored) or is evicted (removed).
 """
@@ -27,8 +34,10 @@ class BlockStats:
     used: int          # referenced by at least one request
     cached: int        # free, but holding a reusable hashed block
     free: int          # free and empty (includes cached: free == allocatable)
-    prefix_cache_queries: int   # prompt tokens looked up
-    prefix_cache_hits: int      # of which found in the cache
+    prefix_cache_queries: int   # prompt tokens looked up, once per request (first admission)
+    prefix_cache_hits: int      # of which found in the cache (= the requests' num_cached_tokens)
+    preempted_queries: int      # tokens looked up again by re-admissions after a preemption
+    preempted_hits: int         # of which found in the cache (the rest is recomputed)
 
     @property
     def usage(self) -> float:
@@ -58,6 +67,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}          # block hash -> block id
         self.queries = self.hits = 0
+        self.preempted_queries = self.preempted_hits = 0
         self._events: list[KVEvent] = []
 
     # ---- queries ---------------------------------------------------------------------
@@ -71,7 +81,8 @@ class BlockManager:
     def stats(self) -> BlockStats:
         free = len(self.free_queue)
         cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
-        return BlockStats(self.num_blocks, self.num_blocks - free, cached, free, self.queries, self.hits)
+        return BlockStats(self.num_blocks, self.num_blocks - free, cached, free, self.queries, self.hits,
+                          self.preempted_queries, self.preempted_hits)
 
     def cached_block_hashes(self) -> list[int]:
         """Hashes of every block in the prefix cache (in use or free-but-cached), for a
@@ -116,9 +127,14 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens after its computed ones.
 
-        ``cached_blocks`` (first allocation only) are prefix-cache hits from
+        ``cached_blocks`` (at admission only) are prefix-cache hits from
         :meth:`find_cached_prefix`; they are shared and count as computed. Returns False
         (and changes nothing) when the pool cannot supply the blocks.
+
+        An admission (a request holding no blocks yet) records its look-up once: a request's
+        first admission adds its prompt to ``queries`` and its hits to ``hits`` and
+        ``req.num_cached_tokens``; a re-admission after a preemption adds its tokens so far
+        (prompt + output) to ``preempted_queries`` and its hits to ``preempted_hits``.
         """
         reused_free = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
         have = len(req.block_table) + len(cached_blocks)
@@ -126,20 +142,22 @@ class BlockManager:
         need = self.blocks_needed(computed + num_new_tokens) - have
         if max(need, 0) + reused_free > len(self.free_queue):
             return False
+        if self.enable_prefix_caching and not req.block_table:      # an admission
+            hit = len(cached_blocks) * self.block_size
+            if req.num_preemptions == 0:      # usage reports the first admission's hits only
+                self.queries += req.num_tokens
+                self.hits += hit
+                req.num_cached_tokens = hit
+            else:
+                self.preempted_queries += req.num_tokens
+                self.preempted_hits += hit
         if cached_blocks:
-            n = len(req.prompt_token_ids)
-            self.queries += n
-            self.hits += len(cached_blocks) * self.block_size
             for b in cached_blocks:
                 if self.ref_count[b] == 0:
                     del self.free_queue[b]
                 self.ref_count[b] += 1
             req.block_table.extend(cached_blocks)
             req.num_computed_tokens = computed
-            if req.num_preemptions == 0:      # usage reports the first schedule's hits only
-                req.num_cached_tokens = computed
-        elif req.num_computed_tokens == 0 and self.enable_prefix_caching:
-            self.queries += len(req.prompt_token_ids)
         for _ in range(need):
             req.block_table.append(self._pop_free())
         return True
@@ -186,24 +204,29 @@ class BlockManager:
         kept: a registered block is full and computed, and is never past ``num_tokens``)."""
         keep = self.blocks_needed(num_tokens)
         while len(req.block_table) > keep:
-            b = req.block_table.pop()
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free_queue[b] = None
+            self._release(req.block_table.pop())
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so that the tail is evicted first."""
         for b in reversed(req.block_table):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free_queue[b] = None
+            self._release(b)
         req.block_table = []
         req.num_registered_blocks = 0
 
+    def _release(self, b: int) -> None:
+        """Drop a reference to block ``b``; unreferenced, it joins the free queue: at the back
+        (evicted last) when it holds a cached block, at the front (reused first) when empty."""
+        self.ref_count[b] -= 1
+        if self.ref_count[b] == 0:
+            self.free_queue[b] = None
+            if self.block_hash[b] is None:
+                self.free_queue.move_to_end(b, last=False)
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached (unreferenced) block."""
-        for b in self.free_queue:
+        """Forget every cached (unreferenced) block; emptied, they move to the free queue's front."""
+        for b in [b for b in self.free_queue if self.block_hash[b] is not None]:
             self.block_hash[b] = None
+            self.free_queue.move_to_end(b, last=False)
         self.cached = {h: b for h, b in self.cached.items() if self.ref_count[b] > 0}
         self._events.append(AllBlocksCleared())
 

@@ -85,8 +85,10 @@ class EngineStats:
     num_blocks: int = 0
     used_blocks: int = 0
     cached_blocks: int = 0
-    prefix_cache_queries: int = 0
+    prefix_cache_queries: int = 0         # prompt tokens looked up, once per request (BlockStats)
     prefix_cache_hits: int = 0
+    prefix_cache_preempted_queries: int = 0   # looked up again by re-admissions after a preemption
+    prefix_cache_preempted_hits: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
     spec_propose_seconds: float = 0.0
@@ -249,7 +251,8 @@ class LLMEngine:
             return EngineStats(len(s.waiting), len(s.running),
                                sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
                                sum(r.num_tokens for r in s.running), b.num_blocks, b.used, b.cached,
-                               b.prefix_cache_queries, b.prefix_cache_hits, self.num_steps, s.num_preemptions,
+                               b.prefix_cache_queries, b.prefix_cache_hits, b.preempted_queries, b.preempted_hits,
+                               self.num_steps, s.num_preemptions,
                                self.spec_propose_seconds, self.num_added)
 
     # ---- the loop ----------------------------------------------------------------------

@@ -182,6 +182,8 @@ class Replica:
             num_blocks=info.num_blocks, num_used_blocks=st.used_blocks, num_cached_blocks=st.cached_blocks,
             num_steps=st.num_steps, num_preemptions=st.num_preemptions,
             prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
+            prefix_cache_preempted_queries=st.prefix_cache_preempted_queries,
+            prefix_cache_preempted_hits=st.prefix_cache_preempted_hits,
             replica_id=self.replica_id, indexed=pub is not None,
             index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
             kv_cache_dtype=info.kv_cache_dtype, kv_cache_bytes_per_token=info.kv_bytes_per_token,

@@ -197,6 +197,29 @@ def test_lru_eviction_order():
     assert m.find_cached_prefix(req("b2", range(100, 109))) == b_blocks   # b survives
 
 
+def test_empty_blocks_are_reused_first():
+    """A freed block without a hash (nothing reusable) is handed out before blocks never used and
+    before any cached block: no cached block is evicted while an empty one is free, and the
+    pool's untouched blocks (pages not yet resident) stay untouched while freed ones suffice."""
+    m, sink = bm(8)
+    a = req("a", range(10))                 # 2 full blocks (cached) + a partial tail (empty when freed)
+    prefill(m, a)
+    cached, tail = a.block_table[:2], a.block_table[2]
+    m.free(a)
+    b = req("b", range(500, 502))
+    assert m.allocate(b, 2) and b.block_table == [tail]      # the freed tail, not an untouched block
+    m.free(b)
+    events(sink, m)
+    c = req("c", range(600, 624))           # 6 blocks: the empty tail + the 5 untouched ones
+    assert m.allocate(c, 24) and sorted(c.block_table) == sorted(set(range(8)) - set(cached))
+    assert not any(isinstance(e, BlockRemoved) for e in events(sink, m))
+    assert m.find_cached_prefix(req("a2", range(10))) == cached
+    m.free(c)
+    m.reset_prefix_cache()                  # forgotten blocks are empty: reused first too
+    d = req("d", range(700, 701))
+    assert m.allocate(d, 1) and d.block_table[0] in cached
+
+
 def test_hit_refreshes_lru_position():
     m, sink = bm(4)
     a = req("a", range(4))

@@ -11,10 +11,12 @@ from kvstore.events import BlockRemoved, BlockStored, CollectingSink
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir, h):
-    """(engine with prefix caching, engine without, sharing the model)."""
+    """(engine with prefix caching, engine without). Each has its own KV pool: an engine sharing
+    the cached engine's pool (``derive_engine``) would overwrite blocks that the cached engine
+    still keeps in its prefix cache, and a later hit on them would read another engine's K/V."""
     cached = h.make_engine(tiny_llama_dir)
     assert cached.cfg.enable_prefix_caching
-    plain = h.derive_engine(cached, enable_prefix_caching=False)
+    plain = h.make_engine(tiny_llama_dir, enable_prefix_caching=False)
     return cached, plain
 
 

@@ -188,6 +188,42 @@ def test_metrics_match_the_workload(mesh):
         assert (name + "_bucket" if kind == "histogram" else name) in g, name
 
 
+def test_prefix_cache_counters_match_responses_under_preemption(mesh):
+    """A preemption storm: 8 concurrent requests sharing a cached prefix need ~104 blocks of the
+    pool's 68, so the scheduler preempts (by recompute) and re-admits. The prefix-cache counters
+    count each request's prompt once, at its first admission: their deltas (GetStats and
+    Prometheus alike) equal the responses' prompt tokens and cached prompt tokens; what the
+    re-admissions looked up again is counted apart (``*_preempted_*``)."""
+    shared = PROMPTS[0]
+    stub = mesh.sched_stub
+    (rep0,) = stub.GetStats(scheduler_pb2.GetStatsRequest()).replicas
+    s0 = scrape(mesh.sched.metrics.url)
+    finals = [generate(mesh, shared, greedy(2))[-1]]         # caches the shared prefix's full blocks
+    prompts = [f"{shared} Story number {i}:" for i in range(8)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        finals += [msgs[-1] for msgs in pool.map(lambda p: generate(mesh, p, greedy(150)), prompts)]
+    assert [f.finish_reason for f in finals] == [common_pb2.FINISH_REASON_LENGTH] * len(finals)
+    (rep,) = stub.GetStats(scheduler_pb2.GetStatsRequest()).replicas
+    s = scrape(mesh.sched.metrics.url)
+    assert rep.num_preemptions > rep0.num_preemptions                  # the storm did preempt
+    assert (rep.num_running, rep.num_waiting, rep.num_used_blocks) == (0, 0, 0)
+    prompt_tokens = sum(f.usage.prompt_tokens for f in finals)
+    cached_tokens = sum(f.usage.cached_prompt_tokens for f in finals)
+    assert cached_tokens > 0                                           # the shared prefix hit
+    assert rep.prefix_cache_queries - rep0.prefix_cache_queries == prompt_tokens
+    assert rep.prefix_cache_hits - rep0.prefix_cache_hits == cached_tokens
+    # re-admissions after preemption: prompt + output so far looked up again, apart
+    re_queries = rep.prefix_cache_preempted_queries - rep0.prefix_cache_preempted_queries
+    re_hits = rep.prefix_cache_preempted_hits - rep0.prefix_cache_preempted_hits
+    assert re_queries > 0 and 0 <= re_hits <= re_queries
+    for name, field in (("queries", "prefix_cache_queries"), ("hits", "prefix_cache_hits"),
+                        ("preempted_queries", "prefix_cache_preempted_queries"),
+                        ("preempted_hits", "prefix_cache_preempted_hits")):
+        metric = f"kvmesh:prefix_cache_{name}_total"
+        assert total(s, metric) - total(s0, metric) == getattr(rep, field) - getattr(rep0, field), metric
+        assert total(s, metric) == getattr(rep, field), metric
+
+
 def test_metrics_port_settings(monkeypatch):
     assert SchedulerConfig().metrics_port == -1 and GatewayConfig().metrics_port == -1   # off by default
     for off in ("", "off", "-1"):

@@ -104,6 +104,31 @@ def test_preemption_picks_most_recently_admitted():
     assert s.bm.stats().used == 0
 
 
+def test_prefix_cache_counts_each_prompt_once_under_preemption():
+    """A re-admission after a preemption is not a new prefix-cache query: queries and hits count
+    each prompt once (first admission, as the requests' ``num_cached_tokens``); what the
+    re-admission looks up again (prompt + output so far) is counted apart."""
+    s = make(num_blocks=6, max_model_len=64, caching=True)
+    a, b, c = (add(s, x, 7, max_tokens=10, start=20 * i) for i, x in enumerate("abc"))
+    step(s)
+    step(s)
+    out = step(s)                            # c is preempted with 2 output tokens
+    assert out.preempted == ["c"] and len(c.output_token_ids) == 2
+    drain(s)                                 # b is preempted later with 6 output tokens
+    assert [r.num_preemptions for r in (a, b, c)] == [0, 1, 1]
+    st = s.bm.stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (21, 0)      # 3 prompts of 7, once
+    assert [r.num_cached_tokens for r in (a, b, c)] == [0, 0, 0]
+    # re-admissions: b with 13 tokens (its first 2 blocks still cached), c with 9 (evicted)
+    assert (st.preempted_queries, st.preempted_hits) == (13 + 9, 8)
+    # a later request on c's prompt hits its cached blocks: counted as a first admission
+    d = add(s, "d", 7, max_tokens=2, start=40)
+    drain(s)
+    st = s.bm.stats()
+    assert d.num_cached_tokens == 4 and (st.prefix_cache_queries, st.prefix_cache_hits) == (28, 4)
+    assert (st.preempted_queries, st.preempted_hits) == (22, 8)
+
+
 def test_no_admission_in_a_step_that_preempted():
     s = make(num_blocks=4, max_model_len=64)
     a = add(s, "a", 4, max_tokens=8)

@@ -84,7 +84,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "healthy", "num_waiting", "num_running", "num_waiting_tokens", "num_running_tokens", "num_blocks", "num_used_blocks", "num_cached_blocks", "num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "replica_id", "indexed", "index_resyncs", "index_failures", "kv_cache_dtype", "kv_cache_bytes_per_token", "max_concurrency", "restarts", "pid")
+    __slots__ = ("replica", "healthy", "num_waiting", "num_running", "num_waiting_tokens", "num_running_tokens", "num_blocks", "num_used_blocks", "num_cached_blocks", "num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "replica_id", "indexed", "index_resyncs", "index_failures", "kv_cache_dtype", "kv_cache_bytes_per_token", "max_concurrency", "restarts", "pid", "prefix_cache_preempted_queries", "prefix_cache_preempted_hits")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class ReplicaStats(_message.Message):
     MAX_CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_PREEMPTED_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_PREEMPTED_HITS_FIELD_NUMBER: _ClassVar[int]
     replica: int
     healthy: bool
     num_waiting: int
@@ -129,7 +131,9 @@ class ReplicaStats(_message.Message):
     max_concurrency: int
     restarts: int
     pid: int
-    def __init__(self, replica: _Optional[int] = ..., healthy: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., replica_id: _Optional[str] = ..., indexed: _Optional[bool] = ..., index_resyncs: _Optional[int] = ..., index_failures: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    prefix_cache_preempted_queries: int
+    prefix_cache_preempted_hits: int
+    def __init__(self, replica: _Optional[int] = ..., healthy: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., replica_id: _Optional[str] = ..., indexed: _Optional[bool] = ..., index_resyncs: _Optional[int] = ..., index_failures: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., prefix_cache_preempted_queries: _Optional[int] = ..., prefix_cache_preempted_hits: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("replicas", "routing", "scheduler_id", "index", "routed_requests", "prefix_routed", "prefix_routed_blocks", "routing_fallbacks")
