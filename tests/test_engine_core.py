@@ -179,6 +179,9 @@ async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
         await srv.wait_ready()
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            # a warm engine first: its first step (first touches of the model and the KV pool)
+            # may itself take step_timeout on a busy machine
+            await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(2))))
             call = stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(400)))
             await call.read()
             pid = srv.service.replicas[0].aengine.pid
