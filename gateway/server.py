@@ -36,7 +36,8 @@ Rules a client sees:
 * Deadline (seconds): the request's ``timeout`` (default ``default_timeout``, at most
   ``max_timeout``), also bounded by the client's own gRPC deadline. It is the deadline of the
   upstream ``Submit`` call; when it passes the call is cancelled (the scheduler aborts) and the
-  RPC ends with DEADLINE_EXCEEDED.
+  RPC ends with DEADLINE_EXCEEDED, its trailing metadata ``kvmesh-usage-bin`` holding the usage
+  so far (a serialized ``kvmesh.v1.Usage``).
 * Client cancel/disconnect: grpc cancels the handler; the upstream call is cancelled in a
   ``finally``, so the scheduler aborts the request at its next step.
 * ``Abort(request_id)``: a request of this gateway has its upstream call cancelled and its
@@ -414,7 +415,8 @@ class LLMServicer:
                                         skip_special_tokens=params.skip_special_tokens)
         if rid in self.live:
             raise _Status(_Code.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
-        context.set_trailing_metadata((("kvmesh-max-tokens", str(fwd.max_tokens)),))
+        trailers = (("kvmesh-max-tokens", str(fwd.max_tokens)),)
+        context.set_trailing_metadata(trailers)
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes({"kvmesh.request_id": rid, "gen_ai.request.max_tokens": fwd.max_tokens,
@@ -466,6 +468,8 @@ class LLMServicer:
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == _Code.DEADLINE_EXCEEDED:
+                    context.set_trailing_metadata(trailers + (
+                        ("kvmesh-usage-bin", _usage(usage, prompt_ids, detok).SerializeToString()),))
                     raise _Status(_Code.DEADLINE_EXCEEDED, f"request {rid}: deadline of {timeout:.3g} s exceeded "
                                                            "(the request was aborted)") from None
                 raise self._upstream_status(e) from None

@@ -438,7 +438,7 @@ class OutputStreams:
         or when the engine loop died."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._open:
-            raise DuplicateRequestError(f"request id {rid!r} is already in flight")
+            raise DuplicateRequestError(f"duplicate request id {rid!r}: a stream with it is in flight")
         eid = f"{rid}#{next(self._submissions)}"
         q = self.add_request(eid, prompt_token_ids, params, traceparent)
         self._open[rid] = eid
@@ -455,6 +455,10 @@ class OutputStreams:
             del self._open[rid]
             if self._queues.pop(eid, None) is not None:
                 self._abort(eid)
+
+    def engine_id(self, request_id: str) -> str | None:
+        """The engine's id of the open stream ``request_id`` (None when none is open)."""
+        return self._open.get(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort the open stream ``request_id`` (it ends with FINISH_REASON_ABORT); False when

@@ -223,3 +223,65 @@ def test_usage_for_every_finish_reason(mesh, llm):
     u = final.usage
     assert (u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens) == (n_prompt, cached, len(ids))
     assert mesh.wait_idle().num_used_blocks == 0
+    # deadline: no final message; the status's trailing metadata holds the usage
+    req = _chat(mesh, max_tokens=150, ignore_eos=True)
+    req.timeout.FromNanoseconds(800_000_000)
+    received = []
+    with pytest.raises(grpc.RpcError) as ei:
+        for msg in mesh.stub.Chat(req):
+            received += msg.token_ids
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and received
+    u = common_pb2.Usage.FromString(dict(ei.value.trailing_metadata())["kvmesh-usage-bin"])
+    assert (u.prompt_tokens, u.cached_prompt_tokens) == (n_prompt, cached)
+    assert u.completion_tokens == len(received)
+    assert mesh.wait_idle().num_used_blocks == 0
+
+
+REPEAT = "The cat sat on the mat. " * 6
+
+
+def test_usage_of_a_stop_string_finish_with_speculative_decoding(smollm2_dir):
+    """A scheduler speculating by prompt lookup (ngram) and a repetitive prompt: the request
+    ended by a stop string reports the speculative counts and cached prompt tokens the scheduler
+    sent before the match (both were 0), no more than the same request ended by length."""
+    import asyncio
+    import threading
+
+    from gateway.server import serve_gateway
+    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from scheduler.service import serve_scheduler
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(300)
+
+    async def start():
+        sched = await serve_scheduler(SchedulerConfig(executor="local", port=0), EngineConfig(
+            model=str(smollm2_dir), dtype="float32", kv_cache_memory=48 * 2**20, max_model_len=256,
+            speculative_method="ngram", num_speculative_tokens=4))
+        await sched.wait_ready()
+        return sched, await serve_gateway(GatewayConfig(port=0, scheduler_address=sched.address, connect_timeout=60))
+
+    sched, gw = run(start())
+    try:
+        with grpc.insecure_channel(gw.address) as ch:
+            stub = llm_pb2_grpc.LLMServiceStub(ch)
+            req = llm_pb2.GenerateRequest(prompt=REPEAT, sampling=greedy(40))
+            text, ids, by_length = joined(list(stub.Generate(req)))
+            assert by_length.usage.spec_num_drafts > 0, "the prompt does not make ngram speculate"
+            at = text.index("mat.", len(text) // 2)
+            req.sampling.stop.append(text[at - 4: at + 4])
+            _, ids2, by_stop = joined(list(stub.Generate(req)))
+            assert by_stop.finish_reason == common_pb2.FINISH_REASON_STOP and len(ids2) < len(ids)
+            u = by_stop.usage
+            assert 0 < u.spec_num_drafts <= by_length.usage.spec_num_drafts
+            assert 0 < u.spec_num_accepted_tokens <= u.spec_num_draft_tokens
+            assert u.cached_prompt_tokens > 0           # the second run of the prompt
+    finally:
+        run(gw.stop(0))
+        run(sched.stop(0))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
