@@ -411,8 +411,9 @@ class LLMServicer:
         fwd, params = self._sampling(request.sampling, len(prompt_ids))
         timeout = self._timeout(request, context)
         # the stop strings' automaton costs O(their characters): built off the event loop
-        detok = await asyncio.to_thread(IncrementalDetokenizer, self.text.tokenizer, prompt_ids, stop=params.stop,
-                                        skip_special_tokens=params.skip_special_tokens)
+        make_detok = functools.partial(IncrementalDetokenizer, self.text.tokenizer, prompt_ids, stop=params.stop,
+                                       skip_special_tokens=params.skip_special_tokens)
+        detok = await asyncio.to_thread(make_detok) if params.stop else make_detok()
         if rid in self.live:
             raise _Status(_Code.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
         trailers = (("kvmesh-max-tokens", str(fwd.max_tokens)),)
