@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from gateway.stop_matcher import StopMatcher
+
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -67,6 +69,8 @@ class IncrementalDetokenizer:
     * text that might be the start of a stop string is held back until it either
       completes the stop string (then it is cut, or kept with
       ``include_stop_str_in_output``) or stops being a possible prefix;
+    * the stop string that ends the output is the first one completed in the text (of
+      several ending at the same character, the longest), however the text was chunked;
     * after a stop string matched, nothing more is emitted.
 
     ``prompt_token_ids`` is accepted for API symmetry but is not decoded: stop strings
@@ -86,7 +90,7 @@ class IncrementalDetokenizer:
         self.prompt_token_ids = list(prompt_token_ids)
         if isinstance(stop, str):
             stop = [stop]
-        self._stops = [s for s in dict.fromkeys(stop or ()) if s]  # dedupe, drop "", keep order
+        self._matcher = StopMatcher(stop or ()) if stop else None
         self._include_stop = include_stop_str_in_output
 
         self._ids: list[int] = []  # output ids accepted so far
@@ -159,41 +163,25 @@ class IncrementalDetokenizer:
         return new
 
     def _emit(self, new: str, final: bool) -> str:
-        """Add decoded text to the pending buffer; release what is safe to emit."""
+        """Add decoded text to the pending buffer; release what is safe to emit.
+
+        Only ``new`` is matched (:class:`gateway.stop_matcher.StopMatcher` carries the state
+        across calls): a step costs O(new text), whatever the stop strings. The pending text
+        is at most the longest stop string plus ``new``: anything that could not start a stop
+        string was emitted.
+        """
         pending = self._pending + new
-        match = self._find_stop(pending)
-        if match is not None:
-            idx, stop = match
-            out = pending[: idx + len(stop)] if self._include_stop else pending[:idx]
+        hit = self._matcher.feed(new) if self._matcher is not None else None
+        if hit is not None:
+            end, stop = hit
+            end += len(self._pending)              # the match ends there in `pending`
+            out = pending[:end] if self._include_stop else pending[: end - len(stop)]
             self._pending = ""
             self._stop_string = stop
             self._finished = True
         else:
-            keep = 0 if final else self._stop_prefix_len(pending)
+            keep = 0 if final or self._matcher is None else self._matcher.held
             out, self._pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
         if out:
             self._emitted.append(out)
         return out
-
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """Earliest stop-string occurrence in ``text`` (ties: the first listed stop).
-
-        Only the pending (unemitted) text needs searching: any text that could start
-        a stop string is never emitted, so a match cannot begin in emitted text.
-        """
-        best = None
-        for s in self._stops:
-            i = text.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        return best
-
-    def _stop_prefix_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest

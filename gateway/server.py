@@ -11,6 +11,12 @@ Rules a client sees:
   ``prompt_token_ids``, ``messages[1].role``, ``model``, ``sampling: temperature ...``,
   ``max_tokens``, ``timeout``, ``request_id``); a request whose bytes do not parse (e.g. a
   string field holding invalid UTF-8) too, naming the field where it can be found.
+* Limits (:class:`kvmesh.config.GatewayConfig`, checked before any tokenizing): stop strings
+  (``max_stop_strings``, ``max_stop_chars`` in all), ``max_stop_token_ids``, ``max_id_length``
+  (request and session ids), ``max_prompt_tokens`` and ``max_message_bytes``; over one →
+  INVALID_ARGUMENT naming the field and the limit.
+* Request ids: an id in flight on this gateway is ALREADY_EXISTS (the scheduler answers the
+  same across gateways); an id is free again once its final message is sent.
 * ``max_tokens`` (tokens): unset → ``min(default_max_tokens, max_tokens_cap, room)`` where room =
   ``max_model_len - prompt tokens``; set above ``max_tokens_cap`` → clamped to the cap. A set
   value (after clamping) with ``prompt + max_tokens > max_model_len`` is INVALID_ARGUMENT, as
@@ -23,11 +29,15 @@ Rules a client sees:
   ``timings`` (the scheduler's; for a stop-string finish the gateway's own clock, Submit sent
   → now, since the scheduler never finished the request).
 * A stop string ends the upstream call at once (the scheduler aborts the request and frees its
-  KV blocks); the final message has FINISH_REASON_STOP and ``stop_reason`` = the string.
+  KV blocks) before the final message is sent; that message has FINISH_REASON_STOP,
+  ``stop_reason`` = the string, and usage with the cached prompt tokens and speculative counts
+  the scheduler reported on earlier messages. Matching costs O(new text) per message
+  (:mod:`gateway.stop_matcher`); its automaton is built off the event loop.
 * Deadline (seconds): the request's ``timeout`` (default ``default_timeout``, at most
   ``max_timeout``), also bounded by the client's own gRPC deadline. It is the deadline of the
   upstream ``Submit`` call; when it passes the call is cancelled (the scheduler aborts) and the
-  RPC ends with DEADLINE_EXCEEDED.
+  RPC ends with DEADLINE_EXCEEDED, its trailing metadata ``kvmesh-usage-bin`` holding the usage
+  so far (a serialized ``kvmesh.v1.Usage``).
 * Client cancel/disconnect: grpc cancels the handler; the upstream call is cancelled in a
   ``finally``, so the scheduler aborts the request at its next step.
 * ``Abort(request_id)``: a request of this gateway has its upstream call cancelled and its
@@ -151,11 +161,14 @@ def _bad_utf8_field(data: bytes, desc, prefix: str = "") -> str | None:
     return None
 
 
-def _lenient(cls):
+def _lenient(cls, max_bytes: int):
     """A request deserializer that returns :class:`_Undecodable` instead of raising, so that a
-    request grpc cannot parse ends as INVALID_ARGUMENT (grpc's own answer would be UNKNOWN)."""
+    request grpc cannot parse ends as INVALID_ARGUMENT (grpc's own answer would be UNKNOWN), as
+    does one over ``max_bytes`` bytes (GatewayConfig.max_message_bytes), unparsed."""
 
     def deserialize(data: bytes):
+        if len(data) > max_bytes:
+            return _Undecodable(f"request: {len(data)} bytes exceeds max_message_bytes ({max_bytes})")
         try:
             return cls.FromString(data)
         except DecodeError as e:
@@ -243,10 +256,12 @@ class LLMServicer:
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> None:
         with self._span("generate", "text_completion", request, context):
             self._check_model(request.model)
+            self._check_limits(request)
             kind = request.WhichOneof("input")
             if kind == "prompt":      # tokenized off the event loop: a huge prompt must not stall other streams
                 _, prompt_ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)  # EngineError if empty
             elif kind == "prompt_token_ids":
+                self._check_prompt_len(len(request.prompt_token_ids.ids))     # before reading them
                 prompt_ids = self._check_ids(list(request.prompt_token_ids.ids))
             else:
                 raise _invalid("prompt: a prompt or prompt_token_ids is required")
@@ -256,6 +271,7 @@ class LLMServicer:
     async def Chat(self, request: llm_pb2.ChatRequest, context) -> None:
         with self._span("chat", "chat", request, context):
             self._check_model(request.model)
+            self._check_limits(request)
             await self._stream(request, await asyncio.to_thread(self._encode_chat, request.messages), context)
 
     def _span(self, name: str, operation: str, request, context):
@@ -306,6 +322,31 @@ class LLMServicer:
         if model and model not in self.model_names:
             raise _invalid(f"model: unknown model {model!r}; this gateway serves {self.info.name!r}")
 
+    def _check_limits(self, request) -> None:
+        """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
+        only, so that an oversize request costs nothing more."""
+        c = self.cfg
+        for name in ("request_id", "session_id"):
+            if (n := len(getattr(request, name))) > c.max_id_length:
+                raise _invalid(f"{name}: {n} characters exceeds max_id_length ({c.max_id_length})")
+        sp = request.sampling
+        if len(sp.stop) > c.max_stop_strings:
+            raise _invalid(f"sampling.stop: {len(sp.stop)} stop strings exceeds max_stop_strings "
+                           f"({c.max_stop_strings})")
+        if (n := sum(map(len, sp.stop))) > c.max_stop_chars:
+            raise _invalid(f"sampling.stop: {n} characters in all exceeds max_stop_chars ({c.max_stop_chars})")
+        if len(sp.stop_token_ids) > c.max_stop_token_ids:
+            raise _invalid(f"sampling.stop_token_ids: {len(sp.stop_token_ids)} ids exceeds max_stop_token_ids "
+                           f"({c.max_stop_token_ids})")
+
+    def _check_prompt_len(self, n: int) -> None:
+        """``max_prompt_tokens``, and room for one output token within ``max_model_len``."""
+        limit, mml = self.cfg.max_prompt_tokens, self.info.max_model_len
+        if limit and n > limit:
+            raise _invalid(f"prompt: {n} tokens exceeds max_prompt_tokens ({limit})")
+        if n >= mml:
+            raise _invalid(f"prompt: {n} tokens leave no room for output within max_model_len {mml}")
+
     def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise _invalid("prompt_token_ids: empty")
@@ -330,9 +371,7 @@ class LLMServicer:
         params (with the stop strings)."""
         from scheduler.service import sampling_params_from_proto
         limit = self.info.max_model_len
-        room = limit - n_prompt
-        if room < 1:
-            raise _invalid(f"prompt: {n_prompt} tokens leave no room for output within max_model_len {limit}")
+        room = limit - n_prompt             # >= 1: _check_prompt_len
         fwd = common_pb2.SamplingParams()
         fwd.CopyFrom(msg)
         if fwd.HasField("max_tokens"):
@@ -368,37 +407,45 @@ class LLMServicer:
     async def _stream(self, request, prompt_ids: list[int], context: grpc.aio.ServicerContext) -> None:
         """Submit one validated request upstream and stream its messages to ``context``."""
         rid = request.request_id or uuid.uuid4().hex
+        self._check_prompt_len(len(prompt_ids))
         fwd, params = self._sampling(request.sampling, len(prompt_ids))
         timeout = self._timeout(request, context)
+        # the stop strings' automaton costs O(their characters): built off the event loop
+        make_detok = functools.partial(IncrementalDetokenizer, self.text.tokenizer, prompt_ids, stop=params.stop,
+                                       skip_special_tokens=params.skip_special_tokens)
+        detok = await asyncio.to_thread(make_detok) if params.stop else make_detok()
         if rid in self.live:
-            raise _invalid(f"request_id: {rid!r} is already in flight")
-        context.set_trailing_metadata((("kvmesh-max-tokens", str(fwd.max_tokens)),))
+            raise _Status(_Code.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        trailers = (("kvmesh-max-tokens", str(fwd.max_tokens)),)
+        context.set_trailing_metadata(trailers)
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attributes({"kvmesh.request_id": rid, "gen_ai.request.max_tokens": fwd.max_tokens,
                                  "gen_ai.request.temperature": params.temperature,
                                  "gen_ai.usage.input_tokens": len(prompt_ids)})
-        detok = IncrementalDetokenizer(self.text.tokenizer, prompt_ids, stop=params.stop,
-                                       skip_special_tokens=params.skip_special_tokens)
         t0 = time.monotonic()
         t_first = None
         call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                                             sampling=fwd, session_id=request.session_id),
                                 timeout=timeout, metadata=telemetry.inject_metadata(span))
         live = self.live[rid] = _Live(call)
+        usage = common_pb2.Usage()      # what the scheduler reported so far (cached tokens, speculation)
         try:
             try:
                 async for up in call:
                     if t_first is None and up.token_ids:
                         t_first = time.monotonic()
                         self.metrics.first_token(t_first - t0)
+                    if up.HasField("usage"):
+                        usage.MergeFrom(up.usage)
                     delta, ids = _add_tokens(detok, up.token_ids)
                     out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=ids)
                     if params.logprobs is not None:
                         out.logprobs.extend(up.logprobs)
-                    if delta.stop_string is not None:       # end upstream now (finally), report STOP
+                    if delta.stop_string is not None:       # end upstream now, report STOP
+                        self._end_upstream(rid, live)       # the id is free before the client has the end
                         _finish(out, common_pb2.FINISH_REASON_STOP, delta.stop_string,
-                                _usage(up, prompt_ids, detok), _timings(up, t0, t_first))
+                                _usage(usage, prompt_ids, detok), _timings(up, t0, t_first))
                     elif up.finished:
                         out.text += detok.flush()
                         if detok.stop_string is not None:   # matched in the flushed tail
@@ -415,22 +462,29 @@ class LLMServicer:
                 if not live.aborted or asyncio.current_task().cancelling():
                     raise
                 out = llm_pb2.GenerateResponse(request_id=rid, text=detok.flush())
-                _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(None, prompt_ids, detok),
+                _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(usage, prompt_ids, detok),
                         _timings(None, t0, t_first))
                 _span_finished(span, out, None)
                 await context.write(out)
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == _Code.DEADLINE_EXCEEDED:
+                    context.set_trailing_metadata(trailers + (
+                        ("kvmesh-usage-bin", _usage(usage, prompt_ids, detok).SerializeToString()),))
                     raise _Status(_Code.DEADLINE_EXCEEDED, f"request {rid}: deadline of {timeout:.3g} s exceeded "
                                                            "(the request was aborted)") from None
                 raise self._upstream_status(e) from None
             raise _Status(_Code.UNAVAILABLE, f"the scheduler at {self.cfg.scheduler_address} ended request "
                                              f"{rid} without a final message")
         finally:
-            call.cancel()              # no-op when it finished; else the scheduler aborts the request
-            if self.live.get(rid) is live:
-                del self.live[rid]
+            self._end_upstream(rid, live)
+
+    def _end_upstream(self, rid: str, live: _Live) -> None:
+        """Cancel the upstream call (a no-op when it finished; else the scheduler aborts the
+        request) and free the id. Idempotent."""
+        live.call.cancel()
+        if self.live.get(rid) is live:
+            del self.live[rid]
 
     def _upstream_status(self, e: grpc.aio.AioRpcError) -> _Status:
         """The status to answer for a failed scheduler call: the scheduler's own status as is,
@@ -489,11 +543,11 @@ def _add_tokens(detok: IncrementalDetokenizer, token_ids) -> tuple[DetokenizerDe
     return DetokenizerDelta("".join(text), None), ids
 
 
-def _usage(up, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
-    """Usage of a request the gateway ended (stop string, Abort): tokens it received."""
+def _usage(known: common_pb2.Usage, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
+    """Usage of a request the gateway ended (stop string, Abort): the cached prompt tokens and
+    speculation counts the scheduler reported so far (``known``), the tokens it received."""
     usage = common_pb2.Usage()
-    if up is not None and up.HasField("usage"):     # cached tokens and speculation counters
-        usage.CopyFrom(up.usage)
+    usage.CopyFrom(known)
     usage.prompt_tokens, usage.completion_tokens = len(prompt_ids), detok.num_output_tokens
     return usage
 
@@ -520,7 +574,7 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
                "ListModels": (grpc.unary_unary_rpc_method_handler, llm_pb2.ListModelsRequest,
                               llm_pb2.ListModelsResponse),
                "Tokenize": (grpc.unary_unary_rpc_method_handler, llm_pb2.TokenizeRequest, llm_pb2.TokenizeResponse)}
-    handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req),
+    handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req, servicer.cfg.max_message_bytes),
                            response_serializer=resp.SerializeToString)
                 for name, (make, req, resp) in methods.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -611,8 +665,10 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     from kvmesh.llm import _load_tokenizer
     from workers.registry import resolve_model
 
-    # so_reuseport=0: a second server on a port in use fails instead of sharing it
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # so_reuseport=0: a second server on a port in use fails instead of sharing it. Requests up
+    # to twice max_message_bytes reach the deserializer, which names the limit (INVALID_ARGUMENT).
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)])
     channel = grpc.aio.insecure_channel(cfg.scheduler_address, options=_CHANNEL_OPTIONS)
     servicer = LLMServicer(cfg, channel)
     _add_servicer(servicer, server)

@@ -222,6 +222,17 @@ GATEWAY_FLAGS: list[tuple[str, str, dict]] = [
     ("--metrics-port", "metrics_port", dict(type=_metrics_port, metavar="PORT",
                                             help="Prometheus /metrics over HTTP on the listen address "
                                                  "(off; 0 = any free port; deployments use 9451)")),
+    ("--max-stop-strings", "max_stop_strings", dict(type=int, metavar="N", help="stop strings per request (64)")),
+    ("--max-stop-chars", "max_stop_chars", dict(type=int, metavar="N",
+                                                help="characters of a request's stop strings together (4096)")),
+    ("--max-stop-token-ids", "max_stop_token_ids", dict(type=int, metavar="N",
+                                                        help="stop token ids per request (1024)")),
+    ("--max-id-length", "max_id_length", dict(type=int, metavar="N",
+                                              help="characters of a request_id or session_id (256)")),
+    ("--max-prompt-tokens", "max_prompt_tokens", dict(type=int, metavar="N",
+                                                      help="prompt tokens per request (0 = max_model_len - 1)")),
+    ("--max-message-bytes", "max_message_bytes", dict(type=int, metavar="B",
+                                                      help="size of a serialized request (4194304)")),
 ]
 
 

@@ -402,6 +402,16 @@ class GatewayConfig:
         metrics_port: Prometheus ``/metrics`` over HTTP on ``host:metrics_port`` (docs/telemetry.md);
             -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
             :data:`GATEWAY_METRICS_PORT`.
+
+    Request limits (a request over one ends INVALID_ARGUMENT naming the limit):
+        max_stop_strings: stop strings per request (OpenAI allows 4).
+        max_stop_chars: characters of all of a request's stop strings together.
+        max_stop_token_ids: stop token ids per request.
+        max_id_length: characters of ``request_id`` and of ``session_id``.
+        max_prompt_tokens: prompt tokens (after tokenization or the chat template); 0 = what
+            the model's context allows (``max_model_len`` - 1).
+        max_message_bytes: size of a serialized request (bytes); gRPC itself refuses one over
+            twice this before it is read (RESOURCE_EXHAUSTED).
     """
 
     host: str = "127.0.0.1"
@@ -413,6 +423,12 @@ class GatewayConfig:
     max_timeout: float = 3600.0
     connect_timeout: float = 120.0
     metrics_port: int = -1
+    max_stop_strings: int = 64
+    max_stop_chars: int = 4096
+    max_stop_token_ids: int = 1024
+    max_id_length: int = 256
+    max_prompt_tokens: int = 0
+    max_message_bytes: int = 4 * 2**20
 
     ENV_PREFIX = "KVMESH_GATEWAY_"
 
@@ -429,6 +445,12 @@ class GatewayConfig:
         if not 0 < self.default_timeout <= self.max_timeout:
             raise EngineError(f"default_timeout must be in (0, max_timeout={self.max_timeout}], "
                               f"got {self.default_timeout}")
+        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_prompt_tokens"):
+            if getattr(self, name) < 0:
+                raise EngineError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_id_length < 1 or not 1024 <= self.max_message_bytes <= 2**30:
+            raise EngineError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
+                              f"{self.max_id_length} and {self.max_message_bytes}")
 
     def replace(self, **kw) -> "GatewayConfig":
         return dataclasses.replace(self, **kw)

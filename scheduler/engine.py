@@ -10,6 +10,7 @@ AsyncLLM. Text (tokenization, detokenization, stop strings) lives above, in
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import time
@@ -26,7 +27,8 @@ from kvmesh.config import EngineConfig
 from kvstore.events import KVEventSink
 from kvstore.hashing import seed_hash
 from scheduler.block_manager import BlockManager, BlockStats
-from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams, SpecDecodeCounts
+from scheduler.request import (DuplicateRequestError, EngineError, FinishReason, Request, RequestStatus,
+                               SamplingParams, SpecDecodeCounts)
 from scheduler.scheduler import Scheduler, SchedulerOutput
 
 
@@ -403,6 +405,12 @@ class OutputStreams:
     request, delivery of each step's outputs on the event loop, and failure of every stream
     when the loop dies. Create it inside a running event loop.
 
+    Request ids: a caller's id names one open stream (:meth:`generate`) and is free again as
+    soon as that stream ends. The engine knows each submission by an id of its own
+    (``<request id>#<n>``), so an id can be reused at once even while the engine is still
+    ending its previous request (an abort waits for the step in progress) and that
+    request's last output can never reach the new stream.
+
     Attributes:
         errored: the exception the engine loop died of (None while it runs).
         on_outputs: called on the event loop with each batch of outputs before delivery (metrics).
@@ -411,35 +419,65 @@ class OutputStreams:
 
     def __init__(self):
         self._loop = asyncio.get_running_loop()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue] = {}      # engine id -> its stream's queue
+        self._open: dict[str, str] = {}                  # request id -> engine id of its open stream
+        self._submissions = itertools.count()
         self.errored: BaseException | None = None
         self.on_outputs = None
         self.stats = EngineStats()
 
-    def add_request(self, request_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, traceparent: str | None = None
-                    ) -> tuple[str, asyncio.Queue]:
+    def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    traceparent: str | None = None) -> asyncio.Queue:
+        """Hand a request to the engine under ``engine_id``; returns the queue its outputs
+        arrive on."""
         raise NotImplementedError
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int],
                        params: SamplingParams | None = None, traceparent: str | None = None
                        ) -> AsyncIterator[EngineOutput]:
-        """Stream the request's outputs; aborts it if the consumer stops early. Raises
-        EngineError (a request the engine cannot serve, or the engine loop died)."""
-        rid, q = self.add_request(request_id, prompt_token_ids, params, traceparent)
+        """Stream the request's outputs (their ``request_id`` is ``request_id``, or a generated
+        one when None); aborts it if the consumer stops early. Raises DuplicateRequestError
+        when a stream with this id is open, EngineError for a request the engine cannot serve
+        or when the engine loop died."""
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._open:
+            raise DuplicateRequestError(f"duplicate request id {rid!r}: a stream with it is in flight")
+        eid = f"{rid}#{next(self._submissions)}"
+        q = self.add_request(eid, prompt_token_ids, params, traceparent)
+        self._open[rid] = eid
         try:
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):
                     raise out
+                out.request_id = rid
                 yield out
                 if out.finished:
                     return
         finally:
-            if self._queues.pop(rid, None) is not None:
-                self.abort(rid)
+            del self._open[rid]
+            if self._queues.pop(eid, None) is not None:
+                self._abort(eid)
+
+    def engine_id(self, request_id: str) -> str | None:
+        """The engine's id of the open stream ``request_id`` (None when none is open)."""
+        return self._open.get(request_id)
 
     def abort(self, request_id: str) -> bool:
+        """Abort the open stream ``request_id`` (it ends with FINISH_REASON_ABORT); False when
+        no stream of that id is open."""
+        eid = self._open.get(request_id)
+        return eid is not None and self._abort(eid)
+
+    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
+        """End the open stream ``request_id`` with ``reason``; False when none is open."""
+        eid = self._open.get(request_id)
+        return eid is not None and self._finish(eid, reason, stop_reason)
+
+    def _abort(self, engine_id: str) -> bool:
+        raise NotImplementedError
+
+    def _finish(self, engine_id: str, reason: FinishReason, stop_reason) -> bool:
         raise NotImplementedError
 
     def is_up(self) -> bool:
@@ -497,29 +535,28 @@ class AsyncEngine(OutputStreams):
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
-    def add_request(self, request_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, traceparent: str | None = None
-                    ) -> tuple[str, asyncio.Queue]:
-        """Queue a request; returns its id and the queue its :class:`EngineOutput`s arrive on.
-        Raises EngineError at once for a request that cannot be served."""
+    def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    traceparent: str | None = None) -> asyncio.Queue:
+        """Queue a request; returns the queue its :class:`EngineOutput`s arrive on. Raises
+        EngineError at once for a request that cannot be served."""
         if self.errored is not None:
             raise EngineError(f"engine loop died: {self.errored!r}")
         q: asyncio.Queue = asyncio.Queue()
         try:
-            req = self.engine.add_request(request_id, prompt_token_ids, params, traceparent=traceparent)
+            self.engine.add_request(engine_id, prompt_token_ids, params, traceparent=traceparent)
         finally:
             self.stats = self.engine.snapshot()
-        self._queues[req.request_id] = q
+        self._queues[engine_id] = q
         self._wake.set()
-        return req.request_id, q
+        return q
 
-    def abort(self, request_id: str) -> bool:
-        ok = self.engine.abort_request(request_id)
+    def _abort(self, engine_id: str) -> bool:
+        ok = self.engine.abort_request(engine_id)
         self._wake.set()
         return ok
 
-    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
-        ok = self.engine.finish_request(request_id, reason, stop_reason)
+    def _finish(self, engine_id: str, reason: FinishReason, stop_reason) -> bool:
+        ok = self.engine.finish_request(engine_id, reason, stop_reason)
         self._wake.set()
         return ok
 

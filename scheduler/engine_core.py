@@ -29,7 +29,6 @@ import os
 import threading
 import time
 import traceback
-import uuid
 from collections import deque
 
 import msgpack
@@ -292,30 +291,28 @@ class EngineCoreClient(OutputStreams):
         with self._send_lock:
             self._in.send_bytes(data)
 
-    def add_request(self, request_id: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams | None = None, traceparent: str | None = None
-                    ) -> tuple[str, asyncio.Queue]:
-        """Send a request to the core; returns its id and its output queue. A request the
-        core cannot serve ends its stream with EngineError (the core's message). Raises
-        EngineError when the core is down."""
+    def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    traceparent: str | None = None) -> asyncio.Queue:
+        """Send a request to the core; returns its output queue. A request the core cannot
+        serve ends its stream with EngineError (the core's message). Raises EngineError when
+        the core is down."""
         if self.errored is not None:
             raise EngineError(f"replica {self.replica}: engine process down: {self.errored}")
-        rid = request_id or uuid.uuid4().hex
         params = params or SamplingParams()
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = q
+        self._queues[engine_id] = q
         self._num_sent += 1
         self._last_add = time.monotonic()
         self._pending.append((self._num_sent, len(prompt_token_ids)))
         try:
-            self._send([ADD, rid, list(prompt_token_ids), {f: getattr(params, f) for f in _PARAM_FIELDS},
+            self._send([ADD, engine_id, list(prompt_token_ids), {f: getattr(params, f) for f in _PARAM_FIELDS},
                         traceparent, time.monotonic()])
         except (OSError, ValueError) as e:
-            self._queues.pop(rid, None)
+            self._queues.pop(engine_id, None)
             error = EngineError(f"replica {self.replica}: engine process down: {e!r}")
             self._died(error)                # the core is gone and the reader has not said so yet
             raise error from None
-        return rid, q
+        return q
 
     def is_up(self) -> bool:
         """Not known dead, and the process alive: one that has just died is down at once, before
@@ -331,24 +328,22 @@ class EngineCoreClient(OutputStreams):
         except ChildProcessError:            # reaped already
             return False
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request the client still streams; False when it is not open here."""
-        found = request_id in self._queues
+    def _abort(self, engine_id: str) -> bool:
+        """Tell the core to abort; the core ends it at its next step."""
         if self.errored is None:
             try:
-                self._send([ABORT, request_id])
+                self._send([ABORT, engine_id])
             except (OSError, ValueError):
                 pass
-        return found
+        return True
 
-    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
-        found = request_id in self._queues
+    def _finish(self, engine_id: str, reason: FinishReason, stop_reason) -> bool:
         if self.errored is None:
             try:
-                self._send([FINISH, request_id, reason.value, stop_reason])
+                self._send([FINISH, engine_id, reason.value, stop_reason])
             except (OSError, ValueError):
                 pass
-        return found
+        return True
 
     def pending_load(self) -> tuple[int, int]:
         """Requests (and their prompt tokens) sent to the core and not yet in ``stats``."""

@@ -17,6 +17,10 @@ class EngineError(ValueError):
     """A request the engine cannot serve (bad parameters, too long, ...). The message says why."""
 
 
+class DuplicateRequestError(EngineError):
+    """A request id that is already in flight (gRPC: ALREADY_EXISTS)."""
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -164,6 +168,10 @@ class Request:
     num_draft_tokens: int = 0           # proposals verified
     num_accepted_tokens: int = 0        # of which accepted
 
+    def __post_init__(self) -> None:
+        # looked up once per generated token: a set, however long the list
+        self.stop_token_id_set = frozenset(self.sampling_params.stop_token_ids)
+
     def can_speculate(self) -> bool:
         """Whether the next token may be proposed and verified: not with penalties, logprobs
         or before ``min_tokens`` (their per-position distributions depend on the tokens
@@ -216,7 +224,7 @@ class Request:
             if not sp.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, None
                 return True
-            if last in sp.stop_token_ids:
+            if last in self.stop_token_id_set:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, last
                 return True
         if n >= sp.max_tokens or self.num_tokens >= max_model_len:

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager
-from scheduler.request import EngineError, FinishReason, Request, RequestStatus
+from scheduler.request import DuplicateRequestError, EngineError, FinishReason, Request, RequestStatus
 
 POLICIES = ("continuous", "static", "naive")
 
@@ -107,7 +107,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a request. Raises EngineError if it can never be served."""
         if req.request_id in self.requests:
-            raise EngineError(f"duplicate request id {req.request_id!r}")
+            raise DuplicateRequestError(f"duplicate request id {req.request_id!r}")
         total = req.num_prompt_tokens + req.sampling_params.max_tokens
         if total > self.max_model_len:
             raise EngineError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "

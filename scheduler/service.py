@@ -37,7 +37,7 @@ from kvmesh.config import EngineConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
-from scheduler.request import EngineError, FinishReason, SamplingParams
+from scheduler.request import DuplicateRequestError, EngineError, FinishReason, SamplingParams
 from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -62,7 +62,9 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, *, default_max_to
 
 def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitResponse:
     """One stream message. The last (``finished``) carries reason, usage and timings (seconds;
-    0 where an event never happened, e.g. the ttft of a request aborted before its first token)."""
+    0 where an event never happened, e.g. the ttft of a request aborted before its first token).
+    Earlier ones carry the usage known so far where it is not zero: ``cached_prompt_tokens`` on
+    the first with tokens, the speculative counts (cumulative) on each of a speculating request."""
     msg = scheduler_pb2.SubmitResponse(
         request_id=rid, token_ids=o.new_token_ids, replica=replica,
         logprobs=[common_pb2.TokenLogprobs(logprobs=lp) for lp in o.new_logprobs])
@@ -81,6 +83,12 @@ def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitRe
             ttft=first_tok - o.arrival_time if first_tok else 0.0,
             decode_time=end - first_tok if first_tok else 0.0,
             e2e_latency=end - o.arrival_time))
+    elif o.num_drafts or (o.num_cached_tokens and o.num_output_tokens == len(o.new_token_ids)):
+        # what is known so far, for a caller that ends the request itself (the gateway on a
+        # stop string): cached prompt tokens once (first tokens), speculation counts as they grow
+        msg.usage.CopyFrom(common_pb2.Usage(cached_prompt_tokens=o.num_cached_tokens, spec_num_drafts=o.num_drafts,
+                                            spec_num_draft_tokens=o.num_draft_tokens,
+                                            spec_num_accepted_tokens=o.num_accepted_tokens))
     return msg
 
 
@@ -302,6 +310,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                     last = out
                     if out.new_token_ids or out.finished:
                         await context.write(_response(rid, replica.index, out))
+        except DuplicateRequestError as e:        # an id another stream of the replica still has
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except EngineError as e:
             if aengine.errored is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {replica.index} failed: {e}")

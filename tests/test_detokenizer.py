@@ -213,6 +213,60 @@ def test_multiple_stops_earliest_wins(tokenizer, chunk_mode):
     assert text == "alpha " == d.output_text
 
 
+def _first_stop(text: str, stops: list[str]):
+    """Reference: the stop string completed first in ``text`` (end, stop); of those ending at
+    the same character the longest. None when none occurs."""
+    for end in range(1, len(text) + 1):
+        hits = [s for s in stops if s and text.endswith(s, 0, end)]
+        if hits:
+            return end, max(hits, key=len)
+    return None
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """Reference: longest suffix of ``text`` that is a prefix of a stop string."""
+    return max([k for s in stops for k in range(1, min(len(s), len(text)) + 1) if text.endswith(s[:k])],
+               default=0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stop_matcher_against_brute_force(seed):
+    """Random stop lists over a 3-letter alphabet (overlapping, nested, repeated), random text
+    fed in random pieces: the match and the held-back length equal a brute-force scan of the
+    whole text, whatever the chunking."""
+    from gateway.stop_matcher import StopMatcher
+    rng = random.Random(seed)
+    word = lambda n: "".join(rng.choice("abc") for _ in range(n))  # noqa: E731
+    stops = [word(rng.randint(1, 6)) for _ in range(rng.randint(1, 8))] + [""]
+    text = word(rng.randint(0, 40))
+    m, pos, got = StopMatcher(stops), 0, None
+    while pos < len(text) and got is None:
+        piece = text[pos : pos + rng.randint(0, 5)]
+        hit = m.feed(piece)
+        if hit is not None:
+            got = (pos + hit[0], hit[1])
+        else:
+            assert m.held == _held(text[: pos + len(piece)], stops)
+        pos += len(piece)
+    assert got == _first_stop(text, stops)
+
+
+@pytest.mark.parametrize("chunk_mode", ["single", "random", "all"])
+def test_first_completed_stop_wins_whatever_the_chunking(tokenizer, chunk_mode):
+    """"beta gamma" starts first, "eta g" completes first: the one completed first ends the
+    text, whether the ids come in one chunk or token by token."""
+    ids = tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    stops = ["beta gamma", "eta g"]
+    d = IncrementalDetokenizer(tokenizer, [], stop=stops)
+    if chunk_mode == "all":
+        delta = d.add_tokens(ids)
+        text, stop = delta.text, delta.stop_string
+    else:
+        d, deltas, _ = _stream(tokenizer, ids, chunk_mode, stop=stops)
+        text, stop = "".join(x.text for x in deltas), deltas[-1].stop_string
+    assert (text, stop) == ("alpha b", "eta g")
+
+
 def test_include_stop_str_in_output(tokenizer):
     ids = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
     d, deltas, tail = _stream(tokenizer, ids, stop=["beta"], include_stop_str_in_output=True)

@@ -5,6 +5,7 @@ aborts racing with running steps do not break the engine loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import pytest_asyncio
@@ -85,15 +86,21 @@ async def test_breaking_out_aborts_the_request(allm):
     async for ro in allm.generate("brk", "Write a long essay about the ocean.",
                                   SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)):
         if n == 0:
-            req = eng.scheduler.requests["brk"]
+            eid = allm.engine.engine_id("brk")          # the engine's id of this submission
+            req = eng.scheduler.requests[eid]
         n += 1
         if n == 3:
             break
     await _wait_idle(allm)
     assert req.is_finished and req.finish_reason.value == "abort"
     assert len(req.output_token_ids) < 50
-    assert "brk" not in eng.scheduler.requests
+    assert eid not in eng.scheduler.requests and allm.engine.engine_id("brk") is None
     assert eng.stats().used == 0
+
+
+def _engine_request(allm, request_id: str):
+    """The engine's Request of the open stream ``request_id`` (None before it is added)."""
+    return allm.engine.engine.scheduler.requests.get(allm.engine.engine_id(request_id))
 
 
 async def test_abort_from_another_task(allm):
@@ -101,8 +108,7 @@ async def test_abort_from_another_task(allm):
         return await _collect(allm, "Count from one to one hundred:",
                               SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True), "ab1")
     task = asyncio.create_task(consume())
-    while "ab1" not in allm.engine.engine.scheduler.requests or \
-            not allm.engine.engine.scheduler.requests["ab1"].output_token_ids:
+    while not getattr(_engine_request(allm, "ab1"), "output_token_ids", None):
         await asyncio.sleep(0.01)
     assert allm.abort("ab1")
     ups = await asyncio.wait_for(task, 30)
@@ -131,7 +137,7 @@ async def test_bad_requests_keep_the_loop_alive(allm):
     async def slow():
         return await _collect(allm, "Tell me about cats.", SamplingParams(temperature=0.0, max_tokens=20), "dup-a")
     task = asyncio.create_task(slow())
-    while "dup-a" not in allm.engine.engine.scheduler.requests:
+    while _engine_request(allm, "dup-a") is None:
         await asyncio.sleep(0.005)
     with pytest.raises(EngineError, match="duplicate request id 'dup-a'"):
         await _collect(allm, "Hi", SamplingParams(max_tokens=2), "dup-a")
@@ -235,3 +241,18 @@ async def test_engine_loop_failure_reaches_callers(tiny_llama_dir, h):
             eng.add_request("f3", [1, 2], h.greedy(2))
     finally:
         await eng.shutdown()
+
+
+async def test_an_id_is_free_once_its_stream_ends(allm):
+    """Break out of a stream (its abort waits for the step in progress) and reuse its id at
+    once, five times: each reuse is served in full, never refused as a duplicate nor ended by
+    the previous request's abort."""
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for _ in range(5):
+        async with contextlib.aclosing(allm.generate("again", "Write a long essay about the ocean.", sp)) as stream:
+            async for _ro in stream:
+                break
+        ups = await _collect(allm, "Hello", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), "again")
+        assert ups[-1].outputs[0].finish_reason == "length" and len(ups[-1].outputs[0].token_ids) == 3
+    await _wait_idle(allm)
+    assert allm.engine.engine.stats().used == 0

@@ -258,10 +258,10 @@ def test_scheduler_status_passes_through(mesh):
     with pytest.raises(grpc.RpcError) as ei:
         list(mesh.stub_cap.Generate(llm_pb2.GenerateRequest(prompt=PROMPT, sampling=greedy(2), request_id="dup")))
     assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in ei.value.details()
-    # the same id twice on one gateway is the gateway's own INVALID_ARGUMENT
+    # the same id twice on one gateway: the gateway's own ALREADY_EXISTS (issue 16)
     with pytest.raises(grpc.RpcError) as ei:
         list(mesh.stub.Generate(llm_pb2.GenerateRequest(prompt=PROMPT, sampling=greedy(2), request_id="dup")))
-    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in ei.value.details()
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in ei.value.details()
     stream.cancel()
     assert mesh.wait_idle().num_used_blocks == 0
 
