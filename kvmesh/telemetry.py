@@ -148,6 +148,14 @@ def epoch_ns(monotonic_s: float) -> int:
 
 # ---- worker spans -------------------------------------------------------------------------------
 
+
+def _client_request_id(engine_id: str) -> str:
+    """The caller's request id of an engine request id: the engine runs each submission as
+    ``<request id>#<n>`` (scheduler.engine.OutputStreams), so that an id is free again as soon
+    as its stream ends; spans carry the id the client knows."""
+    head, sep, tail = engine_id.rpartition("#")
+    return head if sep and tail.isdigit() else engine_id
+
 class StageSpans:
     """One span per (request, stage) for the model execution of a request's steps on one
     pipeline stage (or the whole model in-process): ``kvmesh.worker.execute``, from the start of
@@ -193,6 +201,7 @@ class StageSpans:
             tp, start, end, steps, compute, tokens = acc
             span = self._tracer.start_span("kvmesh.worker.execute", context=parent_context(tp),
                                            kind=trace.SpanKind.INTERNAL, start_time=start, attributes={
-                                               **self.attributes, "kvmesh.request_id": rid, "kvmesh.worker.steps": steps,
+                                               **self.attributes, "kvmesh.request_id": _client_request_id(rid),
+                                               "kvmesh.worker.steps": steps,
                                                "kvmesh.worker.compute_s": compute, "kvmesh.worker.tokens": tokens})
             span.end(end_time=end)
