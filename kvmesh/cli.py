@@ -145,7 +145,7 @@ def _metrics_port(v: str) -> int:
         n = -2
     if not -1 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535] (0 = any free port, -1 or off "
-                                         f"= no metrics), got {v!r}")
+                                         f"= off), got {v!r}")
     return n
 
 
