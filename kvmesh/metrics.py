@@ -34,8 +34,8 @@ Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's i
   ``spec_decode_propose_seconds_total`` (time spent proposing: prompt lookup or the draft model); and the router's
   ``router_requests_total``, ``router_prefix_routed_total``, ``router_fallbacks_total``.
 
-Gateway (label ``model_name``): ``gateway_requests_total{method, code}`` (Generate/Chat RPCs by
-final gRPC status name), ``gateway_time_to_first_token_seconds`` (Submit sent → first token
+Gateway (label ``model_name``): ``gateway_requests_total{method, code}`` (Generate/Chat RPCs and
+HTTP ChatCompletions/Completions requests by final gRPC status name), ``gateway_time_to_first_token_seconds`` (Submit sent → first token
 received), ``gateway_requests_running`` (streams in flight).
 """
 
@@ -272,13 +272,13 @@ class _ReplicaCollector:
 
 class GatewayMetrics:
     """The gateway's request-level metrics in their own registry. ``servicer`` (a
-    :class:`gateway.server.LLMServicer`) gives the model name and the streams in flight."""
+    :class:`gateway.stream.RequestPath`) gives the model name and the streams in flight."""
 
     def __init__(self, servicer):
         self.registry = r = CollectorRegistry()
         self.servicer = servicer
         self.requests = Counter(_base("kvmesh:gateway_requests_total"),
-                                "Generate/Chat RPCs by final gRPC status code.", ("model_name", "method", "code"),
+                                "Generate/Chat RPCs and HTTP ChatCompletions/Completions by final gRPC status code.", ("model_name", "method", "code"),
                                 registry=r)
         self.ttft = Histogram("kvmesh:gateway_time_to_first_token_seconds",
                               "Submit sent to the scheduler → first token received (seconds).", ("model_name",),
