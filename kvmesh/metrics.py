@@ -2,7 +2,9 @@
 
 Names and meanings follow vLLM's (``vllm:`` → ``kvmesh:``) where they overlap. Each service has
 its own :class:`prometheus_client.CollectorRegistry` and its own HTTP server (``metrics_port`` of
-its settings), so the two services of ``kvmesh serve`` in one process never collide.
+its settings), so the two services of ``kvmesh serve`` in one process never collide; there the
+gateway's endpoint (``kvmesh serve --metrics-port``) also carries the scheduler's series
+(:func:`include_registry`), one endpoint per process.
 
 Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's index):
 
@@ -295,6 +297,23 @@ class GatewayMetrics:
 
     def first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
+
+
+class _RegistryView:
+    """A collector yielding every metric of another registry at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        yield from self.registry.collect()
+
+
+def include_registry(target: CollectorRegistry, other: CollectorRegistry) -> None:
+    """Expose ``other``'s metrics through ``target`` too (``kvmesh serve``: one endpoint, the
+    gateway's, carries both services' series). The two registries must not share metric names
+    (the gateway's are ``kvmesh:gateway_*``)."""
+    target.register(_RegistryView(other))
 
 
 class MetricsServer:

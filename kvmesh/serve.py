@@ -115,7 +115,13 @@ async def start_gateway(mesh: Mesh, gw_cfg) -> None:
         mesh.http_url = server.http.url
         announce(f"http listening on {host_port(gw_cfg.host, server.http.port)} (OpenAI-compatible API at "
                  f"{server.http.url})")
-    announce_metrics("gateway", server)
+    sched = mesh.scheduler
+    if server.metrics is not None and sched is not None:    # one process: one endpoint for both
+        from kvmesh.metrics import include_registry
+        include_registry(server.servicer.metrics.registry, sched.service.metrics.registry)
+        announce(f"metrics (gateway and scheduler) on {server.metrics.url}")
+    else:
+        announce_metrics("gateway", server)
 
 
 async def start_mesh(mesh: Mesh, sched_cfg, engine_cfg, gw_cfg) -> None:
