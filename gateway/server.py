@@ -42,11 +42,20 @@ Rules a client sees:
   ``finally``, so the scheduler aborts the request at its next step.
 * ``Abort(request_id)``: a request of this gateway has its upstream call cancelled and its
   stream ends with FINISH_REASON_ABORT; an id this gateway does not know is forwarded to the
-  scheduler's Abort.
+  scheduler's Abort. Only the request's own tenant can abort it (another's: ``found`` False).
 * Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
   ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
   UNAVAILABLE too); a bug in the gateway is INTERNAL. The server keeps serving after any of them.
+
+Security (:mod:`gateway.auth`, :mod:`kvmesh.tls`): with API keys (``api_keys_file`` or
+``KVMESH_API_KEYS``) an RPC without ``authorization: Bearer <key>`` of a current key ends
+UNAUTHENTICATED before its request is read (health and reflection stay open); the key's tenant
+labels the request's metrics and spans and partitions the prefix cache (the scheduler gets
+``cache_salt`` = :func:`gateway.auth.cache_salt` of the tenant and the request's ``cache_salt``,
+so two tenants never share cached blocks). With ``tls_cert_file``/``tls_key_file`` the gateway
+listens with TLS only; ``scheduler_tls_*`` make it dial the scheduler with TLS (mutual TLS with
+a client certificate).
 
 Health (``grpc.health.v1``): "" and ``kvmesh.v1.LLMService`` are SERVING once the scheduler
 answered and the tokenizer is loaded, NOT_SERVING while the connection to the scheduler is
@@ -70,6 +79,7 @@ from opentelemetry import trace
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import CURRENT_TENANT, ApiKeyInterceptor, ApiKeys, cache_salt
 from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from kvmesh import telemetry
 from kvmesh.config import GatewayConfig
@@ -215,7 +225,7 @@ def _rpc(method):
             await context.abort(_Code.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
         finally:
             if method.__name__ in ("Generate", "Chat"):
-                self.metrics.request_done(method.__name__, code)
+                self.metrics.request_done(method.__name__, code, CURRENT_TENANT.get())
 
     return wrapper
 
@@ -225,6 +235,7 @@ class _Live:
     """A request streaming through this gateway."""
 
     call: grpc.aio.UnaryStreamCall
+    tenant: str = ""          # whose request it is (only that tenant may abort it)
     aborted: bool = False     # set by the Abort RPC
 
 
@@ -281,20 +292,24 @@ class LLMServicer:
             f"kvmesh.gateway.{name}", context=telemetry.extract_metadata(context.invocation_metadata()),
             kind=trace.SpanKind.SERVER, attributes={
                 "gen_ai.operation.name": operation, "gen_ai.request.model": request.model or self.info.name,
-                "kvmesh.request_id": request.request_id, "kvmesh.session_id": request.session_id})
+                "kvmesh.request_id": request.request_id, "kvmesh.session_id": request.session_id,
+                "kvmesh.tenant": CURRENT_TENANT.get()})
 
     @_rpc
     async def Abort(self, request: llm_pb2.AbortRequest, context) -> llm_pb2.AbortResponse:
         rid = request.request_id
         if not rid:
             raise _invalid("request_id: required")
-        live = self.live.get(rid)
-        if live is not None:
+        live, tenant = self.live.get(rid), CURRENT_TENANT.get()
+        if live is not None and live.tenant == tenant:
             live.aborted = True
             live.call.cancel()
             return llm_pb2.AbortResponse(found=True)
+        if live is not None:                # another tenant's request: as if unknown
+            return llm_pb2.AbortResponse(found=False)
         try:
-            r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid), timeout=_ABORT_TIMEOUT)
+            r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid, tenant=tenant),
+                                      timeout=_ABORT_TIMEOUT)
         except grpc.aio.AioRpcError as e:
             raise self._upstream_status(e) from None
         return llm_pb2.AbortResponse(found=r.found)
@@ -326,7 +341,7 @@ class LLMServicer:
         """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
         only, so that an oversize request costs nothing more."""
         c = self.cfg
-        for name in ("request_id", "session_id"):
+        for name in ("request_id", "session_id", "cache_salt"):
             if (n := len(getattr(request, name))) > c.max_id_length:
                 raise _invalid(f"{name}: {n} characters exceeds max_id_length ({c.max_id_length})")
         sp = request.sampling
@@ -425,17 +440,20 @@ class LLMServicer:
                                  "gen_ai.usage.input_tokens": len(prompt_ids)})
         t0 = time.monotonic()
         t_first = None
+        tenant = CURRENT_TENANT.get()
         call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                                            sampling=fwd, session_id=request.session_id),
+                                                            sampling=fwd, session_id=request.session_id,
+                                                            cache_salt=cache_salt(tenant, request.cache_salt),
+                                                            tenant=tenant),
                                 timeout=timeout, metadata=telemetry.inject_metadata(span))
-        live = self.live[rid] = _Live(call)
+        live = self.live[rid] = _Live(call, tenant)
         usage = common_pb2.Usage()      # what the scheduler reported so far (cached tokens, speculation)
         try:
             try:
                 async for up in call:
                     if t_first is None and up.token_ids:
                         t_first = time.monotonic()
-                        self.metrics.first_token(t_first - t0)
+                        self.metrics.first_token(t_first - t0, tenant)
                     if up.HasField("usage"):
                         usage.MergeFrom(up.usage)
                     delta, ids = _add_tokens(detok, up.token_ids)
@@ -456,6 +474,7 @@ class LLMServicer:
                         await context.write(out)
                     if out.finished:
                         _span_finished(span, out, up.replica)
+                        self.metrics.usage(out.usage, tenant)
                         return
             except asyncio.CancelledError:
                 # the Abort RPC cancelled the upstream call (not grpc cancelling this handler)
@@ -465,6 +484,7 @@ class LLMServicer:
                 _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(usage, prompt_ids, detok),
                         _timings(None, t0, t_first))
                 _span_finished(span, out, None)
+                self.metrics.usage(out.usage, tenant)
                 await context.write(out)
                 return
             except grpc.aio.AioRpcError as e:
@@ -583,12 +603,16 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
 
 class GatewayServer:
     """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is
-    its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off."""
+    its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off; ``api_keys``
+    its :class:`gateway.auth.ApiKeys` (None: no keys needed)."""
 
-    def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int):
+    def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int,
+                 api_keys: ApiKeys | None = None):
         self.server, self.servicer, self.health = server, servicer, health_servicer
         self.host, self.port, self.address = host, port, f"{host}:{port}"
+        self.api_keys = api_keys
         self.metrics = None
+        self.health_server = None           # the plaintext health-only port (kvmesh.tls), None when off
         self._watch_task: asyncio.Task | None = None
         self._stopped = False
 
@@ -624,6 +648,8 @@ class GatewayServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         self.servicer.cancel_all()
         await self.servicer.channel.close()
         await asyncio.to_thread(telemetry.shutdown_tracing, telemetry.GATEWAY)   # exports the last spans
@@ -656,37 +682,54 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     the served model's tokenizer is loaded (``workers.registry.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
     health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
-    (:mod:`kvmesh.metrics`).
+    (:mod:`kvmesh.metrics`). API keys and TLS: module docstring.
 
     Raises:
         EngineError: the address cannot be bound; the scheduler is unreachable within
-            ``connect_timeout``; the model's tokenizer cannot be found. The server is stopped.
+            ``connect_timeout``; the model's tokenizer cannot be found; a keys file or a TLS
+            file cannot be read or parsed. The server is stopped.
     """
+    from kvmesh import tls
     from kvmesh.llm import _load_tokenizer
     from workers.registry import resolve_model
 
+    keys = ApiKeys.load(cfg.api_keys_file)
+    server_creds = tls.server_credentials(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file else None
+    if cfg.scheduler_tls_ca_file:
+        channel = grpc.aio.secure_channel(cfg.scheduler_address, tls.channel_credentials(
+            cfg.scheduler_tls_ca_file, cfg.scheduler_tls_client_cert_file, cfg.scheduler_tls_client_key_file,
+            prefix="scheduler_"), options=_CHANNEL_OPTIONS + tls.server_name_option(cfg.scheduler_tls_server_name))
+    else:
+        channel = grpc.aio.insecure_channel(cfg.scheduler_address, options=_CHANNEL_OPTIONS)
+    servicer = LLMServicer(cfg, channel)
+    interceptors = []
+    if keys is not None:
+        interceptors.append(ApiKeyInterceptor(keys, (health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                              on_denied=servicer.metrics.denied))
     # so_reuseport=0: a second server on a port in use fails instead of sharing it. Requests up
     # to twice max_message_bytes reach the deserializer, which names the limit (INVALID_ARGUMENT).
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                      ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)])
-    channel = grpc.aio.insecure_channel(cfg.scheduler_address, options=_CHANNEL_OPTIONS)
-    servicer = LLMServicer(cfg, channel)
+                                      ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)],
+                             interceptors=interceptors)
     _add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     addr = f"{cfg.host}:{cfg.port}"
     try:
-        port = server.add_insecure_port(addr)
+        port = server.add_secure_port(addr, server_creds) if server_creds else server.add_insecure_port(addr)
     except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
         await channel.close()
         raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
                           "(0 = any free port)") from None
-    gw = GatewayServer(server, servicer, health_servicer, cfg.host, port)
+    gw = GatewayServer(server, servicer, health_servicer, cfg.host, port, keys)
     from kvmesh.metrics import start_metrics_server
     try:
         gw.metrics = start_metrics_server(servicer.metrics.registry, cfg.host, cfg.metrics_port)
+        gw.health_server = await tls.serve_health_port(health_servicer, cfg.host, cfg.health_port)
     except EngineError:
+        if gw.metrics is not None:
+            gw.metrics.stop()
         await channel.close()
         raise
     await gw._set_health(_NOT_SERVING)
@@ -700,5 +743,6 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     servicer.set_model(info, tokenizer)
     await gw._set_health(_SERVING)
     gw._watch_task = asyncio.create_task(gw._watch_scheduler())
-    log.info("gateway serving %s on %s (scheduler %s)", info.name, gw.address, cfg.scheduler_address)
+    log.info("gateway serving %s on %s (scheduler %s)%s%s", info.name, gw.address, cfg.scheduler_address,
+             ", TLS" if server_creds else "", f", API keys of {len(keys.tenants)} tenant(s)" if keys else "")
     return gw

@@ -92,6 +92,18 @@ def _coerce_strings(obj) -> None:
             setattr(obj, f.name, v)
 
 
+def _check_tls(obj) -> None:
+    """A listener's TLS settings: certificate and key together; a client CA only with them; the
+    health port in [-1, 65535]."""
+    if not -1 <= obj.health_port <= 65535:
+        raise EngineError(f"health_port must be a port in [0, 65535], 0 = any free port, -1 = off; "
+                          f"got {obj.health_port}")
+    if bool(obj.tls_cert_file) != bool(obj.tls_key_file):
+        raise EngineError("tls_cert_file and tls_key_file go together (the certificate chain and its private key)")
+    if getattr(obj, "tls_client_ca_file", "") and not obj.tls_cert_file:
+        raise EngineError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+
+
 # The metrics ports deployments use (deploy/: compose, Kubernetes, prometheus.yml); the services'
 # own default is off (metrics_port -1), so that several meshes on one host do not collide.
 SCHEDULER_METRICS_PORT = 9461
@@ -99,10 +111,12 @@ GATEWAY_METRICS_PORT = 9451
 
 
 def _metrics_port_off(obj) -> None:
-    """``KVMESH_*_METRICS_PORT=`` (empty), ``off`` or ``none`` mean -1 (no metrics server)."""
-    v = obj.metrics_port
-    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off", "none")):
-        obj.metrics_port = -1
+    """``KVMESH_*_METRICS_PORT=`` (empty), ``off`` or ``none`` mean -1 (no metrics server); the
+    same for ``health_port``."""
+    for name in ("metrics_port", "health_port"):
+        v = getattr(obj, name)
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off", "none")):
+            setattr(obj, name, -1)
 
 
 def _check_metrics_port(obj) -> None:
@@ -288,6 +302,12 @@ class SchedulerConfig:
         metrics_port: Prometheus ``/metrics`` over HTTP on ``host:metrics_port`` (docs/telemetry.md);
             -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
             :data:`SCHEDULER_METRICS_PORT`.
+        tls_cert_file, tls_key_file: PEM certificate chain and private key: the service listens
+            with TLS only (:mod:`kvmesh.tls`); empty = plaintext.
+        tls_client_ca_file: PEM CA certificate(s): every client (the gateways) must present a
+            certificate it signed (mutual TLS); needs ``tls_cert_file``.
+        health_port: a plaintext gRPC port serving only ``grpc.health.v1`` (probes that cannot
+            speak TLS); -1 (or empty, ``off``) = none, 0 = any free port.
     """
 
     host: str = "127.0.0.1"
@@ -313,6 +333,10 @@ class SchedulerConfig:
     provisional_ttl: float = 2.0
     scheduler_id: str = ""
     metrics_port: int = -1
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    health_port: int = -1
 
     ENV_PREFIX = "KVMESH_SCHEDULER_"
     ENV_OVERRIDES = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
@@ -351,6 +375,7 @@ class SchedulerConfig:
             raise EngineError("prefix_weight and load_weight must be >= 0")
         if "/" in self.scheduler_id:
             raise EngineError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
+        _check_tls(self)
         self.layer_split()
 
     def resolved_executor(self) -> str:
@@ -412,6 +437,20 @@ class GatewayConfig:
             the model's context allows (``max_model_len`` - 1).
         max_message_bytes: size of a serialized request (bytes); gRPC itself refuses one over
             twice this before it is read (RESOURCE_EXHAUSTED).
+
+    Security (README, "Security: API keys and TLS"):
+        api_keys_file: ``TENANT:KEY`` lines (:mod:`gateway.auth`; also ``KVMESH_API_KEYS``); empty
+            and no ``KVMESH_API_KEYS`` = no keys needed.
+        tls_cert_file, tls_key_file: PEM certificate chain and key of the public listener (TLS
+            only); empty = plaintext.
+        scheduler_tls_ca_file: PEM CA the scheduler's certificate is checked against: the
+            gateway dials the scheduler with TLS; empty = plaintext.
+        scheduler_tls_client_cert_file, scheduler_tls_client_key_file: the gateway's own
+            certificate and key for a scheduler that requires client certificates (mutual TLS).
+        scheduler_tls_server_name: the name the scheduler's certificate must hold when it is not
+            the host of ``scheduler_address``.
+        health_port: a plaintext gRPC port serving only ``grpc.health.v1`` (probes that cannot
+            speak TLS); -1 (or empty, ``off``) = none, 0 = any free port.
     """
 
     host: str = "127.0.0.1"
@@ -429,6 +468,14 @@ class GatewayConfig:
     max_id_length: int = 256
     max_prompt_tokens: int = 0
     max_message_bytes: int = 4 * 2**20
+    api_keys_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    scheduler_tls_ca_file: str = ""
+    scheduler_tls_client_cert_file: str = ""
+    scheduler_tls_client_key_file: str = ""
+    scheduler_tls_server_name: str = ""
+    health_port: int = -1
 
     ENV_PREFIX = "KVMESH_GATEWAY_"
 
@@ -451,6 +498,12 @@ class GatewayConfig:
         if self.max_id_length < 1 or not 1024 <= self.max_message_bytes <= 2**30:
             raise EngineError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
                               f"{self.max_id_length} and {self.max_message_bytes}")
+        _check_tls(self)
+        if bool(self.scheduler_tls_client_cert_file) != bool(self.scheduler_tls_client_key_file):
+            raise EngineError("scheduler_tls_client_cert_file and scheduler_tls_client_key_file go together")
+        if (self.scheduler_tls_client_cert_file or self.scheduler_tls_server_name) and not self.scheduler_tls_ca_file:
+            raise EngineError("scheduler_tls_client_cert_file and scheduler_tls_server_name need "
+                              "scheduler_tls_ca_file (TLS to the scheduler)")
 
     def replace(self, **kw) -> "GatewayConfig":
         return dataclasses.replace(self, **kw)
