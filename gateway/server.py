@@ -693,6 +693,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     from kvmesh.llm import _load_tokenizer
     from workers.registry import resolve_model
 
+    cfg.check_tls()
     keys = ApiKeys.load(cfg.api_keys_file)
     server_creds = tls.server_credentials(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file else None
     if cfg.scheduler_tls_ca_file:

@@ -92,12 +92,16 @@ def _coerce_strings(obj) -> None:
             setattr(obj, f.name, v)
 
 
-def _check_tls(obj) -> None:
-    """A listener's TLS settings: certificate and key together; a client CA only with them; the
-    health port in [-1, 65535]."""
+def _check_health_port(obj) -> None:
     if not -1 <= obj.health_port <= 65535:
         raise EngineError(f"health_port must be a port in [0, 65535], 0 = any free port, -1 = off; "
                           f"got {obj.health_port}")
+
+
+def _check_tls(obj) -> None:
+    """A listener's TLS settings: certificate and key together; a client CA only with them.
+    Checked when the service starts (``check_tls``), not on construction: the settings of one
+    service may come from several sources, each naming one file."""
     if bool(obj.tls_cert_file) != bool(obj.tls_key_file):
         raise EngineError("tls_cert_file and tls_key_file go together (the certificate chain and its private key)")
     if getattr(obj, "tls_client_ca_file", "") and not obj.tls_cert_file:
@@ -375,8 +379,14 @@ class SchedulerConfig:
             raise EngineError("prefix_weight and load_weight must be >= 0")
         if "/" in self.scheduler_id:
             raise EngineError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
-        _check_tls(self)
+        _check_health_port(self)
         self.layer_split()
+
+    def check_tls(self) -> None:
+        """Raise EngineError naming the settings when the TLS files do not go together
+        (certificate and key; a client CA only with them). :func:`scheduler.service.serve_scheduler`
+        calls it."""
+        _check_tls(self)
 
     def resolved_executor(self) -> str:
         """``executor``, with ``auto`` resolved: ``local`` (no Ray hop) for one stage on this
@@ -498,6 +508,13 @@ class GatewayConfig:
         if self.max_id_length < 1 or not 1024 <= self.max_message_bytes <= 2**30:
             raise EngineError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
                               f"{self.max_id_length} and {self.max_message_bytes}")
+        _check_health_port(self)
+
+    def check_tls(self) -> None:
+        """Raise EngineError naming the settings when the TLS files do not go together: the
+        listener's certificate and key; the client certificate and key to the scheduler, and
+        those and ``scheduler_tls_server_name`` only with ``scheduler_tls_ca_file``.
+        :func:`gateway.server.serve_gateway` calls it."""
         _check_tls(self)
         if bool(self.scheduler_tls_client_cert_file) != bool(self.scheduler_tls_client_key_file):
             raise EngineError("scheduler_tls_client_cert_file and scheduler_tls_client_key_file go together")

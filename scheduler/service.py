@@ -591,6 +591,7 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
     ``tls_client_ca_file`` also requiring client certificates of that CA (:mod:`kvmesh.tls`).
     Raises EngineError if an address cannot be bound or a TLS file cannot be read."""
     from kvmesh import tls
+    sched_cfg.check_tls()
     creds = (tls.server_credentials(sched_cfg.tls_cert_file, sched_cfg.tls_key_file, sched_cfg.tls_client_ca_file)
              if sched_cfg.tls_cert_file else None)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])   # a port in use is an error, not shared

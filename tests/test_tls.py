@@ -251,13 +251,17 @@ def test_gateway_with_a_wrong_client_certificate_cannot_reach_the_scheduler(mesh
 
 def test_bad_tls_settings_are_named(mesh, pki):
     from gateway.server import serve_gateway
-    from kvmesh.config import GatewayConfig, SchedulerConfig
+    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from scheduler.service import serve_scheduler
     with pytest.raises(EngineError, match="tls_cert_file and tls_key_file go together"):
-        GatewayConfig(tls_cert_file=pki.server_cert)
+        mesh.run(serve_gateway(GatewayConfig(port=0, tls_cert_file=pki.server_cert)))
     with pytest.raises(EngineError, match="tls_client_ca_file .* needs tls_cert_file"):
-        SchedulerConfig(tls_client_ca_file=pki.ca)
+        mesh.run(serve_scheduler(SchedulerConfig(port=0, tls_client_ca_file=pki.ca), EngineConfig()))
     with pytest.raises(EngineError, match="need scheduler_tls_ca_file"):
-        GatewayConfig(scheduler_tls_client_cert_file=pki.client_cert, scheduler_tls_client_key_file=pki.client_key)
+        GatewayConfig(scheduler_tls_client_cert_file=pki.client_cert,
+                      scheduler_tls_client_key_file=pki.client_key).check_tls()
+    with pytest.raises(EngineError, match="health_port must be a port"):
+        GatewayConfig(health_port=70000)
     with pytest.raises(EngineError, match=r"tls_cert_file: .*not\.pem is not a PEM file"):
         mesh.run(serve_gateway(mesh.gateway_config(tls_cert_file=pki.not_pem)))
     with pytest.raises(EngineError, match=r"scheduler_tls_ca_file: cannot read .*missing\.pem"):
