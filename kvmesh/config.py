@@ -92,12 +92,6 @@ def _coerce_strings(obj) -> None:
             setattr(obj, f.name, v)
 
 
-def _check_health_port(obj) -> None:
-    if not -1 <= obj.health_port <= 65535:
-        raise EngineError(f"health_port must be a port in [0, 65535], 0 = any free port, -1 = off; "
-                          f"got {obj.health_port}")
-
-
 def _check_tls(obj) -> None:
     """A listener's TLS settings: certificate and key together; a client CA only with them.
     Checked when the service starts (``check_tls``), not on construction: the settings of one
@@ -114,19 +108,18 @@ SCHEDULER_METRICS_PORT = 9461
 GATEWAY_METRICS_PORT = 9451
 
 
-def _metrics_port_off(obj) -> None:
+def _metrics_port_off(obj, name: str = "metrics_port") -> None:
     """``KVMESH_*_METRICS_PORT=`` (empty), ``off`` or ``none`` mean -1 (no metrics server); the
-    same for ``health_port``."""
-    for name in ("metrics_port", "health_port"):
-        v = getattr(obj, name)
-        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off", "none")):
-            setattr(obj, name, -1)
+    same for another optional port field ``name``."""
+    v = getattr(obj, name)
+    if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off", "none")):
+        setattr(obj, name, -1)
 
 
-def _check_metrics_port(obj) -> None:
-    if not -1 <= obj.metrics_port <= 65535:
-        raise EngineError(f"metrics_port must be a port in [0, 65535], 0 = any free port, -1 = off; "
-                          f"got {obj.metrics_port}")
+def _check_metrics_port(obj, name: str = "metrics_port") -> None:
+    if not -1 <= getattr(obj, name) <= 65535:
+        raise EngineError(f"{name} must be a port in [0, 65535], 0 = any free port, -1 = off; "
+                          f"got {getattr(obj, name)}")
 
 
 @dataclass
@@ -379,7 +372,7 @@ class SchedulerConfig:
             raise EngineError("prefix_weight and load_weight must be >= 0")
         if "/" in self.scheduler_id:
             raise EngineError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
-        _check_health_port(self)
+        _check_metrics_port(self, "health_port")
         self.layer_split()
 
     def check_tls(self) -> None:
@@ -437,6 +430,9 @@ class GatewayConfig:
         metrics_port: Prometheus ``/metrics`` over HTTP on ``host:metrics_port`` (docs/telemetry.md);
             -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
             :data:`GATEWAY_METRICS_PORT`.
+        http_port: the OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/completions``,
+            ``/v1/models``, ``/health``; :mod:`gateway.http_api`) on ``host:http_port``; -1 (or
+            empty, ``off``) = off, 0 = any free port.
 
     Request limits (a request over one ends INVALID_ARGUMENT naming the limit):
         max_stop_strings: stop strings per request (OpenAI allows 4).
@@ -472,6 +468,7 @@ class GatewayConfig:
     max_timeout: float = 3600.0
     connect_timeout: float = 120.0
     metrics_port: int = -1
+    http_port: int = -1
     max_stop_strings: int = 64
     max_stop_chars: int = 4096
     max_stop_token_ids: int = 1024
@@ -495,8 +492,10 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _metrics_port_off(self)
+        _metrics_port_off(self, "http_port")
         _coerce_strings(self)
         _check_metrics_port(self)
+        _check_metrics_port(self, "http_port")
         if self.max_tokens_cap < 1 or not 1 <= self.default_max_tokens:
             raise EngineError("max_tokens_cap and default_max_tokens must be >= 1")
         if not 0 < self.default_timeout <= self.max_timeout:
@@ -508,7 +507,7 @@ class GatewayConfig:
         if self.max_id_length < 1 or not 1024 <= self.max_message_bytes <= 2**30:
             raise EngineError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
                               f"{self.max_id_length} and {self.max_message_bytes}")
-        _check_health_port(self)
+        _check_metrics_port(self, "health_port")
 
     def check_tls(self) -> None:
         """Raise EngineError naming the settings when the TLS files do not go together: the

@@ -2,7 +2,9 @@
 
 Names and meanings follow vLLM's (``vllm:`` → ``kvmesh:``) where they overlap. Each service has
 its own :class:`prometheus_client.CollectorRegistry` and its own HTTP server (``metrics_port`` of
-its settings), so the two services of ``kvmesh serve`` in one process never collide.
+its settings), so the two services of ``kvmesh serve`` in one process never collide; there the
+gateway's endpoint (``kvmesh serve --metrics-port``) also carries the scheduler's series
+(:func:`include_registry`), one endpoint per process.
 
 Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's index):
 
@@ -34,10 +36,11 @@ Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's i
 
 Gateway (labels ``model_name`` and ``tenant``: the caller's tenant by its API key, "" without
 keys or for a refused key, so bounded by the keys file's tenants): ``gateway_requests_total{method,
-code}`` (Generate/Chat RPCs by final gRPC status name; UNAUTHENTICATED for a missing or wrong key),
-``gateway_time_to_first_token_seconds`` (Submit sent → first token received),
-``gateway_prompt_tokens_total`` and ``gateway_generation_tokens_total`` (of finished requests, for
-per-tenant usage), and ``gateway_requests_running`` (streams in flight, no labels).
+code}`` (Generate/Chat RPCs and HTTP ChatCompletions/Completions requests by final gRPC status
+name; UNAUTHENTICATED for a missing or wrong key), ``gateway_time_to_first_token_seconds`` (Submit
+sent → first token received), ``gateway_prompt_tokens_total`` and ``gateway_generation_tokens_total``
+(of finished requests, for per-tenant usage), and ``gateway_requests_running`` (streams in flight,
+no labels).
 """
 
 from __future__ import annotations
@@ -275,13 +278,13 @@ class _ReplicaCollector:
 
 class GatewayMetrics:
     """The gateway's request-level metrics in their own registry. ``servicer`` (a
-    :class:`gateway.server.LLMServicer`) gives the model name and the streams in flight."""
+    :class:`gateway.stream.RequestPath`) gives the model name and the streams in flight."""
 
     def __init__(self, servicer):
         self.registry = r = CollectorRegistry()
         self.servicer = servicer
         self.requests = Counter(_base("kvmesh:gateway_requests_total"),
-                                "Generate/Chat RPCs by final gRPC status code.",
+                                "Generate/Chat RPCs and HTTP ChatCompletions/Completions by final gRPC status code.",
                                 ("model_name", "method", "code", "tenant"), registry=r)
         self.ttft = Histogram("kvmesh:gateway_time_to_first_token_seconds",
                               "Submit sent to the scheduler → first token received (seconds).",
@@ -314,6 +317,23 @@ class GatewayMetrics:
         """A finished request's ``kvmesh.v1.Usage`` (tokens)."""
         self.prompt_tokens.labels(self.model_name, tenant).inc(usage.prompt_tokens)
         self.generation_tokens.labels(self.model_name, tenant).inc(usage.completion_tokens)
+
+
+class _RegistryView:
+    """A collector yielding every metric of another registry at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        yield from self.registry.collect()
+
+
+def include_registry(target: CollectorRegistry, other: CollectorRegistry) -> None:
+    """Expose ``other``'s metrics through ``target`` too (``kvmesh serve``: one endpoint, the
+    gateway's, carries both services' series). The two registries must not share metric names
+    (the gateway's are ``kvmesh:gateway_*``)."""
+    target.register(_RegistryView(other))
 
 
 class MetricsServer:

@@ -1,5 +1,6 @@
-"""API keys of the public gateway (gateway/auth.py): the key store, and the gRPC gateway with keys
-in front of a real scheduler (local executor, SmolLM2-135M float32) over loopback.
+"""API keys of the public gateway (gateway/auth.py): the key store, and the gateway with keys (gRPC
+and its OpenAI-compatible HTTP port) in front of a real scheduler (local executor, SmolLM2-135M
+float32) over loopback.
 
 The gateway reads a keys file this module writes (two tenants, acme with two keys, globex with
 one); revocation rewrites the file. Refusals must not say which keys or tenants exist; the
@@ -195,7 +196,7 @@ class KeyedMesh:
 def mesh(smollm2_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "api-keys"
     path.write_text(KEYS_FILE)
-    m = KeyedMesh(smollm2_dir, str(path))
+    m = KeyedMesh(smollm2_dir, str(path), gw_kw=dict(http_port=0))
     yield m
     m.close()
 
@@ -311,7 +312,7 @@ def test_tenant_labels_metrics_and_spans(mesh):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    servicer = mesh.gw.servicer
+    servicer = mesh.gw.path           # gateway.stream.RequestPath: its spans, both fronts'
     tracer, servicer.tracer = servicer.tracer, provider.get_tracer("test-auth")
     try:
         _generate(mesh.stub, GLOBEX)
@@ -353,3 +354,62 @@ def test_only_the_requests_tenant_can_abort_it(mesh):
     msgs = [first, *call]
     assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     assert msgs[-1].usage.completion_tokens < 200
+
+
+# ---- the HTTP API ---------------------------------------------------------------------------------
+
+def _http(mesh, route: str, key: str | None = None, body: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a request to the gateway's HTTP port."""
+    import json
+    import urllib.error
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"http://{mesh.gw.http.address}{route}", headers=headers, method="POST" if body
+                                 else "GET", data=json.dumps(body).encode() if body else None)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+COMPLETION = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+
+def test_http_needs_a_key_too(mesh):
+    for key in (None, "sk-not-a-key", ACME_1 + "0"):
+        for route, body in (("/v1/completions", COMPLETION), ("/v1/models", None),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+            status, err, headers = _http(mesh, route, key, body)
+            assert status == 401 and err["error"]["code"] == "invalid_api_key", (route, key, err)
+            assert err["error"]["message"] == auth.UNAUTHENTICATED_MESSAGE
+            assert headers.get("www-authenticate") == "Bearer"
+    assert _http(mesh, "/health")[:2] == (200, {"status": "ok"})          # health stays open
+    status, body, _ = _http(mesh, "/v1/completions", GLOBEX, COMPLETION)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    grpc_text = "".join(m.text for m in _generate(mesh.stub, GLOBEX))
+    assert body["choices"][0]["text"] == grpc_text                          # the same path both ways
+    assert _http(mesh, "/v1/models", ACME_2)[0] == 200
+
+
+def test_http_revoked_key_and_tenant_metrics(mesh):
+    url = mesh.gw.metrics.url
+    before = _scrape(url)
+    assert _http(mesh, "/v1/completions", ACME_1, COMPLETION)[0] == 200
+    _write(mesh.keys_path, KEYS_FILE.replace(f"acme:{ACME_1}\n", ""))
+    try:
+        assert _http(mesh, "/v1/completions", ACME_1, COMPLETION)[0] == 401
+        assert _http(mesh, "/v1/completions", ACME_2, COMPLETION)[0] == 200
+    finally:
+        _write(mesh.keys_path, KEYS_FILE)
+    after = _scrape(url)
+
+    def delta(**labels):
+        return (_count(after, "kvmesh:gateway_requests_total", **labels)
+                - _count(before, "kvmesh:gateway_requests_total", **labels))
+
+    assert delta(method="Completions", code="OK", tenant="acme") == 2
+    assert delta(method="Completions", code="UNAUTHENTICATED", tenant="") == 1
+    assert (_count(after, "kvmesh:gateway_prompt_tokens_total", tenant="acme")
+            > _count(before, "kvmesh:gateway_prompt_tokens_total", tenant="acme"))

@@ -376,7 +376,7 @@ def test_port_in_use_fails_start(mesh):
 def test_internal_error_is_internal_and_server_keeps_serving(mesh, monkeypatch):
     def boom(*a, **kw):
         raise RuntimeError("boom")
-    monkeypatch.setattr(mesh.gw.servicer, "_sampling", boom)
+    monkeypatch.setattr(mesh.gw.path, "_sampling", boom)
     with pytest.raises(grpc.RpcError) as ei:
         list(mesh.stub.Generate(llm_pb2.GenerateRequest(prompt=PROMPT, sampling=greedy(2))))
     assert ei.value.code() == grpc.StatusCode.INTERNAL and "RuntimeError: boom" in ei.value.details()

@@ -132,7 +132,7 @@ class TlsMesh:
                                                    kv_cache_memory=48 * 2**20, max_model_len=256))
         await sched.wait_ready()
         self.sched = sched
-        return sched, await serve_gateway(self.gateway_config(health_port=0))
+        return sched, await serve_gateway(self.gateway_config(health_port=0, http_port=0))
 
     def close(self):
         self.run(self.gw.stop(0))
@@ -200,6 +200,28 @@ def test_plaintext_health_port_serves_health_only(mesh, which):
         with pytest.raises(grpc.RpcError) as e:
             llm_pb2_grpc.LLMServiceStub(ch).ListModels(llm_pb2.ListModelsRequest(), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_http_port_speaks_https_only(mesh, pki):
+    import http.client
+    import json
+    import ssl
+    import urllib.request
+    assert mesh.gw.http.url.startswith("https://")
+    ctx = ssl.create_default_context(cafile=pki.ca)
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{mesh.gw.http.url}/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, context=ctx, timeout=60) as r:
+        assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+    with pytest.raises((OSError, http.client.HTTPException)):     # plaintext HTTP: no answer
+        urllib.request.urlopen(f"http://{mesh.gw.http.address}/health", timeout=10).read()
+    with pytest.raises(OSError):                                   # a CA the server's certificate is not of
+        urllib.request.urlopen(f"{mesh.gw.http.url[:-3]}/health", timeout=10,
+                               context=ssl.create_default_context(cafile=pki.rogue_ca)).read()
+    with urllib.request.urlopen(f"{mesh.gw.http.url[:-3]}/health", context=ctx, timeout=10) as r:
+        assert r.status == 200
 
 
 def test_client_and_cli_with_the_ca(mesh, pki, capsys):
