@@ -122,7 +122,7 @@ async def start_gateway(mesh: Mesh, gw_cfg) -> None:
     sched = mesh.scheduler
     if server.metrics is not None and sched is not None:    # one process: one endpoint for both
         from kvmesh.metrics import include_registry
-        include_registry(server.servicer.metrics.registry, sched.service.metrics.registry)
+        include_registry(server.path.metrics.registry, sched.service.metrics.registry)
         announce(f"metrics (gateway and scheduler) on {server.metrics.url}")
     else:
         announce_metrics("gateway", server)
