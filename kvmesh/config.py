@@ -10,14 +10,18 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from scheduler.request import EngineError
 from scheduler.router import ROUTING_POLICIES
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# dtype names accepted in settings -> torch dtype attribute (torch is imported only where a
+# torch dtype is asked for, so the gateway's process, which reads these settings, loads no torch)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 WEIGHT_FORMATS = ("none", "int8", "int4", "fp8", "w8a8-int8")
@@ -243,11 +247,13 @@ class EngineConfig:
         """``auto``: bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16 or AMX),
         where it measured faster than float32 for prefill and batched decode
         (docs/engine_offline.md); float32 on other CPUs."""
+        import torch
+
         if self.dtype == "auto":
             if self.device.startswith("cuda") or cpu_has_native_bf16():
                 return torch.bfloat16
             return torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, DTYPES[self.dtype])
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
