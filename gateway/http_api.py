@@ -22,6 +22,12 @@ server keeps serving after any of them.
 A client that disconnects (or closes a stream) has its request cancelled at once: the upstream
 ``Submit`` call is cancelled and the scheduler aborts the request, freeing its KV blocks at its
 next step.
+
+With API keys (:class:`gateway.auth.ApiKeys`) every route but ``/health`` wants the header
+``Authorization: Bearer <key>``: without a current key, 401 with OpenAI's ``invalid_api_key``
+error (the body is not read); with one, the request runs as the key's tenant
+(:data:`gateway.auth.CURRENT_TENANT`: metrics, span, prefix-cache salt). With a certificate and
+key the port speaks HTTPS only.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import time
 import grpc
 
 from gateway import openai_protocol as oai
+from gateway.auth import CURRENT_TENANT, UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.stream import RequestPath, Status
 from scheduler.request import EngineError
 
@@ -102,16 +109,37 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-class CompletionsEndpoint:
-    """The ASGI app of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+def _authorization(scope) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
 
-    def __init__(self, path: RequestPath, chat: bool):
-        self.path, self.chat = path, chat
+
+def tenant_of(keys: ApiKeys | None, scope) -> str | None:
+    """The caller's tenant by the ``Authorization`` header of an ASGI ``scope``: "" without keys,
+    None for a missing or wrong key."""
+    return "" if keys is None else keys.tenant_for(_authorization(scope))
+
+
+_UNAUTHORIZED = (401, error_body(UNAUTHENTICATED_MESSAGE, "invalid_request_error", None, "invalid_api_key"),
+                 [(b"www-authenticate", b"Bearer")])
+
+
+class CompletionsEndpoint:
+    """The ASGI app of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``; ``keys``: the
+    API keys a caller needs (None: none)."""
+
+    def __init__(self, path: RequestPath, chat: bool, keys: ApiKeys | None = None):
+        self.path, self.chat, self.keys = path, chat, keys
         self.method = "ChatCompletions" if chat else "Completions"   # kvmesh:gateway_requests_total{method}
 
     async def __call__(self, scope, receive, send) -> None:
         # response started / complete; the final status for the metrics
         state = {"started": False, "complete": False, "code": "OK"}
+        tenant = tenant_of(self.keys, scope)
+        if tenant is None:                  # refused before the body is read
+            self.path.metrics.request_done(self.method, "UNAUTHENTICATED")
+            await _send_json(send, *_UNAUTHORIZED)
+            return
+        CURRENT_TENANT.set(tenant)          # this task and the ones it starts
         try:
             body = await _read_body(receive, self.path.cfg.max_message_bytes)
             if body is None:
@@ -146,7 +174,7 @@ class CompletionsEndpoint:
             await self._error(send, state, 500, error_body(f"internal error in the gateway: {type(e).__name__}: {e}",
                                                            *_INTERNAL[1:]))
         finally:
-            self.path.metrics.request_done(self.method, state["code"])
+            self.path.metrics.request_done(self.method, state["code"], tenant)
 
     async def _error(self, send, state: dict, status: int, body: dict) -> None:
         if not state["started"]:
@@ -208,8 +236,9 @@ class CompletionsEndpoint:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
-def build_app(path: RequestPath):
-    """The Starlette app of the routes in the module docstring, over ``path``."""
+def build_app(path: RequestPath, keys: ApiKeys | None = None):
+    """The Starlette app of the routes in the module docstring, over ``path``; ``keys``: the API
+    keys callers need (None: none)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse
@@ -218,6 +247,8 @@ def build_app(path: RequestPath):
     started = int(time.time())
 
     async def models(request):
+        if tenant_of(keys, request.scope) is None:
+            return JSONResponse(_UNAUTHORIZED[1], 401, headers={"www-authenticate": "Bearer"})
         if path.info is None:
             return JSONResponse(error_body("the gateway is starting", *_HTTP[_Code.UNAVAILABLE][1:]), 503)
         return JSONResponse({"object": "list", "data": [{
@@ -233,21 +264,22 @@ def build_app(path: RequestPath):
         return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error",
                                        None, "not_found" if exc.status_code == 404 else None), exc.status_code)
 
-    return Starlette(routes=[Route("/v1/chat/completions", CompletionsEndpoint(path, chat=True), methods=["POST"]),
-                             Route("/v1/completions", CompletionsEndpoint(path, chat=False), methods=["POST"]),
+    return Starlette(routes=[Route("/v1/chat/completions", CompletionsEndpoint(path, True, keys), methods=["POST"]),
+                             Route("/v1/completions", CompletionsEndpoint(path, False, keys), methods=["POST"]),
                              Route("/v1/models", models, methods=["GET"]),
                              Route("/health", health, methods=["GET"])],
                      exception_handlers={HTTPException: http_error})
 
 
 class HttpServer:
-    """A running HTTP API: ``port`` is the bound port, ``url`` the base URL of its ``/v1`` routes."""
+    """A running HTTP API: ``port`` is the bound port, ``url`` the base URL of its ``/v1`` routes
+    (``https://`` with TLS)."""
 
-    def __init__(self, server, task: asyncio.Task, host: str, port: int):
+    def __init__(self, server, task: asyncio.Task, host: str, port: int, tls: bool = False):
         from kvmesh.serve import connect_address
         self.server, self.task, self.host, self.port = server, task, host, port
         self.address = connect_address(host, port)
-        self.url = f"http://{self.address}/v1"
+        self.url = f"{'https' if tls else 'http'}://{self.address}/v1"
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop accepting, give open requests ``grace`` seconds (None = wait for them), then close
@@ -258,7 +290,7 @@ class HttpServer:
             await self.task
 
 
-def _uvicorn_server(app):
+def _uvicorn_server(app, tls_cert_file: str = "", tls_key_file: str = ""):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -272,13 +304,21 @@ def _uvicorn_server(app):
             pass
 
     # log_config None: leave the process's logging as it is; lifespan off: nothing to start
-    return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", server_header=False))
+    tls = dict(ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file) if tls_cert_file else {}
+    return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", server_header=False,
+                                 **tls))
 
 
-async def start_http(path: RequestPath, host: str, port: int) -> HttpServer:
+async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKeys | None = None,
+                     tls_cert_file: str = "", tls_key_file: str = "") -> HttpServer:
     """Serve the HTTP API over ``path`` on ``host:port`` (0 = any free port) as a task of the
-    running loop; returns once it accepts connections. Raises EngineError if the address cannot
-    be bound."""
+    running loop; returns once it accepts connections. ``api_keys``: the keys callers need (None:
+    none); ``tls_cert_file``/``tls_key_file``: serve HTTPS only. Raises EngineError if the address
+    cannot be bound or the TLS files do not load."""
+    if tls_cert_file:
+        from kvmesh import tls
+        tls.read_pem(tls_cert_file, "tls_cert_file")      # an error naming the setting, not uvicorn's
+        tls.read_pem(tls_key_file, "tls_key_file")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -288,11 +328,11 @@ async def start_http(path: RequestPath, host: str, port: int) -> HttpServer:
         sock.close()
         raise EngineError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? choose another "
                           "--http-port (0 = any free port)") from None
-    server = _uvicorn_server(build_app(path))
+    server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="kvmesh-http")
     while not server.started:
         if task.done():
             sock.close()
             raise EngineError(f"the HTTP API on {host}:{port} failed to start: {task.exception()!r}")
         await asyncio.sleep(0.01)
-    return HttpServer(server, task, host, sock.getsockname()[1])
+    return HttpServer(server, task, host, sock.getsockname()[1], tls=bool(tls_cert_file))

@@ -45,11 +45,21 @@ Rules a client sees:
   ``finally``, so the scheduler aborts the request at its next step.
 * ``Abort(request_id)``: a request of this gateway has its upstream call cancelled and its
   stream ends with FINISH_REASON_ABORT; an id this gateway does not know is forwarded to the
-  scheduler's Abort.
+  scheduler's Abort. Only the request's own tenant can abort it (another's: ``found`` False).
 * Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
   ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
   UNAVAILABLE too); a bug in the gateway is INTERNAL. The server keeps serving after any of them.
+
+Security (:mod:`gateway.auth`, :mod:`kvmesh.tls`): with API keys (``api_keys_file`` or
+``KVMESH_API_KEYS``) an RPC without ``authorization: Bearer <key>`` of a current key ends
+UNAUTHENTICATED before its request is read (health and reflection stay open), an HTTP request
+401; the key's tenant labels the request's metrics and spans and partitions the prefix cache
+(the scheduler gets ``cache_salt`` = :func:`gateway.auth.cache_salt` of the tenant and the
+request's ``cache_salt``, so two tenants never share cached blocks). With
+``tls_cert_file``/``tls_key_file`` the gateway (gRPC and HTTP) listens with TLS only;
+``scheduler_tls_*`` make it dial the scheduler with TLS (mutual TLS with a client certificate);
+``health_port`` serves plaintext health checks for probes that cannot speak TLS.
 
 Health (``grpc.health.v1``): "" and ``kvmesh.v1.LLMService`` are SERVING once the scheduler
 answered and the tokenizer is loaded, NOT_SERVING while the connection to the scheduler is
@@ -70,6 +80,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import CURRENT_TENANT, ApiKeyInterceptor, ApiKeys
 from gateway.stream import RequestPath, Status, invalid
 from kvmesh import telemetry
 from kvmesh.config import GatewayConfig
@@ -200,7 +211,7 @@ def _rpc(method):
             await context.abort(_Code.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
         finally:
             if method.__name__ in ("Generate", "Chat"):
-                self.path.metrics.request_done(method.__name__, code)
+                self.path.metrics.request_done(method.__name__, code, CURRENT_TENANT.get())
 
     return wrapper
 
@@ -282,14 +293,19 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
 class GatewayServer:
     """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is
     its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off; ``http`` its
-    OpenAI-compatible HTTP server (:class:`gateway.http_api.HttpServer`), None when off."""
+    OpenAI-compatible HTTP server (:class:`gateway.http_api.HttpServer`), None when off;
+    ``api_keys`` its :class:`gateway.auth.ApiKeys` (None: no keys needed); ``health_server`` the
+    plaintext health-only port (:func:`kvmesh.tls.serve_health_port`), None when off."""
 
-    def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int):
+    def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int,
+                 api_keys: ApiKeys | None = None):
         self.server, self.servicer, self.health = server, servicer, health_servicer
         self.path = servicer.path
         self.host, self.port, self.address = host, port, f"{host}:{port}"
+        self.api_keys = api_keys
         self.metrics = None
         self.http = None
+        self.health_server = None
         self._watch_task: asyncio.Task | None = None
         self._stopped = False
 
@@ -328,6 +344,8 @@ class GatewayServer:
                 await self._watch_task
         stops = [self.server.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
         await asyncio.gather(*stops)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         self.servicer.path.cancel_all()
         await self.servicer.path.channel.close()
         await asyncio.to_thread(telemetry.shutdown_tracing, telemetry.GATEWAY)   # exports the last spans
@@ -361,47 +379,70 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     model name: a known name, pulled if missing, or a directory that must exist here too), and
     health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
     (:mod:`kvmesh.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
-    not -1 (:mod:`gateway.http_api`, bound with the gRPC port, answering 503 until SERVING).
+    not -1 (:mod:`gateway.http_api`, bound with the gRPC port, answering 503 until SERVING). API
+    keys and TLS (both ports), the health-only port: module docstring.
 
     Raises:
         EngineError: an address cannot be bound; the scheduler is unreachable within
-            ``connect_timeout``; the model's tokenizer cannot be found. The server is stopped.
+            ``connect_timeout``; the model's tokenizer cannot be found; a keys file or a TLS
+            file cannot be read or parsed, or the TLS settings do not go together. The server is
+            stopped.
     """
+    from kvmesh import tls
     from kvmesh.llm import _load_tokenizer
     from workers.registry import resolve_model
 
+    cfg.check_tls()
+    keys = ApiKeys.load(cfg.api_keys_file)
+    server_creds = tls.server_credentials(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file else None
+    if cfg.scheduler_tls_ca_file:
+        channel = grpc.aio.secure_channel(cfg.scheduler_address, tls.channel_credentials(
+            cfg.scheduler_tls_ca_file, cfg.scheduler_tls_client_cert_file, cfg.scheduler_tls_client_key_file,
+            prefix="scheduler_"), options=_CHANNEL_OPTIONS + tls.server_name_option(cfg.scheduler_tls_server_name))
+    else:
+        channel = grpc.aio.insecure_channel(cfg.scheduler_address, options=_CHANNEL_OPTIONS)
+    servicer = LLMServicer(RequestPath(cfg, channel))
+    interceptors = []
+    if keys is not None:
+        interceptors.append(ApiKeyInterceptor(keys, (health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                              on_denied=servicer.path.metrics.denied))
     # so_reuseport=0: a second server on a port in use fails instead of sharing it. Requests up
     # to twice max_message_bytes reach the deserializer, which names the limit (INVALID_ARGUMENT).
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                      ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)])
-    channel = grpc.aio.insecure_channel(cfg.scheduler_address, options=_CHANNEL_OPTIONS)
-    servicer = LLMServicer(RequestPath(cfg, channel))
+                                      ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)],
+                             interceptors=interceptors)
     _add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     addr = f"{cfg.host}:{cfg.port}"
     try:
-        port = server.add_insecure_port(addr)
+        port = server.add_secure_port(addr, server_creds) if server_creds else server.add_insecure_port(addr)
     except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
         await channel.close()
         raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
                           "(0 = any free port)") from None
-    gw = GatewayServer(server, servicer, health_servicer, cfg.host, port)
+    gw = GatewayServer(server, servicer, health_servicer, cfg.host, port, keys)
     from kvmesh.metrics import start_metrics_server
     try:
         gw.metrics = start_metrics_server(servicer.path.metrics.registry, cfg.host, cfg.metrics_port)
+        gw.health_server = await tls.serve_health_port(health_servicer, cfg.host, cfg.health_port)
     except EngineError:
         await channel.close()
+        if gw.metrics is not None:
+            await asyncio.to_thread(gw.metrics.stop)
         raise
     if cfg.http_port != -1:
         from gateway.http_api import start_http
         try:
-            gw.http = await start_http(gw.path, cfg.host, cfg.http_port)
+            gw.http = await start_http(gw.path, cfg.host, cfg.http_port, api_keys=keys,
+                                       tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file)
         except EngineError:
             await channel.close()
             if gw.metrics is not None:
                 await asyncio.to_thread(gw.metrics.stop)
+            if gw.health_server is not None:
+                await gw.health_server.stop(None)
             raise
     await gw._set_health(_NOT_SERVING)
     await server.start()
@@ -414,5 +455,6 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     servicer.path.set_model(info, tokenizer)
     await gw._set_health(_SERVING)
     gw._watch_task = asyncio.create_task(gw._watch_scheduler())
-    log.info("gateway serving %s on %s (scheduler %s)", info.name, gw.address, cfg.scheduler_address)
+    log.info("gateway serving %s on %s (scheduler %s)%s%s", info.name, gw.address, cfg.scheduler_address,
+             ", TLS" if server_creds else "", f", API keys of {len(keys.tenants)} tenant(s)" if keys else "")
     return gw

@@ -11,6 +11,11 @@ token ids, logprobs, and a final message with finish reason, usage and timings).
 is a :class:`Status` (a gRPC status code and a message naming the field); the gRPC servicer
 answers it as is, the HTTP API maps it to an HTTP status and OpenAI's error body. The rules a
 client sees are listed in :mod:`gateway.server`'s docstring.
+
+The caller's tenant (:data:`gateway.auth.CURRENT_TENANT`, set by the front end's API key check)
+is read in :meth:`~RequestPath.span` and :meth:`~RequestPath.prepare`: it labels the request's
+span and metrics, and with the request's ``cache_salt`` it makes the salt the scheduler gets
+(:func:`gateway.auth.cache_salt`), so tenants never share cached KV blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from gateway.auth import CURRENT_TENANT, cache_salt
 from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from kvmesh import telemetry
 from kvmesh.config import GatewayConfig
@@ -73,6 +79,7 @@ class _Live:
     """A request streaming through this gateway."""
 
     call: grpc.aio.UnaryStreamCall
+    tenant: str = ""          # whose request it is (only that tenant may abort it)
     aborted: bool = False     # set by an Abort
 
 
@@ -80,7 +87,9 @@ class _Live:
 class Prepared:
     """A validated request, ready for :meth:`RequestPath.stream`. ``forward``: the sampling
     message sent upstream (``max_tokens`` set, stop strings removed); ``params``: the engine's
-    view of it (with the stop strings); ``timeout``: the deadline in seconds."""
+    view of it (with the stop strings); ``timeout``: the deadline in seconds; ``tenant``: the
+    caller's; ``cache_salt``: what the scheduler gets (:func:`gateway.auth.cache_salt` of the tenant
+    and the request's ``cache_salt``)."""
 
     request_id: str
     session_id: str
@@ -89,6 +98,8 @@ class Prepared:
     params: SamplingParams
     timeout: float
     detok: IncrementalDetokenizer
+    tenant: str = ""
+    cache_salt: str = ""
 
 
 class RequestPath:
@@ -131,7 +142,8 @@ class RequestPath:
             f"kvmesh.gateway.{name}", context=telemetry.extract_metadata(carrier),
             kind=trace.SpanKind.SERVER, attributes={
                 "gen_ai.operation.name": operation, "gen_ai.request.model": request.model or self.info.name,
-                "kvmesh.request_id": request.request_id, "kvmesh.session_id": request.session_id})
+                "kvmesh.request_id": request.request_id, "kvmesh.session_id": request.session_id,
+                "kvmesh.tenant": CURRENT_TENANT.get()})
 
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -142,7 +154,7 @@ class RequestPath:
         """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
         only, so that an oversize request costs nothing more."""
         c = self.cfg
-        for name in ("request_id", "session_id"):
+        for name in ("request_id", "session_id", "cache_salt"):
             if (n := len(getattr(request, name))) > c.max_id_length:
                 raise invalid(f"{name}: {n} characters exceeds max_id_length ({c.max_id_length})")
         sp = request.sampling
@@ -244,8 +256,9 @@ class RequestPath:
         make_detok = functools.partial(IncrementalDetokenizer, self.text.tokenizer, prompt_ids, stop=params.stop,
                                        skip_special_tokens=params.skip_special_tokens)
         detok = await asyncio.to_thread(make_detok) if params.stop else make_detok()
+        tenant = CURRENT_TENANT.get()
         return Prepared(request.request_id or uuid.uuid4().hex, request.session_id, prompt_ids, fwd, params,
-                        timeout, detok)
+                        timeout, detok, tenant, cache_salt(tenant, request.cache_salt))
 
     # ---- streaming -------------------------------------------------------------------------
     async def stream(self, p: Prepared) -> AsyncIterator[llm_pb2.GenerateResponse]:
@@ -270,16 +283,17 @@ class RequestPath:
         t0 = time.monotonic()
         t_first = None
         call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                                            sampling=p.forward, session_id=p.session_id),
+                                                            sampling=p.forward, session_id=p.session_id,
+                                                            cache_salt=p.cache_salt, tenant=p.tenant),
                                 timeout=p.timeout, metadata=telemetry.inject_metadata(span))
-        live = self.live[rid] = _Live(call)
+        live = self.live[rid] = _Live(call, p.tenant)
         usage = common_pb2.Usage()      # what the scheduler reported so far (cached tokens, speculation)
         try:
             try:
                 async for up in call:
                     if t_first is None and up.token_ids:
                         t_first = time.monotonic()
-                        self.metrics.first_token(t_first - t0)
+                        self.metrics.first_token(t_first - t0, p.tenant)
                     if up.HasField("usage"):
                         usage.MergeFrom(up.usage)
                     delta, ids = _add_tokens(detok, up.token_ids)
@@ -296,6 +310,8 @@ class RequestPath:
                             _finish(out, common_pb2.FINISH_REASON_STOP, detok.stop_string, up.usage, up.timings)
                         else:
                             _finish(out, up.finish_reason, up.stop_reason, up.usage, up.timings)
+                    if out.finished:
+                        self.metrics.usage(out.usage, p.tenant)
                     if out.token_ids or out.text or out.finished:
                         yield out
                     if out.finished:
@@ -309,6 +325,7 @@ class RequestPath:
                 _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(usage, prompt_ids, detok),
                         _timings(None, t0, t_first))
                 _span_finished(span, out, None)
+                self.metrics.usage(out.usage, p.tenant)
                 yield out
                 return
             except grpc.aio.AioRpcError as e:
@@ -323,16 +340,20 @@ class RequestPath:
             self._end_upstream(rid, live)
 
     async def abort(self, rid: str) -> bool:
-        """Abort request ``rid``: one of this gateway has its upstream call cancelled (its stream
-        ends with FINISH_REASON_ABORT); another id goes to the scheduler's Abort. Returns whether
-        it was found. Raises Status for a failed scheduler call."""
-        live = self.live.get(rid)
-        if live is not None:
+        """Abort request ``rid`` of the caller's tenant (:data:`gateway.auth.CURRENT_TENANT`): one
+        of this gateway has its upstream call cancelled (its stream ends with FINISH_REASON_ABORT);
+        another id goes to the scheduler's Abort, with the tenant. Returns whether it was found
+        (False for another tenant's request). Raises Status for a failed scheduler call."""
+        live, tenant = self.live.get(rid), CURRENT_TENANT.get()
+        if live is not None and live.tenant == tenant:
             live.aborted = True
             live.call.cancel()
             return True
+        if live is not None:                # another tenant's request: as if unknown
+            return False
         try:
-            r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid), timeout=ABORT_TIMEOUT)
+            r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid, tenant=tenant),
+                                      timeout=ABORT_TIMEOUT)
         except grpc.aio.AioRpcError as e:
             raise self.upstream_status(e) from None
         return r.found

@@ -202,6 +202,15 @@ SCHEDULER_FLAGS: list[tuple[str, str, dict]] = [
     ("--metrics-port", "metrics_port", dict(type=_metrics_port, metavar="PORT",
                                             help="Prometheus /metrics over HTTP on the listen address "
                                                  "(off; 0 = any free port; deployments use 9461)")),
+    ("--tls-cert-file", "tls_cert_file", dict(metavar="PEM", help="certificate chain: listen with TLS only "
+                                                                  "(with --tls-key-file)")),
+    ("--tls-key-file", "tls_key_file", dict(metavar="PEM", help="private key of the TLS certificate")),
+    ("--tls-client-ca-file", "tls_client_ca_file", dict(metavar="PEM",
+                                                        help="require client certificates signed by this CA "
+                                                             "(mutual TLS with the gateways)")),
+    ("--health-port", "health_port", dict(type=_metrics_port, metavar="PORT",
+                                          help="plaintext gRPC health-only port for probes that cannot speak "
+                                               "TLS (off; 0 = any free port)")),
 ]
 
 # (flag, GatewayConfig field, add_argument keywords). One row per GatewayConfig field.
@@ -236,6 +245,25 @@ GATEWAY_FLAGS: list[tuple[str, str, dict]] = [
                                                       help="prompt tokens per request (0 = max_model_len - 1)")),
     ("--max-message-bytes", "max_message_bytes", dict(type=int, metavar="B",
                                                       help="size of a serialized request (4194304)")),
+    ("--api-keys-file", "api_keys_file", dict(metavar="FILE",
+                                              help="TENANT:KEY per line: every request needs "
+                                                   "'authorization: Bearer KEY' (also KVMESH_API_KEYS; re-read "
+                                                   "when the file changes and on SIGHUP)")),
+    ("--tls-cert-file", "tls_cert_file", dict(metavar="PEM", help="certificate chain: the gateway listens with "
+                                                                  "TLS only (with --tls-key-file)")),
+    ("--tls-key-file", "tls_key_file", dict(metavar="PEM", help="private key of the gateway's certificate")),
+    ("--scheduler-tls-ca-file", "scheduler_tls_ca_file", dict(metavar="PEM",
+                                                              help="dial the scheduler with TLS, checking its "
+                                                                   "certificate against this CA")),
+    ("--scheduler-tls-client-cert-file", "scheduler_tls_client_cert_file",
+     dict(metavar="PEM", help="the gateway's certificate for a scheduler requiring client certificates (mTLS)")),
+    ("--scheduler-tls-client-key-file", "scheduler_tls_client_key_file",
+     dict(metavar="PEM", help="private key of --scheduler-tls-client-cert-file")),
+    ("--scheduler-tls-server-name", "scheduler_tls_server_name",
+     dict(metavar="NAME", help="the name the scheduler's certificate holds, when not the dialled host")),
+    ("--health-port", "health_port", dict(type=_metrics_port, metavar="PORT",
+                                          help="plaintext gRPC health-only port for probes that cannot speak "
+                                               "TLS (off; 0 = any free port)")),
 ]
 
 
@@ -248,7 +276,7 @@ def add_scheduler_args(p: argparse.ArgumentParser, *, listen: str | None = "--")
                                                    "(e.g. KVMESH_SCHEDULER_PP; --redis-url reads KVMESH_REDIS_URL); "
                                                    "a flag wins.")
     for flag, field, kw in SCHEDULER_FLAGS:
-        if field in ("host", "port", "metrics_port"):     # also the gateway's under `serve`
+        if field in ("host", "port", "metrics_port", "health_port") or field.startswith("tls_"):   # also the gateway's under `serve`
             if listen is None:
                 continue
             flag = listen + flag.removeprefix("--")
@@ -377,8 +405,10 @@ def response_summary(final) -> str:
             f"output {n_out} tokens, TTFT {ttft} s, decode {decode} tokens/s, finish {finish_reason_name(final)}")
 
 
-# StatusCodes that mean "this request is refused" (exit 2, like a bad argument); others exit 1.
-_REFUSED = ("INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
+# StatusCodes that mean "this request is refused" (exit 2, like a bad argument: a wrong API key
+# too); others exit 1.
+_REFUSED = ("INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION", "UNAUTHENTICATED",
+            "PERMISSION_DENIED")
 
 
 def rpc_error(e, address: str) -> int:
@@ -396,12 +426,13 @@ class ServerUnavailable(Exception):
     """The gateway did not become ready in time (``kvmesh: error: ...``, exit 1)."""
 
 
-def connect(address: str, wait: float):
-    """A :class:`kvmesh.client.Client` of the gateway at ``address``, once it is ready;
-    raises ServerUnavailable after ``wait`` seconds."""
+def connect(address: str, wait: float, api_key: str | None = None, tls_ca_file: str | None = None):
+    """A :class:`kvmesh.client.Client` of the gateway at ``address`` (with ``api_key``; TLS checked
+    against ``tls_ca_file`` when given), once it is ready; raises ServerUnavailable after ``wait``
+    seconds."""
     from kvmesh.client import Client
 
-    client = Client(address)
+    client = Client(address, api_key=api_key or None, tls_ca_file=tls_ca_file or None)
     try:
         client.wait_ready(timeout=wait)
     except BaseException as e:
@@ -418,6 +449,11 @@ def add_server_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
                         + ("" if required else "; default: run the engine in this process"))
     p.add_argument("--wait", type=float, default=10.0, metavar="S",
                    help="how long to wait for the server to be ready (10 s)")
+    p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"), metavar="KEY",
+                   help="API key sent as 'authorization: Bearer KEY' (env KVMESH_API_KEY)")
+    p.add_argument("--tls-ca-file", default=os.environ.get("KVMESH_TLS_CA_FILE"), metavar="PEM",
+                   help="connect with TLS, checking the server's certificate against this CA "
+                        "(env KVMESH_TLS_CA_FILE)")
 
 
 # ---- commands ----------------------------------------------------------------------------------
@@ -477,7 +513,7 @@ def _generate_remote(args: argparse.Namespace, prompt: str) -> int:
 
     kw = sampling_kwargs(args)
     try:
-        with connect(args.server, args.wait) as client:
+        with connect(args.server, args.wait, args.api_key, args.tls_ca_file) as client:
             if args.chat:
                 system = [{"role": "system", "content": args.system}] if args.system else []
                 call = client.chat(system + [{"role": "user", "content": prompt}], model=args.model or "", **kw)
@@ -501,7 +537,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     session = args.session_id or new_session_id()
     try:
-        client = connect(args.server, args.wait)
+        client = connect(args.server, args.wait, args.api_key, args.tls_ca_file)
     except grpc.RpcError as e:
         return rpc_error(e, args.server)
     rc, n = 0, 0

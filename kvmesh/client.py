@@ -18,6 +18,10 @@ Sampling keywords are the fields of ``kvmesh.v1.SamplingParams`` (``temperature`
 ``logprobs``, ``skip_special_tokens``); a keyword left out (or None) takes the server's default.
 ``generate``/``chat`` return the gRPC call itself: iterate it for the streamed responses,
 ``.cancel()`` it to abort the request.
+
+A gateway with API keys wants ``Client(address, api_key="...")`` (sent as ``authorization:
+Bearer <key>`` on every call but the health check); one with TLS wants
+``tls_ca_file="ca.pem"`` (or ``tls=True`` for a certificate the system trusts).
 """
 
 from __future__ import annotations
@@ -81,40 +85,57 @@ def finish_reason_name(response: llm_pb2.GenerateResponse) -> str:
 
 
 class Client:
-    """Synchronous client of one gateway. ``rpc_timeout`` bounds the unary calls (seconds)."""
+    """Synchronous client of one gateway. ``rpc_timeout`` bounds the unary calls (seconds).
+
+    Args:
+        api_key: sent as ``authorization: Bearer <key>`` metadata (None = none).
+        tls_ca_file: connect with TLS, checking the gateway's certificate against this PEM CA.
+        tls: connect with TLS, checking against the system's roots (implied by ``tls_ca_file``).
+    Raises:
+        kvmesh.EngineError: ``tls_ca_file`` cannot be read.
+    """
 
     def __init__(self, address: str, *, rpc_timeout: float | None = 60.0,
-                 options: list[tuple[str, object]] | None = None):
+                 options: list[tuple[str, object]] | None = None, api_key: str | None = None,
+                 tls_ca_file: str | None = None, tls: bool = False):
         self.address = address
         self.rpc_timeout = rpc_timeout
-        self.channel = grpc.insecure_channel(address, options=options or [])
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        if tls or tls_ca_file:
+            from kvmesh.tls import channel_credentials
+            creds = channel_credentials(tls_ca_file or "", prefix="client ")
+            self.channel = grpc.secure_channel(address, creds, options=options or [])
+        else:
+            self.channel = grpc.insecure_channel(address, options=options or [])
         self.stub = llm_pb2_grpc.LLMServiceStub(self.channel)
 
     # ---- streaming ------------------------------------------------------------------------------
 
     def generate(self, prompt: str | None = None, *, token_ids: Iterable[int] | None = None, model: str = "",
                  request_id: str = "", session_id: str = "", timeout: float | None = None,
-                 **sampling_kw) -> Iterator[llm_pb2.GenerateResponse]:
+                 cache_salt: str = "", **sampling_kw) -> Iterator[llm_pb2.GenerateResponse]:
         """Complete ``prompt`` (text) or ``token_ids``; returns the streaming call.
-        ``timeout`` is the server-side deadline in seconds (None = the server's default)."""
+        ``timeout`` is the server-side deadline in seconds (None = the server's default);
+        ``cache_salt`` partitions the prefix cache within the caller's tenant."""
         if (prompt is None) == (token_ids is None):
             raise ValueError("give exactly one of prompt and token_ids")
         req = llm_pb2.GenerateRequest(model=model, sampling=sampling(**sampling_kw), timeout=_duration(timeout),
-                                      request_id=request_id, session_id=session_id)
+                                      request_id=request_id, session_id=session_id, cache_salt=cache_salt)
         if prompt is not None:
             req.prompt = prompt
         else:
             req.prompt_token_ids.ids.extend(token_ids)
-        return self.stub.Generate(req)
+        return self.stub.Generate(req, metadata=self.metadata)
 
     def chat(self, messages: Iterable[Message], *, model: str = "", request_id: str = "", session_id: str = "",
-             timeout: float | None = None, **sampling_kw) -> Iterator[llm_pb2.GenerateResponse]:
+             timeout: float | None = None, cache_salt: str = "", **sampling_kw) -> Iterator[llm_pb2.GenerateResponse]:
         """Answer a conversation (rendered with the model's chat template); returns the
         streaming call. Keep one ``session_id`` per conversation: the router sends its turns
         to the replica that holds its prefix in the KV cache."""
         req = llm_pb2.ChatRequest(model=model, messages=chat_messages(messages), sampling=sampling(**sampling_kw),
-                                  timeout=_duration(timeout), request_id=request_id, session_id=session_id)
-        return self.stub.Chat(req)
+                                  timeout=_duration(timeout), request_id=request_id, session_id=session_id,
+                                  cache_salt=cache_salt)
+        return self.stub.Chat(req, metadata=self.metadata)
 
     # ---- unary ----------------------------------------------------------------------------------
 
@@ -128,14 +149,16 @@ class Client:
             req.prompt = prompt
         else:
             req.chat.messages.extend(chat_messages(messages))
-        return self.stub.Tokenize(req, timeout=self.rpc_timeout)
+        return self.stub.Tokenize(req, timeout=self.rpc_timeout, metadata=self.metadata)
 
     def list_models(self) -> list[llm_pb2.ModelInfo]:
-        return list(self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=self.rpc_timeout).models)
+        return list(self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=self.rpc_timeout,
+                                         metadata=self.metadata).models)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a running request by id; False when the server knows no such request."""
-        return self.stub.Abort(llm_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout).found
+        return self.stub.Abort(llm_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout,
+                               metadata=self.metadata).found
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until the server's gRPC health check says SERVING (the LLMService's status,
@@ -158,7 +181,8 @@ class Client:
                     service = ""            # only the overall status is reported
                     continue
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:   # no health service: any answer will do
-                    self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=max(left, 0.1), wait_for_ready=True)
+                    self.stub.ListModels(llm_pb2.ListModelsRequest(), timeout=max(left, 0.1), wait_for_ready=True,
+                                         metadata=self.metadata)
                     return
                 last = ("no connection" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                         else f"{e.code().name}: {e.details()}")

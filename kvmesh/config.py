@@ -96,6 +96,16 @@ def _coerce_strings(obj) -> None:
             setattr(obj, f.name, v)
 
 
+def _check_tls(obj) -> None:
+    """A listener's TLS settings: certificate and key together; a client CA only with them.
+    Checked when the service starts (``check_tls``), not on construction: the settings of one
+    service may come from several sources, each naming one file."""
+    if bool(obj.tls_cert_file) != bool(obj.tls_key_file):
+        raise EngineError("tls_cert_file and tls_key_file go together (the certificate chain and its private key)")
+    if getattr(obj, "tls_client_ca_file", "") and not obj.tls_cert_file:
+        raise EngineError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+
+
 # The metrics ports deployments use (deploy/: compose, Kubernetes, prometheus.yml); the services'
 # own default is off (metrics_port -1), so that several meshes on one host do not collide.
 SCHEDULER_METRICS_PORT = 9461
@@ -295,6 +305,12 @@ class SchedulerConfig:
         metrics_port: Prometheus ``/metrics`` over HTTP on ``host:metrics_port`` (docs/telemetry.md);
             -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
             :data:`SCHEDULER_METRICS_PORT`.
+        tls_cert_file, tls_key_file: PEM certificate chain and private key: the service listens
+            with TLS only (:mod:`kvmesh.tls`); empty = plaintext.
+        tls_client_ca_file: PEM CA certificate(s): every client (the gateways) must present a
+            certificate it signed (mutual TLS); needs ``tls_cert_file``.
+        health_port: a plaintext gRPC port serving only ``grpc.health.v1`` (probes that cannot
+            speak TLS); -1 (or empty, ``off``) = none, 0 = any free port.
     """
 
     host: str = "127.0.0.1"
@@ -320,6 +336,10 @@ class SchedulerConfig:
     provisional_ttl: float = 2.0
     scheduler_id: str = ""
     metrics_port: int = -1
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    health_port: int = -1
 
     ENV_PREFIX = "KVMESH_SCHEDULER_"
     ENV_OVERRIDES = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
@@ -358,7 +378,14 @@ class SchedulerConfig:
             raise EngineError("prefix_weight and load_weight must be >= 0")
         if "/" in self.scheduler_id:
             raise EngineError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
+        _check_metrics_port(self, "health_port")
         self.layer_split()
+
+    def check_tls(self) -> None:
+        """Raise EngineError naming the settings when the TLS files do not go together
+        (certificate and key; a client CA only with them). :func:`scheduler.service.serve_scheduler`
+        calls it."""
+        _check_tls(self)
 
     def resolved_executor(self) -> str:
         """``executor``, with ``auto`` resolved: ``local`` (no Ray hop) for one stage on this
@@ -422,6 +449,20 @@ class GatewayConfig:
             the model's context allows (``max_model_len`` - 1).
         max_message_bytes: size of a serialized request (bytes); gRPC itself refuses one over
             twice this before it is read (RESOURCE_EXHAUSTED).
+
+    Security (README, "Security: API keys and TLS"):
+        api_keys_file: ``TENANT:KEY`` lines (:mod:`gateway.auth`; also ``KVMESH_API_KEYS``); empty
+            and no ``KVMESH_API_KEYS`` = no keys needed.
+        tls_cert_file, tls_key_file: PEM certificate chain and key of the public listener (TLS
+            only); empty = plaintext.
+        scheduler_tls_ca_file: PEM CA the scheduler's certificate is checked against: the
+            gateway dials the scheduler with TLS; empty = plaintext.
+        scheduler_tls_client_cert_file, scheduler_tls_client_key_file: the gateway's own
+            certificate and key for a scheduler that requires client certificates (mutual TLS).
+        scheduler_tls_server_name: the name the scheduler's certificate must hold when it is not
+            the host of ``scheduler_address``.
+        health_port: a plaintext gRPC port serving only ``grpc.health.v1`` (probes that cannot
+            speak TLS); -1 (or empty, ``off``) = none, 0 = any free port.
     """
 
     host: str = "127.0.0.1"
@@ -440,6 +481,14 @@ class GatewayConfig:
     max_id_length: int = 256
     max_prompt_tokens: int = 0
     max_message_bytes: int = 4 * 2**20
+    api_keys_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    scheduler_tls_ca_file: str = ""
+    scheduler_tls_client_cert_file: str = ""
+    scheduler_tls_client_key_file: str = ""
+    scheduler_tls_server_name: str = ""
+    health_port: int = -1
 
     ENV_PREFIX = "KVMESH_GATEWAY_"
 
@@ -464,6 +513,19 @@ class GatewayConfig:
         if self.max_id_length < 1 or not 1024 <= self.max_message_bytes <= 2**30:
             raise EngineError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
                               f"{self.max_id_length} and {self.max_message_bytes}")
+        _check_metrics_port(self, "health_port")
+
+    def check_tls(self) -> None:
+        """Raise EngineError naming the settings when the TLS files do not go together: the
+        listener's certificate and key; the client certificate and key to the scheduler, and
+        those and ``scheduler_tls_server_name`` only with ``scheduler_tls_ca_file``.
+        :func:`gateway.server.serve_gateway` calls it."""
+        _check_tls(self)
+        if bool(self.scheduler_tls_client_cert_file) != bool(self.scheduler_tls_client_key_file):
+            raise EngineError("scheduler_tls_client_cert_file and scheduler_tls_client_key_file go together")
+        if (self.scheduler_tls_client_cert_file or self.scheduler_tls_server_name) and not self.scheduler_tls_ca_file:
+            raise EngineError("scheduler_tls_client_cert_file and scheduler_tls_server_name need "
+                              "scheduler_tls_ca_file (TLS to the scheduler)")
 
     def replace(self, **kw) -> "GatewayConfig":
         return dataclasses.replace(self, **kw)

@@ -147,6 +147,16 @@ class _TextFront:
             return None, list(prompt)
         raise EngineError(f"unsupported prompt type {type(prompt).__name__}")
 
+    @staticmethod
+    def cache_salt_of(prompt) -> str | None:
+        """The ``cache_salt`` of a prompt dict (``{"prompt": ..., "cache_salt": "..."}``, as
+        vLLM's): the request then shares cached KV blocks only with requests of the same salt.
+        None for other prompts. Raises EngineError when it is not a string."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not isinstance(salt, str):
+            raise EngineError(f"cache_salt must be a string, got {type(salt).__name__}")
+        return salt
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         """Chat messages (``[{"role": ..., "content": ...}]``) → prompt text via the model's
         chat template, with the assistant turn opened."""
@@ -180,7 +190,9 @@ class LLM(_TextFront):
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or dicts) and return outputs in prompt
-        order. Each request is validated before any runs (EngineError names the bad one)."""
+        order. A dict prompt (``{"prompt": text}`` or ``{"prompt_token_ids": ids}``) may carry a
+        ``cache_salt`` (:meth:`cache_salt_of`). Each request is validated before any runs
+        (EngineError names the bad one)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
@@ -193,7 +205,7 @@ class LLM(_TextFront):
                 text, ids = self.encode_prompt(p)
                 rid = f"llm-{self._counter}"
                 self._counter += 1
-                req = self.engine.add_request(rid, ids, sp)
+                req = self.engine.add_request(rid, ids, sp, cache_salt=self.cache_salt_of(p))
                 streams[rid] = _TextStream(self.tokenizer, rid, text, ids, sp)
                 streams[rid].metrics.arrival_time = req.arrival_time
                 order.append(rid)
@@ -246,10 +258,12 @@ class AsyncLLM(_TextFront):
     async def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None
                           ) -> AsyncIterator[RequestOutput]:
         """Stream updates (``.outputs[0].delta_text``) until the request finishes. Breaking
-        out of the iteration aborts the request. Raises EngineError for a bad request."""
+        out of the iteration aborts the request. ``prompt`` as in :meth:`LLM.generate` (a dict
+        may carry a ``cache_salt``). Raises EngineError for a bad request."""
         params = params or SamplingParams()
         text, ids = self.encode_prompt(prompt)
-        outputs = self.engine.generate(request_id, ids, params)   # aborts the request if we stop early
+        # aborts the request if we stop early
+        outputs = self.engine.generate(request_id, ids, params, cache_salt=self.cache_salt_of(prompt))
         stream = None
         try:
             async for o in outputs:

@@ -34,9 +34,13 @@ Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's i
   ``spec_decode_propose_seconds_total`` (time spent proposing: prompt lookup or the draft model); and the router's
   ``router_requests_total``, ``router_prefix_routed_total``, ``router_fallbacks_total``.
 
-Gateway (label ``model_name``): ``gateway_requests_total{method, code}`` (Generate/Chat RPCs and
-HTTP ChatCompletions/Completions requests by final gRPC status name), ``gateway_time_to_first_token_seconds`` (Submit sent → first token
-received), ``gateway_requests_running`` (streams in flight).
+Gateway (labels ``model_name`` and ``tenant``: the caller's tenant by its API key, "" without
+keys or for a refused key, so bounded by the keys file's tenants): ``gateway_requests_total{method,
+code}`` (Generate/Chat RPCs and HTTP ChatCompletions/Completions requests by final gRPC status
+name; UNAUTHENTICATED for a missing or wrong key), ``gateway_time_to_first_token_seconds`` (Submit
+sent → first token received), ``gateway_prompt_tokens_total`` and ``gateway_generation_tokens_total``
+(of finished requests, for per-tenant usage), and ``gateway_requests_running`` (streams in flight,
+no labels).
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ SCHEDULER_METRICS = {
 GATEWAY_METRICS = {
     "kvmesh:gateway_requests_total": "counter",
     "kvmesh:gateway_time_to_first_token_seconds": "histogram",
+    "kvmesh:gateway_prompt_tokens_total": "counter",
+    "kvmesh:gateway_generation_tokens_total": "counter",
     "kvmesh:gateway_requests_running": "gauge",
 }
 
@@ -278,11 +284,15 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry()
         self.servicer = servicer
         self.requests = Counter(_base("kvmesh:gateway_requests_total"),
-                                "Generate/Chat RPCs and HTTP ChatCompletions/Completions by final gRPC status code.", ("model_name", "method", "code"),
-                                registry=r)
+                                "Generate/Chat RPCs and HTTP ChatCompletions/Completions by final gRPC status code.",
+                                ("model_name", "method", "code", "tenant"), registry=r)
         self.ttft = Histogram("kvmesh:gateway_time_to_first_token_seconds",
-                              "Submit sent to the scheduler → first token received (seconds).", ("model_name",),
-                              registry=r, buckets=TTFT_BUCKETS)
+                              "Submit sent to the scheduler → first token received (seconds).",
+                              ("model_name", "tenant"), registry=r, buckets=TTFT_BUCKETS)
+        self.prompt_tokens = Counter(_base("kvmesh:gateway_prompt_tokens_total"),
+                                     "Prompt tokens of finished requests.", ("model_name", "tenant"), registry=r)
+        self.generation_tokens = Counter(_base("kvmesh:gateway_generation_tokens_total"),
+                                         "Output tokens of finished requests.", ("model_name", "tenant"), registry=r)
         running = Gauge("kvmesh:gateway_requests_running", "Streams in flight through this gateway.",
                         registry=r)
         running.set_function(lambda: len(servicer.live))
@@ -292,11 +302,21 @@ class GatewayMetrics:
         info = self.servicer.info
         return info.name if info is not None else ""
 
-    def request_done(self, method: str, code: str) -> None:
-        self.requests.labels(self.model_name, method, code).inc()
+    def request_done(self, method: str, code: str, tenant: str = "") -> None:
+        self.requests.labels(self.model_name, method, code, tenant).inc()
 
-    def first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name).observe(seconds)
+    def denied(self, method: str) -> None:
+        """An RPC refused for a missing or wrong API key (counted for Generate and Chat)."""
+        if method in ("Generate", "Chat"):
+            self.request_done(method, "UNAUTHENTICATED")
+
+    def first_token(self, seconds: float, tenant: str = "") -> None:
+        self.ttft.labels(self.model_name, tenant).observe(seconds)
+
+    def usage(self, usage, tenant: str = "") -> None:
+        """A finished request's ``kvmesh.v1.Usage`` (tokens)."""
+        self.prompt_tokens.labels(self.model_name, tenant).inc(usage.prompt_tokens)
+        self.generation_tokens.labels(self.model_name, tenant).inc(usage.completion_tokens)
 
 
 class _RegistryView:

@@ -20,7 +20,8 @@ SIGINT or SIGTERM stops the services in
 reverse order of start, each given ``grace`` seconds for in-flight requests: the gateway first
 (its streams end), then the scheduler (aborts what is left, frees KV blocks, shuts its
 executors down), then the Ray runtime the executors started here (a cluster joined with
-``--ray-address`` is only disconnected from). A second signal exits at once.
+``--ray-address`` is only disconnected from). A second signal exits at once. SIGHUP reloads
+the gateway's API keys file (:meth:`gateway.auth.ApiKeys.reload`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def announce_metrics(name: str, server) -> None:
     metrics = getattr(server, "metrics", None)
     if metrics is not None:
         announce(f"{name} metrics on {metrics.url}")
+    health = getattr(server, "health_server", None)
+    if health is not None:
+        announce(f"{name} health checks (plaintext) on {connect_address(server.host, health.health_port)}")
 
 
 def host_port(host: str, port: int) -> str:
@@ -126,7 +130,16 @@ async def start_gateway(mesh: Mesh, gw_cfg) -> None:
 
 async def start_mesh(mesh: Mesh, sched_cfg, engine_cfg, gw_cfg) -> None:
     """Start a scheduler, then a gateway pointed at it (``gw_cfg.scheduler_address`` is
-    replaced by the scheduler's bound address)."""
+    replaced by the scheduler's bound address). Raises EngineError, before starting either,
+    when the scheduler listens with TLS (or mutual TLS) and the gateway has no CA (or client
+    certificate) to dial it with."""
+    from scheduler.request import EngineError
+    if sched_cfg.tls_cert_file and not gw_cfg.scheduler_tls_ca_file:
+        raise EngineError("--scheduler-tls-cert-file: the gateway needs --scheduler-tls-ca-file to dial a TLS "
+                          "scheduler")
+    if sched_cfg.tls_client_ca_file and not gw_cfg.scheduler_tls_client_cert_file:
+        raise EngineError("--scheduler-tls-client-ca-file: the gateway needs --scheduler-tls-client-cert-file and "
+                          "--scheduler-tls-client-key-file for a scheduler requiring client certificates")
     await start_scheduler(mesh, sched_cfg, engine_cfg)
     if not mesh.stopping.is_set():              # a signal while the scheduler loaded: stop here
         await start_gateway(mesh, gw_cfg.replace(scheduler_address=mesh.scheduler_address))
@@ -155,9 +168,16 @@ async def run_services(start: Callable[[Mesh], Awaitable[None]], *, grace: float
         caught.append(sig)
         stopping.set()
 
+    def reload_keys() -> None:
+        keys = getattr(mesh.gateway, "api_keys", None)
+        if keys is not None:
+            announce("SIGHUP: reloading the API keys" if keys.reload() else
+                     "SIGHUP: the API keys file did not load; the previous keys stay in use")
+
     signals = (signal.SIGINT, signal.SIGTERM)
     for sig in signals:
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, reload_keys)
     rc = 0
     ray_was_up = _ray_initialized()
     try:
@@ -184,6 +204,6 @@ async def run_services(start: Callable[[Mesh], Awaitable[None]], *, grace: float
             import ray
             await asyncio.to_thread(ray.shutdown)
             announce("ray stopped")
-        for sig in signals:
+        for sig in signals + (signal.SIGHUP,):
             loop.remove_signal_handler(sig)
     return rc

@@ -52,7 +52,8 @@ class BlockManager:
         block_size: tokens per block.
         enable_prefix_caching: keep and reuse hashed full blocks.
         hash_seed: root of the block-hash chain (:func:`kvstore.hashing.seed_hash` of the
-            model identity and KV format).
+            model identity and KV format); a request with a ``cache_salt`` hashes from
+            ``salted_seed(hash_seed, cache_salt)``, so it shares blocks only with its salt.
         sink: receives KV events, or None.
     """
 
@@ -101,9 +102,9 @@ class BlockManager:
         """Extend ``req.block_hashes`` to cover every full block of its first ``num_tokens``."""
         have = len(req.block_hashes)
         if num_tokens // self.block_size > have:
-            parent = req.block_hashes[-1] if have else self.hash_seed
+            parent = req.block_hashes[-1] if have else None     # None: the request's salted root
             req.block_hashes += hash_blocks(self.hash_seed, req.tokens(0, num_tokens), self.block_size,
-                                            parent=parent, start_block=have)
+                                            parent=parent, start_block=have, cache_salt=req.cache_salt)
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids holding the longest cached prefix of the request's tokens.

@@ -182,10 +182,12 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    traceparent: str | None = None) -> Request:
+                    traceparent: str | None = None, cache_salt: str | None = None) -> Request:
         """Queue a request. Raises EngineError (empty prompt, token id out of range, too
         long for max_model_len or for the whole KV pool, duplicate id). ``traceparent``: W3C
-        trace context handed to the workers with the request's steps (kvmesh/telemetry.py)."""
+        trace context handed to the workers with the request's steps (kvmesh/telemetry.py).
+        ``cache_salt``: the request reuses (and offers) cached KV blocks only among requests
+        of the same salt (:func:`kvstore.hashing.salted_seed`); None or "" = no salt."""
         self.num_added += 1
         params = params or SamplingParams()
         params.validate()
@@ -196,7 +198,8 @@ class LLMEngine:
         if bad is not None:
             raise EngineError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         req = Request(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, self.eos_token_ids,
-                      arrival_time=arrival_time or time.monotonic(), traceparent=traceparent)
+                      arrival_time=arrival_time or time.monotonic(), traceparent=traceparent,
+                      cache_salt=cache_salt or "")
         with self.lock:
             self.scheduler.add(req)
             self._emitted[req.request_id] = 0
@@ -436,23 +439,23 @@ class OutputStreams:
         self.stats = EngineStats()
 
     def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    traceparent: str | None = None) -> asyncio.Queue:
+                    traceparent: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
         """Hand a request to the engine under ``engine_id``; returns the queue its outputs
         arrive on."""
         raise NotImplementedError
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams | None = None, traceparent: str | None = None
-                       ) -> AsyncIterator[EngineOutput]:
+                       params: SamplingParams | None = None, traceparent: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[EngineOutput]:
         """Stream the request's outputs (their ``request_id`` is ``request_id``, or a generated
-        one when None); aborts it if the consumer stops early. Raises DuplicateRequestError
-        when a stream with this id is open, EngineError for a request the engine cannot serve
-        or when the engine loop died."""
+        one when None); aborts it if the consumer stops early. ``cache_salt``: see
+        :meth:`LLMEngine.add_request`. Raises DuplicateRequestError when a stream with this id
+        is open, EngineError for a request the engine cannot serve or when the engine loop died."""
         rid = request_id or uuid.uuid4().hex
         if rid in self._open:
             raise DuplicateRequestError(f"duplicate request id {rid!r}: a stream with it is in flight")
         eid = f"{rid}#{next(self._submissions)}"
-        q = self.add_request(eid, prompt_token_ids, params, traceparent)
+        q = self.add_request(eid, prompt_token_ids, params, traceparent, cache_salt)
         self._open[rid] = eid
         try:
             while True:
@@ -545,14 +548,15 @@ class AsyncEngine(OutputStreams):
         self._thread.start()
 
     def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    traceparent: str | None = None) -> asyncio.Queue:
+                    traceparent: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
         """Queue a request; returns the queue its :class:`EngineOutput`s arrive on. Raises
         EngineError at once for a request that cannot be served."""
         if self.errored is not None:
             raise EngineError(f"engine loop died: {self.errored!r}")
         q: asyncio.Queue = asyncio.Queue()
         try:
-            self.engine.add_request(engine_id, prompt_token_ids, params, traceparent=traceparent)
+            self.engine.add_request(engine_id, prompt_token_ids, params, traceparent=traceparent,
+                                    cache_salt=cache_salt)
         finally:
             self.stats = self.engine.snapshot()
         self._queues[engine_id] = q

@@ -138,10 +138,10 @@ class EngineCore:
             self._dirty = True
             kind = msg[0]
             if kind == ADD:
-                _, rid, prompt, params, traceparent, arrival = msg
+                _, rid, prompt, params, traceparent, arrival, cache_salt = msg
                 try:
                     eng.add_request(rid, prompt, SamplingParams(**params), arrival_time=arrival,
-                                    traceparent=traceparent)
+                                    traceparent=traceparent, cache_salt=cache_salt)
                 except EngineError as e:
                     self._rejected.append([rid, str(e)])
             elif kind == ABORT:
@@ -292,7 +292,7 @@ class EngineCoreClient(OutputStreams):
             self._in.send_bytes(data)
 
     def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    traceparent: str | None = None) -> asyncio.Queue:
+                    traceparent: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
         """Send a request to the core; returns its output queue. A request the core cannot
         serve ends its stream with EngineError (the core's message). Raises EngineError when
         the core is down."""
@@ -306,7 +306,7 @@ class EngineCoreClient(OutputStreams):
         self._pending.append((self._num_sent, len(prompt_token_ids)))
         try:
             self._send([ADD, engine_id, list(prompt_token_ids), {f: getattr(params, f) for f in _PARAM_FIELDS},
-                        traceparent, time.monotonic()])
+                        traceparent, time.monotonic(), cache_salt or ""])
         except (OSError, ValueError) as e:
             self._queues.pop(engine_id, None)
             error = EngineError(f"replica {self.replica}: engine process down: {e!r}")

@@ -161,6 +161,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     traceparent: str | None = None      # W3C trace context of the scheduler's span (tracing on)
+    cache_salt: str = ""                # prefix-cache partition: salts the block hashes ("" = none)
     # speculative decoding (docs/spec_decode.md)
     spec_token_ids: list[int] = field(default_factory=list)   # proposals for the next step
     spec_k: int = 0                     # adaptive number of proposals (0: speculation off)

@@ -4,7 +4,8 @@ Policies (``SchedulerConfig.routing``):
 
 - ``prefix``: the replica that already holds the longest prefix of the prompt in its KV cache,
   weighed against load. The prompt's full blocks are hashed exactly as the replicas' block
-  managers hash them (:func:`kvstore.hashing.hash_blocks`, same seed), the prefix index
+  managers hash them (:func:`kvstore.hashing.hash_blocks`, same seed and the request's
+  ``cache_salt``), the prefix index
   (:mod:`kvstore.index`, fed by the replicas' KV events) says how many leading blocks each
   replica holds, and each healthy replica gets the score::
 
@@ -106,13 +107,16 @@ class Router:
         self._provisional: dict[int, dict[int, float]] = {}       # replica -> block hash -> expiry
         self._expiries: deque[tuple[float, int, list[int]]] = deque()
 
-    def pick(self, loads: list[ReplicaLoad], session_id: str = "", prompt_token_ids: Sequence[int] = ()) -> int:
+    def pick(self, loads: list[ReplicaLoad], session_id: str = "", prompt_token_ids: Sequence[int] = (),
+             cache_salt: str = "") -> int:
         """Index of the replica for a new request.
 
         Args:
             loads: one entry per replica.
             session_id: the caller's conversation (tie-breaker of ``prefix``); "" = none.
             prompt_token_ids: the prompt (``prefix`` hashes its full blocks).
+            cache_salt: the request's salt: its blocks hash as the replicas' block managers
+                hash them for it, so it gets credit only for blocks cached under its salt.
         Raises:
             NoHealthyReplicaError: no replica is healthy.
         """
@@ -128,7 +132,7 @@ class Router:
         elif self.policy == "random":
             choice = self._rng.choice(healthy).index
         elif self.policy == "prefix":
-            choice, matched = self._pick_prefix(healthy, session_id, prompt_token_ids)
+            choice, matched = self._pick_prefix(healthy, session_id, prompt_token_ids, cache_salt)
         else:
             choice = min(healthy, key=lambda r: (r.load, r.index)).index
         self.stats.routed += 1
@@ -142,9 +146,11 @@ class Router:
         return choice
 
     # ---- prefix ------------------------------------------------------------------------
-    def _pick_prefix(self, healthy: list[ReplicaLoad], session_id: str, prompt: Sequence[int]) -> tuple[int, int]:
+    def _pick_prefix(self, healthy: list[ReplicaLoad], session_id: str, prompt: Sequence[int],
+                     cache_salt: str) -> tuple[int, int]:
         """(replica, blocks of the prompt it holds) by score; by load when the index fails."""
-        hashes = hash_blocks(self.hash_seed, prompt, self.block_size) if len(prompt) >= self.block_size else []
+        hashes = (hash_blocks(self.hash_seed, prompt, self.block_size, cache_salt=cache_salt)
+                  if len(prompt) >= self.block_size else [])
         now = self.clock()
         self._expire(now)
         held: dict[int, int] = {}

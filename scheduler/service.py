@@ -10,8 +10,12 @@ prefix; a replica whose engine loop died leaves the index, and so do all of them
 The server also speaks standard gRPC health checking (SERVING only once every replica has
 loaded) and server reflection.
 
+A request's ``cache_salt`` goes into its block hashes (:mod:`kvstore.hashing`): the router and
+its replica's block manager hash its prompt under it, so it shares cached blocks only with
+requests of the same salt (per-tenant isolation; the gateway sets the salt).
+
 Errors are gRPC statuses: INVALID_ARGUMENT (a request the engine cannot serve: bad sampling
-value, empty or too long prompt, token id outside the vocabulary), ALREADY_EXISTS (request id
+value, empty or too long prompt, token id outside the vocabulary, cache_salt over 256 characters), ALREADY_EXISTS (request id
 in flight), RESOURCE_EXHAUSTED (the chosen replica's waiting queue is full), UNAVAILABLE
 (loading, shutting down, or no healthy replica). Cancelling a ``Submit`` call aborts its
 request and frees its KV blocks.
@@ -46,6 +50,7 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].ful
 _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 _FINISH = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
+MAX_CACHE_SALT = 256      # characters of SubmitRequest.cache_salt
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
 
@@ -223,6 +228,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.replicas: list[Replica] = []
         self.router: Router | None = None
         self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
+        self.tenants: dict[str, str] = {}           # request id -> its SubmitRequest.tenant, while open
         self.restarting: set[int] = set()           # replicas whose engine process is being restarted
         self.stopping = False
         self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
@@ -289,8 +295,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             params = sampling_params_from_proto(request.sampling)
         except EngineError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+        if len(request.cache_salt) > MAX_CACHE_SALT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cache_salt: {len(request.cache_salt)} characters "
+                                f"exceeds {MAX_CACHE_SALT}")
         prompt = list(request.prompt_token_ids)
-        replica = await self._pick(context, request.session_id, prompt)
+        replica = await self._pick(context, request.session_id, prompt, request.cache_salt)
         if rid in self.requests:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         if replica.num_waiting() >= self.sched_cfg.max_queued_requests:
@@ -300,9 +309,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         # No await between the pick above and the first __anext__ below (which adds the request
         # to the engine): concurrent Submits see each other's load.
         self.requests[rid] = replica
+        self.tenants[rid] = request.tenant
         span = self._request_span(request, context, rid, replica, params)
         aengine = replica.aengine           # this stream's engine loop (a restart gives the replica a new one)
-        stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span))
+        stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span), cache_salt=request.cache_salt)
         last = None
         try:
             async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
@@ -318,10 +328,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             self.requests.pop(rid, None)
+            self.tenants.pop(rid, None)
             if span.is_recording():
                 _end_request_span(self.tracer, span, last, replica.info.block_size)
 
-    async def _pick(self, context, session_id: str, prompt: list[int]) -> "Replica":
+    async def _pick(self, context, session_id: str, prompt: list[int], cache_salt: str = "") -> "Replica":
         """The router's replica for a new request. While none is up and one is restarting or
         will be (``restart_replicas``: an engine process that has just died, before the service
         has noticed), waits for one (``restart_wait`` seconds at most, within the call's
@@ -329,7 +340,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         t0 = time.monotonic()
         while True:
             try:
-                return self.replicas[self.router.pick([r.load() for r in self.replicas], session_id, prompt)]
+                return self.replicas[self.router.pick([r.load() for r in self.replicas], session_id, prompt,
+                                                      cache_salt)]
             except NoHealthyReplicaError as e:
                 remaining = context.time_remaining()
                 bound = self.sched_cfg.restart_wait if remaining is None else min(remaining, self.sched_cfg.restart_wait)
@@ -351,12 +363,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 "gen_ai.request.temperature": params.temperature,
                 "gen_ai.usage.input_tokens": len(request.prompt_token_ids), "kvmesh.request_id": rid,
                 "kvmesh.session_id": request.session_id, "kvmesh.replica": replica.index,
-                "kvmesh.replica_id": replica.replica_id})
+                "kvmesh.replica_id": replica.replica_id, "kvmesh.tenant": request.tenant})
 
     async def Abort(self, request, context):
-        """Abort an in-flight request; its stream ends with FINISH_REASON_ABORT."""
+        """Abort an in-flight request of the same tenant (``found`` False for another tenant's);
+        its stream ends with FINISH_REASON_ABORT."""
         replica = self.requests.get(request.request_id)
-        found = replica is not None and replica.aengine.abort(request.request_id)
+        found = (replica is not None and self.tenants.get(request.request_id, "") == request.tenant
+                 and replica.aengine.abort(request.request_id))
         return scheduler_pb2.SchedulerAbortResponse(found=found)
 
     async def GetModelInfo(self, request, context):
@@ -391,6 +405,7 @@ class SchedulerServer:
         self.server, self.service, self.health = server, service, health_servicer
         self.host, self.port, self.address = host, port, f"{host}:{port}"
         self.metrics = None
+        self.health_server = None           # the plaintext health-only port (kvmesh.tls), None when off
         self._load_task: asyncio.Task | None = None
         self._stopped = False
         self._tasks: set[asyncio.Task] = set()      # restarts, the watchdog
@@ -557,6 +572,8 @@ class SchedulerServer:
         if n:
             log.info("aborted %d in-flight request(s)", n)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         await self.service.close_index()
         for r in self.service.replicas:
             await r.shutdown()
@@ -570,7 +587,13 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
     """Start the scheduler service on ``sched_cfg.host:port`` (port 0 = a free port) and begin
     loading the replicas in the background; health is NOT_SERVING until they have loaded
     (``await server.wait_ready()``). Prometheus metrics on ``sched_cfg.host:metrics_port`` when it
-    is not -1 (:mod:`kvmesh.metrics`). Raises EngineError if an address cannot be bound."""
+    is not -1 (:mod:`kvmesh.metrics`). With ``tls_cert_file`` it listens with TLS only, with
+    ``tls_client_ca_file`` also requiring client certificates of that CA (:mod:`kvmesh.tls`).
+    Raises EngineError if an address cannot be bound or a TLS file cannot be read."""
+    from kvmesh import tls
+    sched_cfg.check_tls()
+    creds = (tls.server_credentials(sched_cfg.tls_cert_file, sched_cfg.tls_key_file, sched_cfg.tls_client_ca_file)
+             if sched_cfg.tls_cert_file else None)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])   # a port in use is an error, not shared
     service = SchedulerService(sched_cfg, engine_cfg)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(service, server)
@@ -581,7 +604,7 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     addr = f"{sched_cfg.host}:{sched_cfg.port}"
     try:
-        port = server.add_insecure_port(addr)
+        port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
     except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
         await server.stop(None)
         raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
@@ -592,8 +615,15 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
     except EngineError:
         await server.stop(None)
         raise
+    try:
+        health_port = await tls.serve_health_port(health_servicer, sched_cfg.host, sched_cfg.health_port)
+    except EngineError:
+        await server.stop(None)
+        if metrics is not None:
+            metrics.stop()
+        raise
     await server.start()
     srv = SchedulerServer(server, service, health_servicer, sched_cfg.host, port)
-    srv.metrics = metrics
+    srv.metrics, srv.health_server = metrics, health_port
     srv._load_task = asyncio.create_task(srv._load())
     return srv

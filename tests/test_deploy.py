@@ -423,19 +423,69 @@ def test_services_listen_where_probes_and_ports_say(sub):
         cfg = settings(c)[cls]
         assert cfg.host == "0.0.0.0", f"{c.where}: listens on {cfg.host}, unreachable from other containers"
         assert cfg.port > 0
+        # the probes speak plaintext: a TLS service is probed on its plaintext health-only port
+        probed = cfg.health_port if cfg.tls_cert_file else cfg.port
+        assert probed > 0, f"{c.where}: TLS without a health_port leaves the probes nothing to ask"
         if c.where.startswith("compose"):
             test = c.spec["healthcheck"]["test"]
             assert test[:3] == ["CMD", "python", "/opt/kvmesh/grpc_health_check.py"], test
             args = load_health_script().build_parser().parse_args(test[3:])
-            assert host_port(args.address)[1] == cfg.port and args.service == grpc_service, test
+            assert host_port(args.address)[1] == probed and args.service == grpc_service, test
         else:
             assert container_port(c.spec, "grpc") == cfg.port
+            if cfg.health_port > 0:
+                assert container_port(c.spec, "health") == cfg.health_port
             ps = probes(c.spec)
             assert {"readinessProbe", "livenessProbe"} <= ps.keys(), c.where
             for kind, p in ps.items():
-                assert p["grpc"]["port"] == cfg.port, (c.where, kind)   # grpc probes take numbers only
+                assert p["grpc"]["port"] == probed, (c.where, kind)   # grpc probes take numbers only
                 want = {grpc_service} if kind != "livenessProbe" else {"", grpc_service}
                 assert p["grpc"].get("service", "") in want, (c.where, kind)
+
+
+def _mounted_files(c: Container) -> list[str]:
+    """Where ``c``'s secrets are: compose secrets (/run/secrets/<name>), Kubernetes secret volumes
+    (their mount paths, each a directory of the Secret's keys)."""
+    if c.where.startswith("compose"):
+        top = compose().get("secrets", {})
+        names = [s if isinstance(s, str) else s["source"] for s in c.spec.get("secrets", [])]
+        assert all(n in top and top[n].get("file") for n in names), (c.where, names)
+        return [f"/run/secrets/{n}" for n in names]
+    (dep,) = k8s_find("Deployment", c.where.split()[0].split("/")[1])
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"].get("volumes", [])}
+    mounts = [m for m in c.spec.get("volumeMounts", []) if "secret" in volumes.get(m["name"], {})]
+    assert all(m.get("readOnly") and "subPath" not in m for m in mounts), c.where   # no subPath: updates arrive
+    return [m["mountPath"].rstrip("/") + "/" for m in mounts]
+
+
+@pytest.mark.parametrize("sub", sorted(SERVICES))
+def test_tls_and_api_keys_come_from_mounted_secrets(sub):
+    """Both deployments run with TLS between every kvmesh service and the gateway's API keys; each
+    file those settings name is a mounted secret (compose) or in a secret volume (Kubernetes)."""
+    cls, _ = SERVICES[sub]
+    for c in service_containers(sub):
+        cfg = settings(c)[cls]
+        files = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                 if f.name.endswith("_file") and getattr(cfg, f.name)}
+        want = {"tls_cert_file", "tls_key_file"} | (
+            {"tls_client_ca_file"} if sub == "scheduler" else
+            {"api_keys_file", "scheduler_tls_ca_file", "scheduler_tls_client_cert_file",
+             "scheduler_tls_client_key_file"})
+        assert want <= files.keys(), (c.where, sorted(want - files.keys()))
+        mounted = _mounted_files(c)
+        for name, path in files.items():
+            assert any(path == m or (m.endswith("/") and path.startswith(m)) for m in mounted), (c.where, name, path)
+
+
+def test_gateway_dials_the_scheduler_by_a_name_its_certificate_holds():
+    """make_secrets.sh names the scheduler's certificate after the compose service and the
+    Kubernetes Service the gateways dial."""
+    script = (DEPLOY / "make_secrets.sh").read_text()
+    (san,) = [line for line in script.splitlines() if line.startswith("cert scheduler ")]
+    for gw in service_containers("gateway"):
+        cfg = settings(gw)[GatewayConfig]
+        host = cfg.scheduler_tls_server_name or host_port(cfg.scheduler_address)[0]
+        assert f"DNS:{host}," in san or san.endswith(f"DNS:{host}"), (gw.where, host, san)
 
 
 def test_dockerfile_exposes_the_default_ports():

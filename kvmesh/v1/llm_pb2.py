@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvmesh/v1/llm.proto\x12\tkvmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x16kvmesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xed\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12*\n\x07timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\tB\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc7\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\"\x90\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.kvmesh.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\"c\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.kvmesh.v1.ChatRequestH\x00\x42\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\xde\x02\n\nLLMService\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvmesh.v1.ChatRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvmesh/v1/llm.proto\x12\tkvmesh.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x16kvmesh/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x81\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12*\n\x07timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdb\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12*\n\x07timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\x90\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.kvmesh.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo\"c\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.kvmesh.v1.ChatRequestH\x00\x42\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\xde\x02\n\nLLMService\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvmesh.v1.ChatRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponse\x12\x43\n\x08Tokenize\x12\x1a.kvmesh.v1.TokenizeRequest\x1a\x1b.kvmesh.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=90
   _globals['_TOKENIDS']._serialized_end=113
   _globals['_GENERATEREQUEST']._serialized_start=116
-  _globals['_GENERATEREQUEST']._serialized_end=353
-  _globals['_CHATMESSAGE']._serialized_start=355
-  _globals['_CHATMESSAGE']._serialized_end=399
-  _globals['_CHATREQUEST']._serialized_start=402
-  _globals['_CHATREQUEST']._serialized_end=601
-  _globals['_GENERATERESPONSE']._serialized_start=604
-  _globals['_GENERATERESPONSE']._serialized_end=876
-  _globals['_ABORTREQUEST']._serialized_start=878
-  _globals['_ABORTREQUEST']._serialized_end=912
-  _globals['_ABORTRESPONSE']._serialized_start=914
-  _globals['_ABORTRESPONSE']._serialized_end=944
-  _globals['_LISTMODELSREQUEST']._serialized_start=946
-  _globals['_LISTMODELSREQUEST']._serialized_end=965
-  _globals['_MODELINFO']._serialized_start=967
-  _globals['_MODELINFO']._serialized_end=1050
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1052
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1110
-  _globals['_TOKENIZEREQUEST']._serialized_start=1112
-  _globals['_TOKENIZEREQUEST']._serialized_end=1211
-  _globals['_TOKENIZERESPONSE']._serialized_start=1213
-  _globals['_TOKENIZERESPONSE']._serialized_end=1288
-  _globals['_LLMSERVICE']._serialized_start=1291
-  _globals['_LLMSERVICE']._serialized_end=1641
+  _globals['_GENERATEREQUEST']._serialized_end=373
+  _globals['_CHATMESSAGE']._serialized_start=375
+  _globals['_CHATMESSAGE']._serialized_end=419
+  _globals['_CHATREQUEST']._serialized_start=422
+  _globals['_CHATREQUEST']._serialized_end=641
+  _globals['_GENERATERESPONSE']._serialized_start=644
+  _globals['_GENERATERESPONSE']._serialized_end=916
+  _globals['_ABORTREQUEST']._serialized_start=918
+  _globals['_ABORTREQUEST']._serialized_end=952
+  _globals['_ABORTRESPONSE']._serialized_start=954
+  _globals['_ABORTRESPONSE']._serialized_end=984
+  _globals['_LISTMODELSREQUEST']._serialized_start=986
+  _globals['_LISTMODELSREQUEST']._serialized_end=1005
+  _globals['_MODELINFO']._serialized_start=1007
+  _globals['_MODELINFO']._serialized_end=1090
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1092
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1150
+  _globals['_TOKENIZEREQUEST']._serialized_start=1152
+  _globals['_TOKENIZEREQUEST']._serialized_end=1251
+  _globals['_TOKENIZERESPONSE']._serialized_start=1253
+  _globals['_TOKENIZERESPONSE']._serialized_end=1328
+  _globals['_LLMSERVICE']._serialized_start=1331
+  _globals['_LLMSERVICE']._serialized_end=1681
 # @@protoc_insertion_point(module_scope)

@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"~\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\x91\x02\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.kvmesh.v1.Timings\x12\x0f\n\x07replica\x18\t \x01(\r\"+\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\'\n\x16SchedulerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xd7\x01\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cnum_replicas\x18\x08 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\t \x01(\r\"\x11\n\x0fGetStatsRequest\"\xd2\x04\n\x0cReplicaStats\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12num_running_tokens\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x08 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\t \x01(\r\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x04\x12\x12\n\nreplica_id\x18\x0e \x01(\t\x12\x0f\n\x07indexed\x18\x0f \x01(\x08\x12\x15\n\rindex_resyncs\x18\x10 \x01(\x04\x12\x16\n\x0eindex_failures\x18\x11 \x01(\x04\x12\x16\n\x0ekv_cache_dtype\x18\x12 \x01(\t\x12 \n\x18kv_cache_bytes_per_token\x18\x13 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x14 \x01(\r\x12\x10\n\x08restarts\x18\x15 \x01(\r\x12\x0b\n\x03pid\x18\x16 \x01(\r\x12&\n\x1eprefix_cache_preempted_queries\x18\x17 \x01(\x04\x12#\n\x1bprefix_cache_preempted_hits\x18\x18 \x01(\x04\"\xdc\x01\n\x10GetStatsResponse\x12)\n\x08replicas\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.ReplicaStats\x12\x0f\n\x07routing\x18\x02 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\t\x12\x17\n\x0frouted_requests\x18\x05 \x01(\x04\x12\x15\n\rprefix_routed\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_routed_blocks\x18\x07 \x01(\x04\x12\x19\n\x11routing_fallbacks\x18\x08 \x01(\x04\x32\xb7\x02\n\x10SchedulerService\x12?\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x19.kvmesh.v1.SubmitResponse0\x01\x12L\n\x05\x41\x62ort\x12 .kvmesh.v1.SchedulerAbortRequest\x1a!.kvmesh.v1.SchedulerAbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x1f.kvmesh.v1.GetModelInfoResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/scheduler.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa2\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"\x91\x02\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12#\n\x07timings\x18\x08 \x01(\x0b\x32\x12.kvmesh.v1.Timings\x12\x0f\n\x07replica\x18\t \x01(\r\";\n\x15SchedulerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\'\n\x16SchedulerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xd7\x01\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x14\n\x0cnum_replicas\x18\x08 \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\t \x01(\r\"\x11\n\x0fGetStatsRequest\"\xd2\x04\n\x0cReplicaStats\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12num_running_tokens\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_used_blocks\x18\x08 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\t \x01(\r\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0c \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\r \x01(\x04\x12\x12\n\nreplica_id\x18\x0e \x01(\t\x12\x0f\n\x07indexed\x18\x0f \x01(\x08\x12\x15\n\rindex_resyncs\x18\x10 \x01(\x04\x12\x16\n\x0eindex_failures\x18\x11 \x01(\x04\x12\x16\n\x0ekv_cache_dtype\x18\x12 \x01(\t\x12 \n\x18kv_cache_bytes_per_token\x18\x13 \x01(\x01\x12\x17\n\x0fmax_concurrency\x18\x14 \x01(\r\x12\x10\n\x08restarts\x18\x15 \x01(\r\x12\x0b\n\x03pid\x18\x16 \x01(\r\x12&\n\x1eprefix_cache_preempted_queries\x18\x17 \x01(\x04\x12#\n\x1bprefix_cache_preempted_hits\x18\x18 \x01(\x04\"\xdc\x01\n\x10GetStatsResponse\x12)\n\x08replicas\x18\x01 \x03(\x0b\x32\x17.kvmesh.v1.ReplicaStats\x12\x0f\n\x07routing\x18\x02 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x03 \x01(\t\x12\r\n\x05index\x18\x04 \x01(\t\x12\x17\n\x0frouted_requests\x18\x05 \x01(\x04\x12\x15\n\rprefix_routed\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_routed_blocks\x18\x07 \x01(\x04\x12\x19\n\x11routing_fallbacks\x18\x08 \x01(\x04\x32\xb7\x02\n\x10SchedulerService\x12?\n\x06Submit\x12\x18.kvmesh.v1.SubmitRequest\x1a\x19.kvmesh.v1.SubmitResponse0\x01\x12L\n\x05\x41\x62ort\x12 .kvmesh.v1.SchedulerAbortRequest\x1a!.kvmesh.v1.SchedulerAbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x1f.kvmesh.v1.GetModelInfoResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBMITREQUEST']._serialized_start=64
-  _globals['_SUBMITREQUEST']._serialized_end=190
-  _globals['_SUBMITRESPONSE']._serialized_start=193
-  _globals['_SUBMITRESPONSE']._serialized_end=466
-  _globals['_SCHEDULERABORTREQUEST']._serialized_start=468
-  _globals['_SCHEDULERABORTREQUEST']._serialized_end=511
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=513
-  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=552
-  _globals['_GETMODELINFOREQUEST']._serialized_start=554
-  _globals['_GETMODELINFOREQUEST']._serialized_end=575
-  _globals['_GETMODELINFORESPONSE']._serialized_start=578
-  _globals['_GETMODELINFORESPONSE']._serialized_end=793
-  _globals['_GETSTATSREQUEST']._serialized_start=795
-  _globals['_GETSTATSREQUEST']._serialized_end=812
-  _globals['_REPLICASTATS']._serialized_start=815
-  _globals['_REPLICASTATS']._serialized_end=1409
-  _globals['_GETSTATSRESPONSE']._serialized_start=1412
-  _globals['_GETSTATSRESPONSE']._serialized_end=1632
-  _globals['_SCHEDULERSERVICE']._serialized_start=1635
-  _globals['_SCHEDULERSERVICE']._serialized_end=1946
+  _globals['_SUBMITREQUEST']._serialized_start=65
+  _globals['_SUBMITREQUEST']._serialized_end=227
+  _globals['_SUBMITRESPONSE']._serialized_start=230
+  _globals['_SUBMITRESPONSE']._serialized_end=503
+  _globals['_SCHEDULERABORTREQUEST']._serialized_start=505
+  _globals['_SCHEDULERABORTREQUEST']._serialized_end=564
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_start=566
+  _globals['_SCHEDULERABORTRESPONSE']._serialized_end=605
+  _globals['_GETMODELINFOREQUEST']._serialized_start=607
+  _globals['_GETMODELINFOREQUEST']._serialized_end=628
+  _globals['_GETMODELINFORESPONSE']._serialized_start=631
+  _globals['_GETMODELINFORESPONSE']._serialized_end=846
+  _globals['_GETSTATSREQUEST']._serialized_start=848
+  _globals['_GETSTATSREQUEST']._serialized_end=865
+  _globals['_REPLICASTATS']._serialized_start=868
+  _globals['_REPLICASTATS']._serialized_end=1462
+  _globals['_GETSTATSRESPONSE']._serialized_start=1465
+  _globals['_GETSTATSRESPONSE']._serialized_end=1685
+  _globals['_SCHEDULERSERVICE']._serialized_start=1688
+  _globals['_SCHEDULERSERVICE']._serialized_end=1999
 # @@protoc_insertion_point(module_scope)
