@@ -57,6 +57,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    # KV tiers: blocks to fill before this step: (block ids, kvstore.tiers.FetchedBlock each)
+    kv_loads: list[tuple[list[int], list]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -102,6 +104,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.tiers = None        # kvstore.tiers.KVTiers below the pool (the engine sets it)
 
     # ---- admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -203,16 +206,20 @@ class Scheduler:
             if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in inflight:
                 deferred.append(self.waiting.popleft())
                 continue
-            remaining = req.num_tokens - len(hits) * self.bm.block_size
+            loaded = self._from_lower_tiers(req, len(hits))
+            remaining = req.num_tokens - (len(hits) + len(loaded)) * self.bm.block_size
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
             # a prefill that samples may ask the draft for proposals (lookahead slots)
             _, m = self._speculation(req, n, budget, sample=n == remaining)   # (no proposals yet)
-            if not (m and self.bm.allocate(req, n + 1 + m, hits)):
+            if not (m and self.bm.allocate(req, n + 1 + m, hits, len(loaded))):
                 m = 0
-                if not self.bm.allocate(req, n, hits):
+                if not self.bm.allocate(req, n, hits, len(loaded)):
                     break
+            if loaded:
+                out.kv_loads.append((req.block_table[len(hits):len(hits) + len(loaded)], loaded))
+                self.tiers.count_loaded(loaded)
             self.waiting.popleft()
             self._start(req)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens,
@@ -222,6 +229,17 @@ class Scheduler:
                 inflight.update(req.block_hashes[len(hits):])
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _from_lower_tiers(self, req: Request, num_hits: int) -> list:
+        """The blocks (:class:`kvstore.tiers.FetchedBlock`) after the request's ``num_hits`` pool
+        hits that a KV tier below the pool holds (leading ones only; at least one token is
+        left to compute)."""
+        if self.tiers is None or not self.bm.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.bm.block_size
+        if num_hits >= max_blocks:
+            return []
+        return self.tiers.fetch(req.block_hashes[num_hits:max_blocks])
 
     def _inflight_hashes(self) -> set[int]:
         """Hashes of full prompt blocks that running requests have not finished computing."""
