@@ -105,6 +105,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.tiers = None        # kvstore.tiers.KVTiers below the pool (the engine sets it)
+        self._fetched: dict[str, tuple[int, list]] = {}   # waiting request -> (pool hits, its tier blocks)
 
     # ---- admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -217,6 +218,7 @@ class Scheduler:
                 m = 0
                 if not self.bm.allocate(req, n, hits, len(loaded)):
                     break
+            self._fetched.pop(req.request_id, None)
             if loaded:
                 out.kv_loads.append((req.block_table[len(hits):len(hits) + len(loaded)], loaded))
                 self.tiers.count_loaded(loaded)
@@ -239,7 +241,13 @@ class Scheduler:
         max_blocks = (req.num_tokens - 1) // self.bm.block_size
         if num_hits >= max_blocks:
             return []
-        return self.tiers.fetch(req.block_hashes[num_hits:max_blocks])
+        prev = self._fetched.get(req.request_id)
+        if prev is not None and prev[0] == num_hits:      # still waiting for blocks: no new look-up
+            return prev[1]
+        found = self.tiers.fetch(req.block_hashes[num_hits:max_blocks])
+        if found:
+            self._fetched[req.request_id] = (num_hits, found)
+        return found
 
     def _inflight_hashes(self) -> set[int]:
         """Hashes of full prompt blocks that running requests have not finished computing."""
@@ -346,6 +354,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.requests.pop(req.request_id, None)
+        self._fetched.pop(req.request_id, None)
         if req in self.waiting:
             self.waiting.remove(req)
             self.bm.free(req)
