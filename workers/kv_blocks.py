@@ -29,16 +29,21 @@ def save_blocks(caches: list[KVCache], block_ids: list[int]) -> list[bytes]:
     """The bodies of blocks ``block_ids`` (one ``bytes`` per block, the layout above)."""
     if not block_ids or not caches:
         return [b""] * len(block_ids)
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].data.device)
-    # [L, 2, n, BS, KVH, D * itemsize] -> [n, L, 2, BS, KVH, D * itemsize]
-    data = torch.stack([c.data.view(torch.uint8).index_select(1, idx) for c in caches])
-    data = data.permute(2, 0, 1, 3, 4, 5).reshape(len(block_ids), -1).cpu()
-    if caches[0].quantized:
+    n, L, c0 = len(block_ids), len(caches), caches[0]
+    out = torch.empty(n, block_body_bytes(caches), dtype=torch.uint8)
+    n_data = L * 2 * c0.block_size * c0.num_kv_heads * c0.head_dim * c0.data.element_size()
+    data = out[:, :n_data].view(n, L, 2, -1)
+    # one contiguous copy per (block, layer): measured far faster than index_select of uint8 rows
+    for layer, c in enumerate(caches):
+        src = c.data.view(torch.uint8).view(2, c.data.shape[1], -1)
+        for i, b in enumerate(block_ids):
+            data[i, layer] = src[:, b]
+    if c0.quantized:
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=c0.scales.device)
         sc = torch.stack([c.scales.index_select(1, idx) for c in caches])          # [L, 2, n, KVH]
-        sc = sc.permute(2, 0, 1, 3).contiguous().view(torch.uint8).reshape(len(block_ids), -1).cpu()
-        data = torch.cat([data, sc], dim=1)
-    rows = data.contiguous().numpy()
-    return [rows[i].tobytes() for i in range(len(block_ids))]
+        out[:, n_data:] = sc.permute(2, 0, 1, 3).contiguous().view(torch.uint8).reshape(n, -1).cpu()
+    rows = out.numpy()
+    return [rows[i].tobytes() for i in range(n)]
 
 
 def load_blocks(caches: list[KVCache], block_ids: list[int], bodies: list[bytes]) -> None:
@@ -52,15 +57,19 @@ def load_blocks(caches: list[KVCache], block_ids: list[int], bodies: list[bytes]
         raise ValueError(f"KV block bodies: expected {n} of {size} bytes, got {len(bodies)} ({bad} bytes)")
     c0 = caches[0]
     dev = c0.data.device
-    raw = torch.frombuffer(bytearray(b"".join(bodies)), dtype=torch.uint8).view(n, size)
+    raw = torch.empty(n, size, dtype=torch.uint8)          # the bodies, one copy
+    rows = raw.numpy()
+    for i, b in enumerate(bodies):
+        rows[i] = memoryview(b)
     L, kvh = len(caches), c0.num_kv_heads
-    row = c0.data.element_size() * c0.head_dim
-    n_data = L * 2 * c0.block_size * kvh * row
-    data = raw[:, :n_data].reshape(n, L, 2, c0.block_size, kvh, row).permute(1, 2, 0, 3, 4, 5).to(dev)
+    n_data = L * 2 * c0.block_size * kvh * c0.head_dim * c0.data.element_size()
+    data = raw[:, :n_data].view(n, L, 2, -1).to(dev)
     idx = torch.tensor(block_ids, dtype=torch.int64, device=dev)
     for layer, c in enumerate(caches):
-        c.data.view(torch.uint8)[:, idx] = data[layer]
+        dst = c.data.view(torch.uint8).view(2, c.data.shape[1], -1)
+        for kv in range(2):
+            dst[kv].index_copy_(0, idx, data[:, layer, kv])
     if c0.quantized:
-        sc = raw[:, n_data:].contiguous().view(torch.float32).reshape(n, L, 2, kvh).permute(1, 2, 0, 3).to(dev)
+        sc = raw[:, n_data:].contiguous().view(torch.float32).view(n, L, 2, kvh).permute(1, 2, 0, 3).to(dev)
         for layer, c in enumerate(caches):
-            c.scales[:, idx] = sc[layer]
+            c.scales.index_copy_(1, idx, sc[layer])
