@@ -7,7 +7,9 @@ template) runs; its answer (greedy, ``--max-tokens``, EOS ignored) joins the con
 turn 2 (the whole conversation + the second question) runs, and its time to first token
 (TTFT: the request's arrival in the engine to its first token) is measured.
 
-Scenarios (in-process ``LLMEngine``s, one at a time, ``--threads`` torch threads):
+Scenarios (in-process ``LLMEngine``s, every configuration's engines loaded at once and run in
+turn, chat by chat, so that other load on a shared machine slows them alike; ``--threads``
+torch threads):
 
 - ``evicted``: turn 2 comes back to the same replica after the pool lost the chat
   (``reset_prefix_cache``: the pool only; with a host tier the blocks move down to it):
@@ -74,49 +76,62 @@ def make_engine(args, **kw):
     return LLMEngine(cfg)
 
 
-def measure(args, tok, chats, scenario: str, config: str) -> dict:
+CONFIGS = [("evicted", "recompute"), ("evicted", "host"), ("evicted", "redis"),
+           ("other-replica", "recompute"), ("other-replica", "redis")]
+
+
+def setup(args, scenario: str, config: str) -> dict:
+    """The engines of one configuration: ``a`` serves turn 1, ``b`` turn 2 (``a`` itself when
+    the chat comes back to the same replica)."""
     prefix = f"kvmesh-bench-{uuid.uuid4().hex[:8]}"
     tiers = {"recompute": {}, "host": dict(kv_offload_host_memory=args.host_memory),
              "redis": dict(kv_offload_redis_url=args.redis_url, kv_offload_prefix=prefix)}[config]
     a = make_engine(args, **tiers)
     b = make_engine(args, **tiers) if scenario == "other-replica" else a
-    run_one(a, list(range(1, 40)), 2)                       # first-call costs, not measured
-    if b is not a:
-        run_one(b, list(range(1, 40)), 2)
-    rows = []
-    for chat in chats:
-        msgs = [{"role": "system", "content": policydesk.system_message(chat["policy"])},
-                {"role": "user", "content": chat["turns"][0]["user"]}]
-        ids1 = encode(tok, msgs)
-        out1, ttft1, _ = run_one(a, ids1, args.max_tokens)
-        msgs += [{"role": "assistant", "content": tok.decode(out1, skip_special_tokens=True)},
-                 {"role": "user", "content": chat["turns"][1]["user"]}]
-        ids2 = encode(tok, msgs)
-        if scenario == "evicted":
-            a.reset_prefix_cache(offload=True)              # the pool forgets; a host tier keeps
-            a.step()                                        # (copied out before the next step)
-        if a.tiers is not None:
-            a.tiers.flush()                                 # the chat comes back later: writes are done
-        out2, ttft2, cached = run_one(b, ids2, args.max_tokens)
-        for e in {id(a): a, id(b): b}.values():             # every chat starts cold
-            e.reset_prefix_cache()
-            if e.tiers is not None and e.tiers.host is not None:
-                e.tiers.host._values.clear()
-                e.tiers.host.bytes = 0
-        rows.append({"chat": chat["id"], "prompt1": len(ids1), "prompt2": len(ids2), "ttft1": ttft1,
-                     "ttft2": ttft2, "cached2": cached, "out2": out2})
+    for e in {id(a): a, id(b): b}.values():
+        run_one(e, list(range(1, 40)), 2)                  # first-call costs, not measured
+    return {"scenario": scenario, "config": config, "a": a, "b": b, "prefix": prefix, "rows": []}
+
+
+def turn_pair(args, tok, cfg: dict, chat: dict) -> None:
+    a, b = cfg["a"], cfg["b"]
+    msgs = [{"role": "system", "content": policydesk.system_message(chat["policy"])},
+            {"role": "user", "content": chat["turns"][0]["user"]}]
+    ids1 = encode(tok, msgs)
+    out1, ttft1, _ = run_one(a, ids1, args.max_tokens)
+    msgs += [{"role": "assistant", "content": tok.decode(out1, skip_special_tokens=True)},
+             {"role": "user", "content": chat["turns"][1]["user"]}]
+    ids2 = encode(tok, msgs)
+    if cfg["scenario"] == "evicted":
+        a.reset_prefix_cache(offload=True)                  # the pool forgets; a host tier keeps
+        a.step()                                            # (copied out before the next step)
+    if a.tiers is not None:
+        a.tiers.flush()                                     # the chat comes back later: writes are done
+    out2, ttft2, cached = run_one(b, ids2, args.max_tokens)
+    for e in {id(a): a, id(b): b}.values():                 # every chat starts cold
+        e.reset_prefix_cache()
+        if e.tiers is not None and e.tiers.host is not None:
+            e.tiers.host._values.clear()
+            e.tiers.host.bytes = 0
+    cfg["rows"].append({"chat": chat["id"], "prompt1": len(ids1), "prompt2": len(ids2), "ttft1": ttft1,
+                        "ttft2": ttft2, "cached2": cached, "out2": out2})
+
+
+def finish(args, cfg: dict) -> dict:
+    a, b, rows = cfg["a"], cfg["b"], cfg["rows"]
     st = b.snapshot()
     if a.tiers is not None and a.tiers.redis is not None:
         import redis
         r = redis.Redis.from_url(args.redis_url)
-        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        keys = list(r.scan_iter(match=f"{cfg['prefix']}:*", count=1000))
         if keys:
             r.delete(*keys)
     for e in {id(a): a, id(b): b}.values():
         e.shutdown()
     t2 = [r["ttft2"] for r in rows]
-    return {"scenario": scenario, "config": config, "rows": rows, "ttft2_median": statistics.median(t2),
-            "ttft2_p90": percentile(t2, 90), "cached2_mean": statistics.mean(r["cached2"] for r in rows),
+    return {"scenario": cfg["scenario"], "config": cfg["config"], "rows": rows,
+            "ttft2_median": statistics.median(t2), "ttft2_p90": percentile(t2, 90),
+            "cached2_mean": statistics.mean(r["cached2"] for r in rows),
             "prompt2_mean": statistics.mean(r["prompt2"] for r in rows),
             "tier_load_seconds": st.kv_tier_load_seconds, "host_hits": st.kv_tier_host_hits,
             "redis_hits": st.kv_tier_redis_hits,
@@ -156,12 +171,14 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     chats = conversations(args.chats)
-    results = []
-    for scenario in args.scenarios.split(","):
-        for config in (("recompute", "host", "redis") if scenario == "evicted" else ("recompute", "redis")):
-            t0 = time.perf_counter()
-            results.append(measure(args, tok, chats, scenario, config))
-            print(f"{scenario} / {config}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    scenarios = args.scenarios.split(",")
+    cfgs = [setup(args, sc, c) for sc, c in CONFIGS if sc in scenarios]
+    t0 = time.perf_counter()
+    for i, chat in enumerate(chats):            # configurations interleaved per chat: a machine
+        for cfg in cfgs:                        # shared with other jobs slows them alike
+            turn_pair(args, tok, cfg, chat)
+        print(f"chat {i + 1}/{len(chats)}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    results = [finish(args, cfg) for cfg in cfgs]
     print(f"CPU: {cpu_model()}; model {args.model}, dtype {args.dtype}, {args.threads} threads, "
           f"{len(chats)} chats, {args.max_tokens} output tokens per turn")
     print(table(results))
