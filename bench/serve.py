@@ -26,6 +26,7 @@ Usage::
     kvmesh bench serve --model smollm2-135m-instruct --executor local --num-prompts 32 --request-rate 2
     kvmesh bench serve --address 127.0.0.1:50051 --dataset policydesk-chat --max-concurrency 8
     kvmesh bench serve --backend openai-chat --base-url http://127.0.0.1:8000/v1 --workload w.jsonl
+    kvmesh bench serve --backend openai-chat --model smollm2-135m-instruct --executor local   # kvmesh's own HTTP API
     kvmesh bench serve --dataset random --random-input-len 256 --save-workload random.jsonl
 """
 
@@ -712,7 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvmesh: the gRPC gateway; openai-chat: streaming /v1/chat/completions (vLLM, llama.cpp)")
     g.add_argument("--address", metavar="HOST:PORT", help="kvmesh gateway; default: start a mesh (`kvmesh serve` "
                                                           "subprocess) from the engine and scheduler flags")
-    g.add_argument("--base-url", metavar="URL", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    g.add_argument("--base-url", metavar="URL", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1; "
+                                                     "default (openai-chat): start a mesh and use its --http-port")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="policydesk")
     g.add_argument("--workload", metavar="FILE", help="replay a JSONL workload file (instead of --dataset)")
@@ -760,6 +762,8 @@ def _mesh_argv(args: argparse.Namespace) -> list[str]:
     from kvmesh.cli import ENGINE_FLAGS, SCHEDULER_FLAGS
 
     argv = ["serve", "--host", "127.0.0.1", "--port", "0", "--scheduler-port", "0", "--grace", "1"]
+    if args.backend == "openai-chat":           # the mesh's own OpenAI-compatible HTTP API
+        argv += ["--http-port", "0"]
     for rows, dest in ((ENGINE_FLAGS, "{}"), (SCHEDULER_FLAGS, "scheduler_{}")):
         for flag, fld, kw in rows:
             v = getattr(args, dest.format(fld), None)
@@ -771,27 +775,28 @@ def _mesh_argv(args: argparse.Namespace) -> list[str]:
 
 @contextlib.contextmanager
 def _target(args: argparse.Namespace):
-    """The address or base URL to benchmark; starts a mesh when kvmesh has no --address."""
+    """The address or base URL to benchmark; starts a mesh (``kvmesh serve``) when there is no
+    --address (kvmesh) or --base-url (openai-chat: the mesh's own HTTP API, ``--http-port``)."""
     from kvmesh.cli import ENGINE_FLAGS, SCHEDULER_FLAGS
 
     local = [f for f, fld, _ in ENGINE_FLAGS if fld != "model" and getattr(args, fld) is not None]
     local += [f for f, fld, _ in SCHEDULER_FLAGS if getattr(args, f"scheduler_{fld}", None) is not None]
-    if args.backend == "openai-chat" or args.address:
-        if local:
-            raise EngineError(f"{', '.join(local)}: engine/scheduler settings start a mesh; not with "
-                              f"{'--base-url' if args.backend == 'openai-chat' else '--address'}")
-    if args.backend == "openai-chat":
-        if not args.base_url:
-            raise EngineError("--base-url is required with --backend openai-chat")
-        yield args.base_url
-    elif args.address:
-        yield args.address
+    given = args.base_url if args.backend == "openai-chat" else args.address
+    if given and local:
+        raise EngineError(f"{', '.join(local)}: engine/scheduler settings start a mesh; not with "
+                          f"{'--base-url' if args.backend == 'openai-chat' else '--address'}")
+    if given:
+        yield given
     else:
         from bench.served import served
         env = dict(os.environ, RAY_AUTH_MODE="disabled")
         print(f"kvmesh: starting a mesh: kvmesh {' '.join(_mesh_argv(args))}", file=sys.stderr, flush=True)
-        with served(_mesh_argv(args), env, "gateway") as address:
-            yield address
+        if args.backend == "openai-chat":
+            with served(_mesh_argv(args), env, "http") as address:
+                yield f"http://{address}/v1"
+        else:
+            with served(_mesh_argv(args), env, "gateway") as address:
+                yield address
 
 
 def _record_json(r: RequestRecord, texts: bool) -> dict:
@@ -833,7 +838,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"kvmesh: wrote {len(requests)} requests to {args.save_workload}", file=sys.stderr)
         return 0
     rates = args.sweep_rates or [args.request_rate]
-    model = (args.model or "") if args.backend == "openai-chat" else ""
+    # openai-chat: the name to send; none (the served model, from /v1/models) for a mesh started here
+    model = (args.model or "") if args.backend == "openai-chat" and args.base_url else ""
     runs, rows = {}, []
     with _target(args) as target:
         for rate in rates:

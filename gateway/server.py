@@ -3,7 +3,10 @@
 One request: validate → tokenize (the model's tokenizer and chat template) → ``Submit`` the token
 ids to the scheduler → turn the streamed token ids into UTF-8-safe text deltas with
 :class:`gateway.detokenizer.IncrementalDetokenizer` (stop strings are matched here) → stream
-``GenerateResponse`` messages to the client, the last one with ``finished`` set.
+``GenerateResponse`` messages to the client, the last one with ``finished`` set. That path is
+:class:`gateway.stream.RequestPath`, which the OpenAI-compatible HTTP API
+(:mod:`gateway.http_api`, ``--http-port``) shares: the same validation, limits, deadlines,
+stop strings and usage behind both.
 
 Rules a client sees:
 
@@ -60,47 +63,26 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
-import uuid
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from opentelemetry import trace
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from gateway.stream import RequestPath, Status, invalid
 from kvmesh import telemetry
 from kvmesh.config import GatewayConfig
-from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.v1 import llm_pb2, scheduler_pb2
+from scheduler.request import EngineError
 
 log = logging.getLogger("kvmesh.gateway")
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
-ROLES = ("system", "user", "assistant")
 _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 _Code = grpc.StatusCode
-# Failures grpc-core reports for a connection (not statuses a scheduler sends itself).
-_CONNECTION_ERRORS = ("failed to connect", "connections to all backends failing", "socket closed",
-                      "connection reset", "connection refused", "broken pipe", "goaway", "endpoint closing")
 # Reconnect quickly to a restarted scheduler (grpc's default backoff grows to 120 s).
-_ABORT_TIMEOUT = 10.0      # seconds for a forwarded Abort
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 5000)]
-
-
-class _Status(Exception):
-    """End the RPC with this gRPC status code and message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-def _invalid(message: str) -> _Status:
-    return _Status(_Code.INVALID_ARGUMENT, message)
-
 
 # ---- request bytes that do not parse -----------------------------------------------------------
 
@@ -180,11 +162,13 @@ def _lenient(cls, max_bytes: int):
     return deserialize
 
 
+
 # ---- the servicer -------------------------------------------------------------------------------
 
 def _rpc(method):
-    """Map what an RPC method raises to a status: _Status as is, EngineError → INVALID_ARGUMENT,
-    any other exception → INTERNAL (logged). Also rejects unparsable requests and RPCs that arrive
+    """Map what an RPC method raises to a status: Status as is (a DEADLINE_EXCEEDED one with its
+    usage in the trailing metadata ``kvmesh-usage-bin``), EngineError → INVALID_ARGUMENT, any
+    other exception → INTERNAL (logged). Also rejects unparsable requests and RPCs that arrive
     before the gateway is ready."""
 
     @functools.wraps(method)
@@ -192,13 +176,14 @@ def _rpc(method):
         code = "OK"                 # the final status, for kvmesh:gateway_requests_total
         try:
             if isinstance(request, _Undecodable):
-                raise _invalid(request.message)
-            if self.info is None:
-                raise _Status(_Code.UNAVAILABLE, f"the gateway is starting: waiting for the scheduler at "
-                                                 f"{self.cfg.scheduler_address}")
+                raise invalid(request.message)
+            self.path.check_ready()
             return await method(self, request, context)
-        except _Status as e:
+        except Status as e:
             code = e.code.name
+            if e.usage is not None:
+                context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + (
+                    ("kvmesh-usage-bin", e.usage.SerializeToString()),))
             await context.abort(e.code, e.message)
         except EngineError as e:
             code = "INVALID_ARGUMENT"
@@ -215,353 +200,65 @@ def _rpc(method):
             await context.abort(_Code.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
         finally:
             if method.__name__ in ("Generate", "Chat"):
-                self.metrics.request_done(method.__name__, code)
+                self.path.metrics.request_done(method.__name__, code)
 
     return wrapper
 
 
-@dataclass(eq=False)
-class _Live:
-    """A request streaming through this gateway."""
-
-    call: grpc.aio.UnaryStreamCall
-    aborted: bool = False     # set by the Abort RPC
-
-
 class LLMServicer:
-    """``kvmesh.v1.LLMService``. ``info`` (the scheduler's GetModelInfo) and ``text`` (tokenizer
-    front end) are None until :func:`serve_gateway` has reached the scheduler."""
+    """``kvmesh.v1.LLMService`` over :class:`gateway.stream.RequestPath` (``path``), which the
+    HTTP API shares."""
 
-    def __init__(self, cfg: GatewayConfig, channel: grpc.aio.Channel):
-        self.cfg, self.channel = cfg, channel
-        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        self.info: scheduler_pb2.GetModelInfoResponse | None = None
-        self.text = None                      # kvmesh.llm._TextFront with the model's tokenizer
-        self.model_names: set[str] = set()
-        self.live: dict[str, _Live] = {}
-        self.tracer = telemetry.setup_tracing(telemetry.GATEWAY)    # no-op unless OTEL_TRACES_EXPORTER is set
-        from kvmesh.metrics import GatewayMetrics
-        self.metrics = GatewayMetrics(self)
-
-    def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
-        from kvmesh.llm import _TextFront
-        from workers.registry import canonical_name
-        text = _TextFront()
-        text.tokenizer = tokenizer
-        self.text, self.info = text, info
-        self.model_names = {info.name} | ({canonical_name(info.name)} - {None})
+    def __init__(self, path: RequestPath):
+        self.path = path
 
     # ---- RPCs ------------------------------------------------------------------------------
     @_rpc
     async def Generate(self, request: llm_pb2.GenerateRequest, context) -> None:
-        with self._span("generate", "text_completion", request, context):
-            self._check_model(request.model)
-            self._check_limits(request)
-            kind = request.WhichOneof("input")
-            if kind == "prompt":      # tokenized off the event loop: a huge prompt must not stall other streams
-                _, prompt_ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)  # EngineError if empty
-            elif kind == "prompt_token_ids":
-                self._check_prompt_len(len(request.prompt_token_ids.ids))     # before reading them
-                prompt_ids = self._check_ids(list(request.prompt_token_ids.ids))
-            else:
-                raise _invalid("prompt: a prompt or prompt_token_ids is required")
-            await self._stream(request, prompt_ids, context)
+        await self._stream("generate", "text_completion", request, context)
 
     @_rpc
     async def Chat(self, request: llm_pb2.ChatRequest, context) -> None:
-        with self._span("chat", "chat", request, context):
-            self._check_model(request.model)
-            self._check_limits(request)
-            await self._stream(request, await asyncio.to_thread(self._encode_chat, request.messages), context)
+        await self._stream("chat", "chat", request, context)
 
-    def _span(self, name: str, operation: str, request, context):
-        """The request's SERVER span ``kvmesh.gateway.<name>``, current while the RPC runs: a
-        child of the caller's span when its metadata carries a W3C ``traceparent``, else a root."""
-        return self.tracer.start_as_current_span(
-            f"kvmesh.gateway.{name}", context=telemetry.extract_metadata(context.invocation_metadata()),
-            kind=trace.SpanKind.SERVER, attributes={
-                "gen_ai.operation.name": operation, "gen_ai.request.model": request.model or self.info.name,
-                "kvmesh.request_id": request.request_id, "kvmesh.session_id": request.session_id})
+    async def _stream(self, name: str, operation: str, request, context: grpc.aio.ServicerContext) -> None:
+        """Validate, tokenize, submit ``request`` and stream its messages to ``context``; the
+        ``max_tokens`` used goes in the trailing metadata ``kvmesh-max-tokens``."""
+        path = self.path
+        with path.span(name, operation, request, context.invocation_metadata()):
+            path.check_model(request.model)
+            path.check_limits(request)
+            prompt_ids = await path.prompt_ids(request)
+            prepared = await path.prepare(request, prompt_ids, context.time_remaining())
+            context.set_trailing_metadata((("kvmesh-max-tokens", str(prepared.forward.max_tokens)),))
+            async with contextlib.aclosing(path.stream(prepared)) as messages:
+                async for out in messages:
+                    await context.write(out)
 
     @_rpc
     async def Abort(self, request: llm_pb2.AbortRequest, context) -> llm_pb2.AbortResponse:
-        rid = request.request_id
-        if not rid:
-            raise _invalid("request_id: required")
-        live = self.live.get(rid)
-        if live is not None:
-            live.aborted = True
-            live.call.cancel()
-            return llm_pb2.AbortResponse(found=True)
-        try:
-            r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid), timeout=_ABORT_TIMEOUT)
-        except grpc.aio.AioRpcError as e:
-            raise self._upstream_status(e) from None
-        return llm_pb2.AbortResponse(found=r.found)
+        if not request.request_id:
+            raise invalid("request_id: required")
+        return llm_pb2.AbortResponse(found=await self.path.abort(request.request_id))
 
     @_rpc
     async def ListModels(self, request, context) -> llm_pb2.ListModelsResponse:
-        i = self.info
+        i = self.path.info
         return llm_pb2.ListModelsResponse(models=[llm_pb2.ModelInfo(
             name=i.name, max_model_len=i.max_model_len, vocab_size=i.vocab_size, dtype=i.dtype)])
 
     @_rpc
     async def Tokenize(self, request: llm_pb2.TokenizeRequest, context) -> llm_pb2.TokenizeResponse:
-        self._check_model(request.model)
+        path = self.path
+        path.check_model(request.model)
         kind = request.WhichOneof("input")
         if kind == "prompt":
-            _, ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)
+            _, ids = await asyncio.to_thread(path.text.encode_prompt, request.prompt)
         elif kind == "chat":
-            ids = await asyncio.to_thread(self._encode_chat, request.chat.messages)
+            ids = await path.prompt_ids(request.chat)
         else:
-            raise _invalid("prompt: a prompt or chat is required")
-        return llm_pb2.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.info.max_model_len)
-
-    # ---- validation ------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model and model not in self.model_names:
-            raise _invalid(f"model: unknown model {model!r}; this gateway serves {self.info.name!r}")
-
-    def _check_limits(self, request) -> None:
-        """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
-        only, so that an oversize request costs nothing more."""
-        c = self.cfg
-        for name in ("request_id", "session_id"):
-            if (n := len(getattr(request, name))) > c.max_id_length:
-                raise _invalid(f"{name}: {n} characters exceeds max_id_length ({c.max_id_length})")
-        sp = request.sampling
-        if len(sp.stop) > c.max_stop_strings:
-            raise _invalid(f"sampling.stop: {len(sp.stop)} stop strings exceeds max_stop_strings "
-                           f"({c.max_stop_strings})")
-        if (n := sum(map(len, sp.stop))) > c.max_stop_chars:
-            raise _invalid(f"sampling.stop: {n} characters in all exceeds max_stop_chars ({c.max_stop_chars})")
-        if len(sp.stop_token_ids) > c.max_stop_token_ids:
-            raise _invalid(f"sampling.stop_token_ids: {len(sp.stop_token_ids)} ids exceeds max_stop_token_ids "
-                           f"({c.max_stop_token_ids})")
-
-    def _check_prompt_len(self, n: int) -> None:
-        """``max_prompt_tokens``, and room for one output token within ``max_model_len``."""
-        limit, mml = self.cfg.max_prompt_tokens, self.info.max_model_len
-        if limit and n > limit:
-            raise _invalid(f"prompt: {n} tokens exceeds max_prompt_tokens ({limit})")
-        if n >= mml:
-            raise _invalid(f"prompt: {n} tokens leave no room for output within max_model_len {mml}")
-
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        if not ids:
-            raise _invalid("prompt_token_ids: empty")
-        bad = next((t for t in ids if t >= self.info.vocab_size), None)
-        if bad is not None:
-            raise _invalid(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.info.vocab_size})")
-        return ids
-
-    def _encode_chat(self, messages) -> list[int]:
-        """Chat messages → prompt token ids with the model's chat template."""
-        if not messages:
-            raise _invalid("messages: at least one message is required")
-        for i, m in enumerate(messages):
-            if m.role not in ROLES:
-                raise _invalid(f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(ROLES)})")
-        return self.text.encode_chat([{"role": m.role, "content": m.content} for m in messages])
-
-    def _sampling(self, msg: common_pb2.SamplingParams, n_prompt: int
-                  ) -> tuple[common_pb2.SamplingParams, SamplingParams]:
-        """Apply the max_tokens rules (module docstring) and validate. Returns the message to
-        forward (max_tokens set, stop strings removed: they are the gateway's) and the engine
-        params (with the stop strings)."""
-        from scheduler.service import sampling_params_from_proto
-        limit = self.info.max_model_len
-        room = limit - n_prompt             # >= 1: _check_prompt_len
-        fwd = common_pb2.SamplingParams()
-        fwd.CopyFrom(msg)
-        if fwd.HasField("max_tokens"):
-            asked = fwd.max_tokens
-            fwd.max_tokens = min(asked, self.cfg.max_tokens_cap)
-            if fwd.max_tokens > room:
-                capped = f", capped to {fwd.max_tokens}" if asked > fwd.max_tokens else ""
-                raise _invalid(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({asked}{capped}) "
-                               f"exceeds max_model_len {limit}; at most {room} tokens fit")
-        else:
-            fwd.max_tokens = min(self.cfg.default_max_tokens, self.cfg.max_tokens_cap, room)
-        try:
-            params = sampling_params_from_proto(fwd)
-        except EngineError as e:
-            raise _invalid(f"sampling: {e}") from None
-        fwd.ClearField("stop")
-        return fwd, params
-
-    def _timeout(self, request, context) -> float:
-        """The request's deadline in seconds (module docstring)."""
-        if request.HasField("timeout"):
-            t = request.timeout.seconds + request.timeout.nanos / 1e9
-            if t <= 0:
-                raise _invalid(f"timeout: must be > 0 seconds, got {t:g}")
-            if t > self.cfg.max_timeout:
-                raise _invalid(f"timeout: {t:g} s exceeds the gateway's max_timeout of {self.cfg.max_timeout:g} s")
-        else:
-            t = self.cfg.default_timeout
-        left = context.time_remaining()
-        return t if left is None else min(t, left)
-
-    # ---- streaming -------------------------------------------------------------------------
-    async def _stream(self, request, prompt_ids: list[int], context: grpc.aio.ServicerContext) -> None:
-        """Submit one validated request upstream and stream its messages to ``context``."""
-        rid = request.request_id or uuid.uuid4().hex
-        self._check_prompt_len(len(prompt_ids))
-        fwd, params = self._sampling(request.sampling, len(prompt_ids))
-        timeout = self._timeout(request, context)
-        # the stop strings' automaton costs O(their characters): built off the event loop
-        make_detok = functools.partial(IncrementalDetokenizer, self.text.tokenizer, prompt_ids, stop=params.stop,
-                                       skip_special_tokens=params.skip_special_tokens)
-        detok = await asyncio.to_thread(make_detok) if params.stop else make_detok()
-        if rid in self.live:
-            raise _Status(_Code.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
-        trailers = (("kvmesh-max-tokens", str(fwd.max_tokens)),)
-        context.set_trailing_metadata(trailers)
-        span = trace.get_current_span()
-        if span.is_recording():
-            span.set_attributes({"kvmesh.request_id": rid, "gen_ai.request.max_tokens": fwd.max_tokens,
-                                 "gen_ai.request.temperature": params.temperature,
-                                 "gen_ai.usage.input_tokens": len(prompt_ids)})
-        t0 = time.monotonic()
-        t_first = None
-        call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                                            sampling=fwd, session_id=request.session_id),
-                                timeout=timeout, metadata=telemetry.inject_metadata(span))
-        live = self.live[rid] = _Live(call)
-        usage = common_pb2.Usage()      # what the scheduler reported so far (cached tokens, speculation)
-        try:
-            try:
-                async for up in call:
-                    if t_first is None and up.token_ids:
-                        t_first = time.monotonic()
-                        self.metrics.first_token(t_first - t0)
-                    if up.HasField("usage"):
-                        usage.MergeFrom(up.usage)
-                    delta, ids = _add_tokens(detok, up.token_ids)
-                    out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=ids)
-                    if params.logprobs is not None:
-                        out.logprobs.extend(up.logprobs)
-                    if delta.stop_string is not None:       # end upstream now, report STOP
-                        self._end_upstream(rid, live)       # the id is free before the client has the end
-                        _finish(out, common_pb2.FINISH_REASON_STOP, delta.stop_string,
-                                _usage(usage, prompt_ids, detok), _timings(up, t0, t_first))
-                    elif up.finished:
-                        out.text += detok.flush()
-                        if detok.stop_string is not None:   # matched in the flushed tail
-                            _finish(out, common_pb2.FINISH_REASON_STOP, detok.stop_string, up.usage, up.timings)
-                        else:
-                            _finish(out, up.finish_reason, up.stop_reason, up.usage, up.timings)
-                    if out.token_ids or out.text or out.finished:
-                        await context.write(out)
-                    if out.finished:
-                        _span_finished(span, out, up.replica)
-                        return
-            except asyncio.CancelledError:
-                # the Abort RPC cancelled the upstream call (not grpc cancelling this handler)
-                if not live.aborted or asyncio.current_task().cancelling():
-                    raise
-                out = llm_pb2.GenerateResponse(request_id=rid, text=detok.flush())
-                _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(usage, prompt_ids, detok),
-                        _timings(None, t0, t_first))
-                _span_finished(span, out, None)
-                await context.write(out)
-                return
-            except grpc.aio.AioRpcError as e:
-                if e.code() == _Code.DEADLINE_EXCEEDED:
-                    context.set_trailing_metadata(trailers + (
-                        ("kvmesh-usage-bin", _usage(usage, prompt_ids, detok).SerializeToString()),))
-                    raise _Status(_Code.DEADLINE_EXCEEDED, f"request {rid}: deadline of {timeout:.3g} s exceeded "
-                                                           "(the request was aborted)") from None
-                raise self._upstream_status(e) from None
-            raise _Status(_Code.UNAVAILABLE, f"the scheduler at {self.cfg.scheduler_address} ended request "
-                                             f"{rid} without a final message")
-        finally:
-            self._end_upstream(rid, live)
-
-    def _end_upstream(self, rid: str, live: _Live) -> None:
-        """Cancel the upstream call (a no-op when it finished; else the scheduler aborts the
-        request) and free the id. Idempotent."""
-        live.call.cancel()
-        if self.live.get(rid) is live:
-            del self.live[rid]
-
-    def _upstream_status(self, e: grpc.aio.AioRpcError) -> _Status:
-        """The status to answer for a failed scheduler call: the scheduler's own status as is,
-        UNAVAILABLE 'scheduler at ADDR unreachable: ...' for a connection failure, UNAVAILABLE for
-        a call the scheduler cancelled (it was shutting down: retry elsewhere)."""
-        details = e.details() or e.code().name
-        if e.code() == _Code.UNAVAILABLE and (
-                any(s in details.lower() for s in _CONNECTION_ERRORS)
-                or self.channel.get_state() != grpc.ChannelConnectivity.READY):
-            return _Status(_Code.UNAVAILABLE, f"scheduler at {self.cfg.scheduler_address} unreachable: {details}")
-        if e.code() == _Code.CANCELLED:    # the scheduler dropped the call (we cancel ours differently)
-            return _Status(_Code.UNAVAILABLE, f"scheduler at {self.cfg.scheduler_address} cancelled the "
-                                              f"request: {details}")
-        return _Status(e.code(), details)
-
-    def cancel_all(self) -> None:
-        """Cancel every upstream call (server shutdown)."""
-        for live in list(self.live.values()):
-            live.call.cancel()
-
-
-def _finish(out: llm_pb2.GenerateResponse, reason: int, stop_reason: str,
-            usage: common_pb2.Usage, timings: common_pb2.Timings) -> None:
-    out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
-    out.usage.CopyFrom(usage)
-    out.timings.CopyFrom(timings)
-
-
-def _span_finished(span, out: llm_pb2.GenerateResponse, replica: int | None) -> None:
-    """The request span's attributes from the final message."""
-    if not span.is_recording():
-        return
-    reason = common_pb2.FinishReason.Name(out.finish_reason).removeprefix("FINISH_REASON_").lower()
-    span.set_attributes({"gen_ai.response.finish_reasons": [reason], "kvmesh.finish_reason": reason,
-                         "gen_ai.usage.input_tokens": out.usage.prompt_tokens,
-                         "gen_ai.usage.output_tokens": out.usage.completion_tokens,
-                         "kvmesh.prefix_cache.hit_tokens": out.usage.cached_prompt_tokens,
-                         "kvmesh.ttft_s": out.timings.ttft, "kvmesh.e2e_latency_s": out.timings.e2e_latency})
-    if out.stop_reason:
-        span.set_attribute("kvmesh.stop_reason", out.stop_reason)
-    if replica is not None:
-        span.set_attribute("kvmesh.replica", replica)
-
-
-def _add_tokens(detok: IncrementalDetokenizer, token_ids) -> tuple[DetokenizerDelta, list[int]]:
-    """Feed a message's token ids one at a time: with speculative decoding one message may
-    carry several, and a stop string completing inside them ends the output at that token
-    (the ids after it are dropped, as their text is). Returns the delta and the ids kept."""
-    text, ids = [], []
-    for t in token_ids:
-        d = detok.add_tokens([t])
-        text.append(d.text)
-        ids.append(t)
-        if d.stop_string is not None:
-            return DetokenizerDelta("".join(text), d.stop_string), ids
-    return DetokenizerDelta("".join(text), None), ids
-
-
-def _usage(known: common_pb2.Usage, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
-    """Usage of a request the gateway ended (stop string, Abort): the cached prompt tokens and
-    speculation counts the scheduler reported so far (``known``), the tokens it received."""
-    usage = common_pb2.Usage()
-    usage.CopyFrom(known)
-    usage.prompt_tokens, usage.completion_tokens = len(prompt_ids), detok.num_output_tokens
-    return usage
-
-
-def _timings(up, t0: float, t_first: float | None) -> common_pb2.Timings:
-    """Timings (seconds) of a request the gateway ended, on its own clock from Submit; the
-    scheduler's queue time and ttft when its message carried them."""
-    now = time.monotonic()
-    if up is not None and up.HasField("timings"):
-        queue, ttft = up.timings.queue_time, up.timings.ttft
-    else:
-        queue, ttft = 0.0, (t_first - t0 if t_first else 0.0)
-    return common_pb2.Timings(queue_time=queue, ttft=ttft, decode_time=now - t_first if t_first else 0.0,
-                              e2e_latency=now - t0)
+            raise invalid("prompt: a prompt or chat is required")
+        return llm_pb2.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=path.info.max_model_len)
 
 
 # ---- server ---------------------------------------------------------------------------------------
@@ -574,7 +271,8 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
                "ListModels": (grpc.unary_unary_rpc_method_handler, llm_pb2.ListModelsRequest,
                               llm_pb2.ListModelsResponse),
                "Tokenize": (grpc.unary_unary_rpc_method_handler, llm_pb2.TokenizeRequest, llm_pb2.TokenizeResponse)}
-    handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req, servicer.cfg.max_message_bytes),
+    limit = servicer.path.cfg.max_message_bytes
+    handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req, limit),
                            response_serializer=resp.SerializeToString)
                 for name, (make, req, resp) in methods.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -583,23 +281,27 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
 
 class GatewayServer:
     """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is
-    its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off."""
+    its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off; ``http`` its
+    OpenAI-compatible HTTP server (:class:`gateway.http_api.HttpServer`), None when off."""
 
     def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int):
         self.server, self.servicer, self.health = server, servicer, health_servicer
+        self.path = servicer.path
         self.host, self.port, self.address = host, port, f"{host}:{port}"
         self.metrics = None
+        self.http = None
         self._watch_task: asyncio.Task | None = None
         self._stopped = False
 
     async def _set_health(self, status) -> None:
+        self.path.serving = status == _SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
     async def _watch_scheduler(self) -> None:
         """Keep a connection to the scheduler and mirror it in health: NOT_SERVING while the
         channel is failing, SERVING again once it is ready."""
-        channel, C = self.servicer.channel, grpc.ChannelConnectivity
+        channel, C = self.servicer.path.channel, grpc.ChannelConnectivity
         while True:
             state = channel.get_state(try_to_connect=True)
             if state == C.READY:
@@ -618,14 +320,16 @@ class GatewayServer:
         if self._stopped:
             return
         self._stopped = True
+        self.path.serving = False
         await self.health.enter_graceful_shutdown()
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        await self.server.stop(grace)
-        self.servicer.cancel_all()
-        await self.servicer.channel.close()
+        stops = [self.server.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
+        await asyncio.gather(*stops)
+        self.servicer.path.cancel_all()
+        await self.servicer.path.channel.close()
         await asyncio.to_thread(telemetry.shutdown_tracing, telemetry.GATEWAY)   # exports the last spans
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
@@ -656,10 +360,11 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     the served model's tokenizer is loaded (``workers.registry.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
     health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
-    (:mod:`kvmesh.metrics`).
+    (:mod:`kvmesh.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
+    not -1 (:mod:`gateway.http_api`, bound with the gRPC port, answering 503 until SERVING).
 
     Raises:
-        EngineError: the address cannot be bound; the scheduler is unreachable within
+        EngineError: an address cannot be bound; the scheduler is unreachable within
             ``connect_timeout``; the model's tokenizer cannot be found. The server is stopped.
     """
     from kvmesh.llm import _load_tokenizer
@@ -670,7 +375,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)])
     channel = grpc.aio.insecure_channel(cfg.scheduler_address, options=_CHANNEL_OPTIONS)
-    servicer = LLMServicer(cfg, channel)
+    servicer = LLMServicer(RequestPath(cfg, channel))
     _add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -685,19 +390,28 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     gw = GatewayServer(server, servicer, health_servicer, cfg.host, port)
     from kvmesh.metrics import start_metrics_server
     try:
-        gw.metrics = start_metrics_server(servicer.metrics.registry, cfg.host, cfg.metrics_port)
+        gw.metrics = start_metrics_server(servicer.path.metrics.registry, cfg.host, cfg.metrics_port)
     except EngineError:
         await channel.close()
         raise
+    if cfg.http_port != -1:
+        from gateway.http_api import start_http
+        try:
+            gw.http = await start_http(gw.path, cfg.host, cfg.http_port)
+        except EngineError:
+            await channel.close()
+            if gw.metrics is not None:
+                await asyncio.to_thread(gw.metrics.stop)
+            raise
     await gw._set_health(_NOT_SERVING)
     await server.start()
     try:
-        info = await _wait_for_scheduler(servicer.stub, cfg)
+        info = await _wait_for_scheduler(servicer.path.stub, cfg)
         tokenizer = await asyncio.to_thread(lambda: _load_tokenizer(resolve_model(info.name)))
     except BaseException:
         await gw.stop(0)
         raise
-    servicer.set_model(info, tokenizer)
+    servicer.path.set_model(info, tokenizer)
     await gw._set_health(_SERVING)
     gw._watch_task = asyncio.create_task(gw._watch_scheduler())
     log.info("gateway serving %s on %s (scheduler %s)", info.name, gw.address, cfg.scheduler_address)

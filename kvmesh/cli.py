@@ -231,6 +231,9 @@ GATEWAY_FLAGS: list[tuple[str, str, dict]] = [
     ("--metrics-port", "metrics_port", dict(type=_metrics_port, metavar="PORT",
                                             help="Prometheus /metrics over HTTP on the listen address "
                                                  "(off; 0 = any free port; deployments use 9451)")),
+    ("--http-port", "http_port", dict(type=_metrics_port, metavar="PORT",
+                                      help="OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                                           "/v1/models, /health) on the listen address (off; 0 = any free port)")),
     ("--max-stop-strings", "max_stop_strings", dict(type=int, metavar="N", help="stop strings per request (64)")),
     ("--max-stop-chars", "max_stop_chars", dict(type=int, metavar="N",
                                                 help="characters of a request's stop strings together (4096)")),

@@ -10,14 +10,18 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from scheduler.request import EngineError
 from scheduler.router import ROUTING_POLICIES
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# dtype names accepted in settings -> torch dtype attribute (torch is imported only where a
+# torch dtype is asked for, so the gateway's process, which reads these settings, loads no torch)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 WEIGHT_FORMATS = ("none", "int8", "int4", "fp8", "w8a8-int8")
@@ -98,17 +102,18 @@ SCHEDULER_METRICS_PORT = 9461
 GATEWAY_METRICS_PORT = 9451
 
 
-def _metrics_port_off(obj) -> None:
-    """``KVMESH_*_METRICS_PORT=`` (empty), ``off`` or ``none`` mean -1 (no metrics server)."""
-    v = obj.metrics_port
+def _metrics_port_off(obj, name: str = "metrics_port") -> None:
+    """``KVMESH_*_METRICS_PORT=`` (empty), ``off`` or ``none`` mean -1 (no metrics server); the
+    same for another optional port field ``name``."""
+    v = getattr(obj, name)
     if v is None or (isinstance(v, str) and v.strip().lower() in ("", "off", "none")):
-        obj.metrics_port = -1
+        setattr(obj, name, -1)
 
 
-def _check_metrics_port(obj) -> None:
-    if not -1 <= obj.metrics_port <= 65535:
-        raise EngineError(f"metrics_port must be a port in [0, 65535], 0 = any free port, -1 = off; "
-                          f"got {obj.metrics_port}")
+def _check_metrics_port(obj, name: str = "metrics_port") -> None:
+    if not -1 <= getattr(obj, name) <= 65535:
+        raise EngineError(f"{name} must be a port in [0, 65535], 0 = any free port, -1 = off; "
+                          f"got {getattr(obj, name)}")
 
 
 @dataclass
@@ -260,11 +265,13 @@ class EngineConfig:
         """``auto``: bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16 or AMX),
         where it measured faster than float32 for prefill and batched decode
         (docs/engine_offline.md); float32 on other CPUs."""
+        import torch
+
         if self.dtype == "auto":
             if self.device.startswith("cuda") or cpu_has_native_bf16():
                 return torch.bfloat16
             return torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, DTYPES[self.dtype])
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)
@@ -430,6 +437,9 @@ class GatewayConfig:
         metrics_port: Prometheus ``/metrics`` over HTTP on ``host:metrics_port`` (docs/telemetry.md);
             -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
             :data:`GATEWAY_METRICS_PORT`.
+        http_port: the OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/completions``,
+            ``/v1/models``, ``/health``; :mod:`gateway.http_api`) on ``host:http_port``; -1 (or
+            empty, ``off``) = off, 0 = any free port.
 
     Request limits (a request over one ends INVALID_ARGUMENT naming the limit):
         max_stop_strings: stop strings per request (OpenAI allows 4).
@@ -451,6 +461,7 @@ class GatewayConfig:
     max_timeout: float = 3600.0
     connect_timeout: float = 120.0
     metrics_port: int = -1
+    http_port: int = -1
     max_stop_strings: int = 64
     max_stop_chars: int = 4096
     max_stop_token_ids: int = 1024
@@ -466,8 +477,10 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         _metrics_port_off(self)
+        _metrics_port_off(self, "http_port")
         _coerce_strings(self)
         _check_metrics_port(self)
+        _check_metrics_port(self, "http_port")
         if self.max_tokens_cap < 1 or not 1 <= self.default_max_tokens:
             raise EngineError("max_tokens_cap and default_max_tokens must be >= 1")
         if not 0 < self.default_timeout <= self.max_timeout:

@@ -221,6 +221,12 @@ class LLM(_TextFront):
         bar and bar.close()
         return [results[r] for r in order]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (those no request holds), as vLLM's
+        ``LLM.reset_prefix_cache``: the next prompts are prefilled from scratch. Returns True."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (list of messages) or a list of conversations."""
@@ -261,6 +267,11 @@ class AsyncLLM(_TextFront):
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """As :meth:`LLM.reset_prefix_cache`; requests in flight keep their blocks."""
+        self.engine.engine.reset_prefix_cache()
+        return True
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()

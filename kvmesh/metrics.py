@@ -2,7 +2,9 @@
 
 Names and meanings follow vLLM's (``vllm:`` → ``kvmesh:``) where they overlap. Each service has
 its own :class:`prometheus_client.CollectorRegistry` and its own HTTP server (``metrics_port`` of
-its settings), so the two services of ``kvmesh serve`` in one process never collide.
+its settings), so the two services of ``kvmesh serve`` in one process never collide; there the
+gateway's endpoint (``kvmesh serve --metrics-port``) also carries the scheduler's series
+(:func:`include_registry`), one endpoint per process.
 
 Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's index):
 
@@ -32,8 +34,8 @@ Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's i
   ``spec_decode_propose_seconds_total`` (time spent proposing: prompt lookup or the draft model); and the router's
   ``router_requests_total``, ``router_prefix_routed_total``, ``router_fallbacks_total``.
 
-Gateway (label ``model_name``): ``gateway_requests_total{method, code}`` (Generate/Chat RPCs by
-final gRPC status name), ``gateway_time_to_first_token_seconds`` (Submit sent → first token
+Gateway (label ``model_name``): ``gateway_requests_total{method, code}`` (Generate/Chat RPCs and
+HTTP ChatCompletions/Completions requests by final gRPC status name), ``gateway_time_to_first_token_seconds`` (Submit sent → first token
 received), ``gateway_requests_running`` (streams in flight).
 """
 
@@ -307,13 +309,13 @@ class _ReplicaCollector:
 
 class GatewayMetrics:
     """The gateway's request-level metrics in their own registry. ``servicer`` (a
-    :class:`gateway.server.LLMServicer`) gives the model name and the streams in flight."""
+    :class:`gateway.stream.RequestPath`) gives the model name and the streams in flight."""
 
     def __init__(self, servicer):
         self.registry = r = CollectorRegistry()
         self.servicer = servicer
         self.requests = Counter(_base("kvmesh:gateway_requests_total"),
-                                "Generate/Chat RPCs by final gRPC status code.", ("model_name", "method", "code"),
+                                "Generate/Chat RPCs and HTTP ChatCompletions/Completions by final gRPC status code.", ("model_name", "method", "code"),
                                 registry=r)
         self.ttft = Histogram("kvmesh:gateway_time_to_first_token_seconds",
                               "Submit sent to the scheduler → first token received (seconds).", ("model_name",),
@@ -332,6 +334,23 @@ class GatewayMetrics:
 
     def first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
+
+
+class _RegistryView:
+    """A collector yielding every metric of another registry at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        yield from self.registry.collect()
+
+
+def include_registry(target: CollectorRegistry, other: CollectorRegistry) -> None:
+    """Expose ``other``'s metrics through ``target`` too (``kvmesh serve``: one endpoint, the
+    gateway's, carries both services' series). The two registries must not share metric names
+    (the gateway's are ``kvmesh:gateway_*``)."""
+    target.register(_RegistryView(other))
 
 
 class MetricsServer:

@@ -9,9 +9,10 @@ Each service prints one line on stderr, flushed, once it accepts requests::
 
     kvmesh: scheduler listening on 127.0.0.1:50061
     kvmesh: gateway listening on 127.0.0.1:50051
+    kvmesh: http listening on 127.0.0.1:8000 (OpenAI-compatible API at http://127.0.0.1:8000/v1)
 
-(with the bound port when the configured one is 0), and, when its ``metrics_port`` is not -1,
-where its Prometheus endpoint is (docs/telemetry.md)::
+(the last only with the gateway's ``--http-port``; with the bound port when the configured one is
+0), and, when its ``metrics_port`` is not -1, where its Prometheus endpoint is (docs/telemetry.md)::
 
     kvmesh: scheduler metrics on http://127.0.0.1:9461/metrics
 
@@ -64,6 +65,7 @@ class Mesh:
     services: list[tuple[str, object, str]] = field(default_factory=list)
     gateway_address: str | None = None       # where a client reaches the gateway
     scheduler_address: str | None = None     # where the gateway reaches the scheduler
+    http_url: str | None = None              # the gateway's OpenAI-compatible API (http://.../v1), if on
     stopping: asyncio.Event = field(default_factory=asyncio.Event)   # set by SIGINT/SIGTERM
 
     def _get(self, name: str):
@@ -109,7 +111,17 @@ async def start_gateway(mesh: Mesh, gw_cfg) -> None:
     mesh.services.append(("gateway", server, listen))
     mesh.gateway_address = connect_address(gw_cfg.host, server.port)
     announce(f"gateway listening on {listen}")
-    announce_metrics("gateway", server)
+    if server.http is not None:
+        mesh.http_url = server.http.url
+        announce(f"http listening on {host_port(gw_cfg.host, server.http.port)} (OpenAI-compatible API at "
+                 f"{server.http.url})")
+    sched = mesh.scheduler
+    if server.metrics is not None and sched is not None:    # one process: one endpoint for both
+        from kvmesh.metrics import include_registry
+        include_registry(server.servicer.metrics.registry, sched.service.metrics.registry)
+        announce(f"metrics (gateway and scheduler) on {server.metrics.url}")
+    else:
+        announce_metrics("gateway", server)
 
 
 async def start_mesh(mesh: Mesh, sched_cfg, engine_cfg, gw_cfg) -> None:

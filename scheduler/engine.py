@@ -271,6 +271,15 @@ class LLMEngine:
         with self.lock:
             return self.block_manager.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``); blocks of
+        running requests keep their hashes. Emits ``AllBlocksCleared`` to the KV-event sink.
+        Returns how many cached blocks were forgotten."""
+        with self.lock:
+            before = self.block_manager.stats().cached
+            self.block_manager.reset_prefix_cache()
+            return before - self.block_manager.stats().cached
+
     def info(self) -> EngineInfo:
         from workers.kv_cache import KVCacheInfo
         kv = KVCacheInfo.of(self.cfg, self.model_config, self.block_manager.num_blocks)

@@ -357,8 +357,9 @@ def test_bad_command_lines_exit_2(capsys):
     assert cli.main(["bench", "serve", "--backend", "openai-chat", "--save-workload", "/dev/null",
                      "--dataset", "nope"]) == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
-    assert cli.main(["bench", "serve", "--backend", "openai-chat", "--num-prompts", "1"]) == 2
-    assert "--base-url is required" in capsys.readouterr().err
+    assert cli.main(["bench", "serve", "--backend", "openai-chat", "--base-url", "http://127.0.0.1:1/v1",
+                     "--dtype", "float32", "--num-prompts", "1"]) == 2
+    assert "--dtype: engine/scheduler settings start a mesh; not with --base-url" in capsys.readouterr().err
     assert cli.main(["bench", "serve", "--address", "127.0.0.1:1", "--dtype", "float32", "--num-prompts", "1"]) == 2
     assert "--dtype: engine/scheduler settings start a mesh" in capsys.readouterr().err
     assert cli.main(["bench", "serve", "--goodput", "ttft", "--num-prompts", "1"]) == 2
@@ -408,6 +409,38 @@ def test_bench_serve_against_a_real_mesh(tmp_path, smollm2_tokenizer, monkeypatc
     # turn 2 = turn 1's prompt + its answer + the new question; its prefix comes from the cache
     assert s1["prompt_tokens"] > s0["prompt_tokens"] + 4 and s1["cached_tokens"] >= 16
     assert (plots / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_serve_openai_chat_against_kvmesh_http(tmp_path, monkeypatch, capsys):
+    """``kvmesh bench serve --backend openai-chat`` without ``--base-url`` starts a mesh with its
+    OpenAI-compatible HTTP API (``--http-port 0``) and streams chat completions to it: a chat and a
+    two-turn session, 4 tokens each, EOS ignored; usage (with cached prompt tokens) comes back."""
+    for k in [k for k in list(__import__("os").environ) if k.startswith(("KVMESH_SCHEDULER_", "KVMESH_GATEWAY_"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("KVMESH_NUM_THREADS", "1")
+    system = ("You are a concise assistant for a small bakery. Answer questions about opening hours, bread, "
+              "cakes and prices in one short sentence.")
+    work = [BenchRequest(id="chat", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4),
+            BenchRequest(id="sess", messages=[{"role": "system", "content": system}],
+                         turns=["When do you open?", "And on Sundays?"], max_tokens=4)]
+    wl, out = tmp_path / "w.jsonl", tmp_path / "r.json"
+    serve.save_workload(wl, work)
+    from kvmesh import cli
+    rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--workload", str(wl), "--model", MODEL,
+                   "--executor", "local", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                   "--ignore-eos", "--max-concurrency", "2", "--result-file", str(out), "--save-detailed",
+                   "--save-texts", "--no-progress"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err[-3000:]
+    assert "--http-port 0" in printed.err and "openai-chat at http://127.0.0.1:" in printed.err
+    assert "openai-chat, inf req/s" in printed.out
+    res = json.loads(out.read_text())
+    assert res["completed"] == 3 and res["failed"] == 0 and res["total_output_tokens"] == 12
+    recs = {r["id"]: r for r in res["records"]["inf req/s"]}
+    assert set(recs) == {"chat", "sess/0", "sess/1"}
+    assert all(r["output_tokens"] == 4 and r["text"] and r["finish_reason"] == "length" for r in recs.values())
+    s0, s1 = recs["sess/0"], recs["sess/1"]
+    assert s1["prompt_tokens"] > s0["prompt_tokens"] + 4 and s1["cached_tokens"] >= 16
 
 
 @pytest.mark.parametrize("timeout, expect", [(None, False), (3600, True)])

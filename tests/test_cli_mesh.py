@@ -18,10 +18,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import cli
 from kvmesh.config import GatewayConfig, SchedulerConfig
@@ -107,7 +109,7 @@ def port_open(host: str, port: int) -> bool:
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
     srv = Served(["serve", "--executor", "local", "--model", MODEL, "--port", "0", "--scheduler-port", "0",
-                  "--grace", "1"], mesh_env())
+                  "--metrics-port", "0", "--grace", "1"], mesh_env())
     try:
         t0 = time.monotonic()
         srv.wait_listening()
@@ -190,6 +192,21 @@ def test_serve_prints_where_it_listens(served):
         host, port = served.addresses[service]
         assert host == "127.0.0.1" and port > 0 and port_open(host, port)
     print(f"serve: listening after {served.startup_s:.1f} s")
+
+
+def test_serve_has_one_metrics_endpoint_for_both_services(served):
+    """`kvmesh serve --metrics-port`: the gateway's endpoint also carries the scheduler's series
+    (one process, one scrape target); no second endpoint is started for the scheduler."""
+    (line,) = [l for l in served.lines if "metrics" in l and l.startswith("kvmesh:")]
+    url = re.match(r"kvmesh: metrics \(gateway and scheduler\) on (http://\S+/metrics)$", line).group(1)
+    p = kvmesh("generate", "--server", served.address(), "--prompt", "Hello", "--max-tokens", "3",
+               "--temperature", "0")
+    assert p.returncode == 0, p.stderr
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert "kvmesh:gateway_requests_total" in names          # the gateway's
+    assert {"kvmesh:prompt_tokens_total", "kvmesh:num_requests_running", "kvmesh:kv_cache_blocks"} <= names, names
 
 
 def test_generate_server_streams_offline_text(served):
@@ -372,6 +389,7 @@ def test_serve_ray_pipeline_two_stages(smollm2_dir):
         t.join(10)
         assert rc == 0, srv.stderr
         assert "SIGTERM received" not in srv.stderr, srv.stderr
+        assert "SIGTERM handler is not set" not in srv.stderr, srv.stderr     # no stray warning at start
         assert srv.lines[-2:] == ["kvmesh: scheduler stopped", "kvmesh: ray stopped"], srv.stderr
         print(f"serve --pp 2 (ray): SIGTERM with a stream in flight -> exit 0 in {took:.1f} s")
     finally:

@@ -208,3 +208,18 @@ def test_logprobs(llm):
         assert lp[tok] == max(lp.values())                # greedy: the sampled token is the top one
         assert sum(math.exp(v) for v in lp.values()) <= 1 + 1e-5
     assert llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].logprobs is None
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_a_miss(llm):
+    """LLM.reset_prefix_cache (vLLM's API): a prompt repeated after it is prefilled from scratch,
+    with the same greedy text; repeated without it, the prompt's full blocks are cache hits."""
+    prompt = "Employees may carry over at most five days of annual leave into the next calendar year. " * 4
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompt, sp)[0]
+    again = llm.generate(prompt, sp)[0]
+    assert again.metrics.num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.stats().cached == 0
+    after = llm.generate(prompt, sp)[0]
+    assert after.metrics.num_cached_tokens == 0
+    assert after.outputs[0].token_ids == again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -376,7 +376,7 @@ def test_port_in_use_fails_start(mesh):
 def test_internal_error_is_internal_and_server_keeps_serving(mesh, monkeypatch):
     def boom(*a, **kw):
         raise RuntimeError("boom")
-    monkeypatch.setattr(mesh.gw.servicer, "_sampling", boom)
+    monkeypatch.setattr(mesh.gw.path, "_sampling", boom)
     with pytest.raises(grpc.RpcError) as ei:
         list(mesh.stub.Generate(llm_pb2.GenerateRequest(prompt=PROMPT, sampling=greedy(2))))
     assert ei.value.code() == grpc.StatusCode.INTERNAL and "RuntimeError: boom" in ei.value.details()
@@ -468,3 +468,15 @@ def test_fake_scheduler_statuses_and_shutdown(mesh):
         assert _until(lambda: health.Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.LLMService")).status
                       == health_pb2.HealthCheckResponse.NOT_SERVING)
     mesh.run(gw.stop(0))
+
+
+def test_gateway_modules_do_not_import_torch():
+    """The gateway only needs a tokenizer: importing its gRPC server and its HTTP API (and the
+    settings they read) loads no torch (issue: one obvious place per concept at the edges)."""
+    import subprocess
+    import sys
+    code = ("import sys, gateway.server, gateway.http_api, kvmesh.config; "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'workers')));"
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -13,6 +13,7 @@ process calls while idle.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Protocol
@@ -120,6 +121,10 @@ def split_layers(num_layers: int, pp: int, split: list[int] | None = None) -> li
     return bounds
 
 
+def _drop_sigterm_note(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
 def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
     """Connect to Ray: the cluster at ``address``, or a local instance started here with no
     dashboard, no usage stats and logs under Ray's temp dir. Idempotent."""
@@ -134,6 +139,9 @@ def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
 
     if ray.is_initialized():
         return
+    # ray.init from a thread other than the main one (the engine loop's) warns that it set no
+    # SIGTERM handler on every start; kvmesh handles SIGTERM itself, so that line is dropped
+    logging.getLogger("ray._private.worker").addFilter(_drop_sigterm_note)
     if address:
         ray.init(address=address, log_to_driver=False)
     else:

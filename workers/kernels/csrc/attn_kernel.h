@@ -111,7 +111,7 @@ struct Kernel {
   // DIRECT, the cache row at element offset voff[j] (converted here; scale folded into p)
   template <int RR, int ND, bool DIRECT>
   static inline void pv(const float* p, int ldp, int nj, const float* vf, const void* kv, const int64_t* voff,
-                        int col, int D, float* o, const float* alpha) {
+                        int col, int D, float* o, const float* alpha, const char* const* pf = nullptr, int npf = 0) {
     V acc[RR][ND];
 #pragma GCC unroll 8
     for (int r = 0; r < RR; ++r) {
@@ -119,6 +119,8 @@ struct Kernel {
       for (int c = 0; c < ND; ++c) acc[r][c] = Simd::mul(Simd::load(o + r * D + c * W), a);
     }
     for (int j = 0; j < nj; ++j) {
+      if (pf != nullptr)      // a share of the next chunk's lines per key (see run)
+        for (int i = j * npf / nj, e = (j + 1) * npf / nj; i < e; ++i) __builtin_prefetch(pf[i], 0, 2);
       V v[ND];
 #pragma GCC unroll 4
       for (int c = 0; c < ND; ++c) v[c] = DIRECT ? cvt(kv, voff[j] + col + c * W) : Simd::load(vf + j * D + c * W);
@@ -132,19 +134,24 @@ struct Kernel {
       for (int c = 0; c < ND; ++c) Simd::store(o + r * D + c * W, acc[r][c]);
   }
 
+  // the first column pass issues the prefetches pf[0, npf) spread over the keys
   template <int RR, bool DIRECT>
   static inline void pv_rows(const float* p, int ldp, int nj, const float* vf, const void* kv, const int64_t* voff,
-                             int D, float* o, const float* alpha) {
+                             int D, float* o, const float* alpha, const char* const* pf, int npf) {
     int c = 0;
-    for (; c + 2 * W <= D; c += 2 * W) pv<RR, 2, DIRECT>(p, ldp, nj, vf + c, kv, voff, c, D, o + c, alpha);
-    if (c < D) pv<RR, 1, DIRECT>(p, ldp, nj, vf + c, kv, voff, c, D, o + c, alpha);
+    if (DIRECT)             // V read from the cache: one pass over the keys per 4 vectors of D
+      for (; c + 4 * W <= D; c += 4 * W, pf = nullptr)
+        pv<RR, 4, DIRECT>(p, ldp, nj, vf + c, kv, voff, c, D, o + c, alpha, pf, npf);
+    for (; c + 2 * W <= D; c += 2 * W, pf = nullptr)
+      pv<RR, 2, DIRECT>(p, ldp, nj, vf + c, kv, voff, c, D, o + c, alpha, pf, npf);
+    if (c < D) pv<RR, 1, DIRECT>(p, ldp, nj, vf + c, kv, voff, c, D, o + c, alpha, pf, npf);
   }
 
   template <int RR>
   static inline void pv_any(bool direct, const float* p, int ldp, int nj, const float* vf, const void* kv,
-                            const int64_t* voff, int D, float* o, const float* alpha) {
-    if (direct) pv_rows<RR, true>(p, ldp, nj, vf, kv, voff, D, o, alpha);
-    else pv_rows<RR, false>(p, ldp, nj, vf, kv, voff, D, o, alpha);
+                            const int64_t* voff, int D, float* o, const float* alpha, const char* const* pf, int npf) {
+    if (direct) pv_rows<RR, true>(p, ldp, nj, vf, kv, voff, D, o, alpha, pf, npf);
+    else pv_rows<RR, false>(p, ldp, nj, vf, kv, voff, D, o, alpha, pf, npf);
   }
 
   static void run(const AttnArgs& a, const WorkItem& it) {
@@ -161,7 +168,10 @@ struct Kernel {
     }
     // scratch: Q, O [M, D]; S [M, BSp]; m, l, lim [M]; KT [D, BSp]; tmp, Vf [BSp, D]; vsc, voff,
     // kptr [BSp]; Qb [M, D] bf16; a zero key row [D] bf16
-    size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * (D * 3 + 6) + size_t(M + 1) * D / 2 + 96;
+    constexpr int64_t esz = KVD == F32 ? 4 : (KVD == BF16 || KVD == F16) ? 2 : 1;
+    const int lines = int((int64_t(D) * esz + 63) / 64);      // cache lines of one key's (or value's) head row
+    size_t nf = size_t(M) * (2 * D + BSp + 3) + size_t(BSp) * (D * 3 + 6) + size_t(M + 1) * D / 2 + 96 +
+                size_t(BSp) * lines * 4 + 16;
     float* buf = (float*)std::aligned_alloc(64, (nf * sizeof(float) + 63) / 64 * 64);
     if (buf == nullptr) throw std::bad_alloc();    // at::parallel_for rethrows it to the caller
     float *Q = buf, *O = Q + M * D, *S = O + M * D, *mx = S + M * BSp, *sum = mx + M;
@@ -171,6 +181,7 @@ struct Kernel {
     const uint16_t** kptr = (const uint16_t**)(voff + BSp);
     uint16_t* Qb = (uint16_t*)(((uintptr_t)(kptr + BSp) + 63) & ~uintptr_t(63));
     uint16_t* zrow = Qb + M * D;
+    const char** pfl = (const char**)(((uintptr_t)(zrow + D) + 7) & ~uintptr_t(7));   // next chunk's lines
     // bfloat16 q and cache on AVX512-BF16: q K^T by vdpbf16ps on the cache rows as stored
     // (q kept unscaled in Qb, the scale applied to the scores); P V as on AVX-512 (float32 P:
     // a bfloat16 P with vdpbf16ps measured no faster, the step being bound by reading K/V)
@@ -208,6 +219,7 @@ struct Kernel {
     const bool rowdot = Simd::kRowDot && M <= 8;
     for (int b0 = it.key0; b0 < key_end; b0 += CK) {
       const int nj = key_end - b0 < CK ? key_end - b0 : CK;
+      int npf = 0;
       for (int j0 = 0; j0 < nj; j0 += BS) {
         const int64_t pb = table[(b0 + j0) / BS];
         const int n = nj - j0 < BS ? nj - j0 : BS;
@@ -224,8 +236,13 @@ struct Kernel {
           const char* vp = kp + a.kv_half * esize;
           for (int j = 0; j < pn; ++j)
             for (int64_t c = 0; c < int64_t(D) * esize; c += 64) {
-              __builtin_prefetch(kp + j * tok_st * esize + c);
-              __builtin_prefetch(vp + j * tok_st * esize + c);
+              if (rowdot) {        // decode: issued a few per key inside P V (a burst of
+                pfl[npf++] = kp + j * tok_st * esize + c;    // hundreds stalled on the miss
+                pfl[npf++] = vp + j * tok_st * esize + c;    // buffers, memory latency unhidden)
+              } else {
+                __builtin_prefetch(kp + j * tok_st * esize + c);
+                __builtin_prefetch(vp + j * tok_st * esize + c);
+              }
             }
         }
         if (kbf16) {
@@ -253,6 +270,8 @@ struct Kernel {
       }
       for (int r0 = 0; r0 < M; r0 += RT) {
         const int rr = M - r0 < RT ? M - r0 : RT;
+        const char* const* pfr = r0 == 0 && npf > 0 ? pfl : nullptr;
+        const int npfr = r0 == 0 ? npf : 0;
         float* s = S + r0 * BSp;
         if (rowdot) {
 #if KVMESH_ISA >= 3
@@ -298,12 +317,12 @@ struct Kernel {
           mx[r0 + r] = mnew;
         }
         switch (rr) {
-          case 6: pv_any<6>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
-          case 5: pv_any<5>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
-          case 4: pv_any<4>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
-          case 3: pv_any<3>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
-          case 2: pv_any<2>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha); break;
-          default: pv_any<1>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha);
+          case 6: pv_any<6>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha, pfr, npfr); break;
+          case 5: pv_any<5>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha, pfr, npfr); break;
+          case 4: pv_any<4>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha, pfr, npfr); break;
+          case 3: pv_any<3>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha, pfr, npfr); break;
+          case 2: pv_any<2>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha, pfr, npfr); break;
+          default: pv_any<1>(rowdot, s, BSp, nj, Vf, a.kv, voff, D, O + r0 * D, alpha, pfr, npfr);
         }
       }
     }

@@ -1,0 +1,298 @@
+"""The gateway's OpenAI-compatible HTTP API (``--http-port``), in the gateway's process and event loop.
+
+Routes (Starlette, served by uvicorn as a task of the gateway's loop):
+
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: streaming (``"stream": true``: server-sent
+  events ``data: {chunk}``, ending with ``data: [DONE]``) and non-streaming; fields in
+  :mod:`gateway.openai_protocol`. A request goes through :class:`gateway.stream.RequestPath`, the
+  gRPC API's own path: the same validation and limits (GatewayConfig), chat template, stop strings,
+  ``max_tokens`` default and cap, deadline (``default_timeout``), usage. The ``max_tokens`` used is
+  in the response header ``x-kvmesh-max-tokens``, the request id in ``x-request-id``.
+* ``GET /v1/models``: the served model. ``GET /health``: 200 ``{"status": "ok"}`` while the gateway
+  is SERVING (scheduler reached), else 503.
+
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
+``invalid_request_error`` with ``param`` naming the field (malformed JSON, a bad value, a limit
+exceeded, ``n`` > 1), 404 ``model_not_found`` for a model this gateway does not serve, 429 when the
+scheduler is over capacity, 503 while the scheduler is unreachable (or the gateway starting), 504
+when the deadline passed (the request was aborted), 500 for a bug in the gateway. A stream that
+fails after its first chunk ends with a ``data: {"error": ...}`` event and ``data: [DONE]``. The
+server keeps serving after any of them.
+
+A client that disconnects (or closes a stream) has its request cancelled at once: the upstream
+``Submit`` call is cancelled and the scheduler aborts the request, freeing its KV blocks at its
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+
+import grpc
+
+from gateway import openai_protocol as oai
+from gateway.stream import RequestPath, Status
+from scheduler.request import EngineError
+
+log = logging.getLogger("kvmesh.gateway.http")
+
+_Code = grpc.StatusCode
+# gRPC status → (HTTP status, OpenAI error type, code)
+_HTTP = {_Code.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+         _Code.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
+         _Code.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+         _Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+         _Code.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
+         _Code.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
+         _Code.CANCELLED: (503, "service_unavailable_error", "cancelled")}
+_INTERNAL = (500, "server_error", "internal_error")
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def status_error(e: Status) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) of a Status; an unknown model is 404 ``model_not_found``."""
+    param = e.param
+    if param == "model" and "unknown model" in e.message:
+        return 404, error_body(e.message, "invalid_request_error", "model", "model_not_found")
+    http, type_, code = _HTTP.get(e.code, _INTERNAL)
+    return http, error_body(e.message, type_, "prompt" if param == "prompt_token_ids" else param, code)
+
+
+def _json_bytes(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _send_json(send, status: int, obj, headers: list | None = None) -> None:
+    body = _json_bytes(obj)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The request body (None: the client went away first); Status INVALID_ARGUMENT once it
+    exceeds ``limit`` bytes."""
+    parts, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise Status(_Code.INVALID_ARGUMENT, f"request: body exceeds max_message_bytes ({limit})")
+        parts.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(parts)
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class CompletionsEndpoint:
+    """The ASGI app of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``."""
+
+    def __init__(self, path: RequestPath, chat: bool):
+        self.path, self.chat = path, chat
+        self.method = "ChatCompletions" if chat else "Completions"   # kvmesh:gateway_requests_total{method}
+
+    async def __call__(self, scope, receive, send) -> None:
+        # response started / complete; the final status for the metrics
+        state = {"started": False, "complete": False, "code": "OK"}
+        try:
+            body = await _read_body(receive, self.path.cfg.max_message_bytes)
+            if body is None:
+                state["code"] = "CANCELLED"
+                return
+            work = asyncio.ensure_future(self._run(scope, body, send, state))
+            gone = asyncio.ensure_future(_until_disconnect(receive))
+            try:
+                await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not work.done() and not state["complete"]:   # the client went away: cancel upstream
+                    work.cancel()
+                    state["code"] = "CANCELLED"
+                gone.cancel()
+                await asyncio.gather(work, gone, return_exceptions=True)
+            if not work.cancelled() and work.exception() is not None:
+                raise work.exception()
+        except Status as e:
+            state["code"] = e.code.name
+            await self._error(send, state, *status_error(e))
+        except EngineError as e:
+            state["code"] = "INVALID_ARGUMENT"
+            await self._error(send, state, 400, error_body(str(e), "invalid_request_error"))
+        except asyncio.CancelledError:
+            state["code"] = "CANCELLED"
+            raise
+        except OSError:                     # the client went away while we wrote (ClientDisconnected)
+            state["code"] = "CANCELLED"
+        except Exception as e:
+            state["code"] = "INTERNAL"
+            log.exception("%s failed", self.method)
+            await self._error(send, state, 500, error_body(f"internal error in the gateway: {type(e).__name__}: {e}",
+                                                           *_INTERNAL[1:]))
+        finally:
+            self.path.metrics.request_done(self.method, state["code"])
+
+    async def _error(self, send, state: dict, status: int, body: dict) -> None:
+        if not state["started"]:
+            await _send_json(send, status, body)
+        else:                               # mid-stream: an error event, then the end
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"data: " + _json_bytes(body) + b"\n\n"
+                            + b"data: [DONE]\n\n"})
+
+    async def _run(self, scope, body: bytes, send, state: dict) -> None:
+        path = self.path
+        path.check_ready()
+        try:
+            parsed = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise Status(_Code.INVALID_ARGUMENT, f"request body is not valid JSON: {e}") from None
+        request, opts = (oai.chat_request if self.chat else oai.completion_request)(parsed)
+        opts.model = opts.model or path.info.name
+        carrier = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ())]
+        name, operation = ("chat", "chat") if self.chat else ("generate", "text_completion")
+        with path.span(name, operation, request, carrier):
+            path.check_model(request.model)
+            path.check_limits(request)
+            try:
+                prompt_ids = await path.prompt_ids(request)
+            except EngineError as e:        # an empty prompt, no chat template
+                raise Status(_Code.INVALID_ARGUMENT, f"{'messages' if self.chat else 'prompt'}: {e}") from None
+            prepared = await path.prepare(request, prompt_ids)
+            responder = oai.Responder(opts, prepared.request_id, path.text.tokenizer)
+            headers = [(b"x-request-id", prepared.request_id.encode()),
+                       (b"x-kvmesh-max-tokens", str(prepared.forward.max_tokens).encode())]
+            async with contextlib.aclosing(path.stream(prepared)) as messages:
+                if opts.stream:
+                    await self._stream(messages, responder, send, headers, state)
+                else:
+                    outs = [out async for out in messages]
+                    state["started"] = True
+                    await _send_json(send, 200, responder.body(outs), headers)
+                    state["complete"] = True
+
+    async def _stream(self, messages, responder: oai.Responder, send, headers: list, state: dict) -> None:
+        """Server-sent events: the response starts with the first message (an error before it is
+        a plain HTTP error), one ``data:`` event per chunk, the usage chunk, ``data: [DONE]``."""
+        async for out in messages:
+            if not state["started"]:
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + headers})
+                state["started"] = True
+            events = []
+            if (chunk := responder.chunk(out)) is not None:
+                events.append(chunk)
+            if out.finished and responder.opts.include_usage:
+                events.append(responder.usage_chunk(out))
+            data = b"".join(b"data: " + _json_bytes(c) + b"\n\n" for c in events)
+            if out.finished:
+                await send({"type": "http.response.body", "body": data + b"data: [DONE]\n\n"})
+                state["complete"] = True
+                return
+            if data:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def build_app(path: RequestPath):
+    """The Starlette app of the routes in the module docstring, over ``path``."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    started = int(time.time())
+
+    async def models(request):
+        if path.info is None:
+            return JSONResponse(error_body("the gateway is starting", *_HTTP[_Code.UNAVAILABLE][1:]), 503)
+        return JSONResponse({"object": "list", "data": [{
+            "id": path.info.name, "object": "model", "created": started, "owned_by": "kvmesh",
+            "max_model_len": path.info.max_model_len}]})
+
+    async def health(request):
+        if path.serving:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, 503)
+
+    async def http_error(request, exc: HTTPException):
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error",
+                                       None, "not_found" if exc.status_code == 404 else None), exc.status_code)
+
+    return Starlette(routes=[Route("/v1/chat/completions", CompletionsEndpoint(path, chat=True), methods=["POST"]),
+                             Route("/v1/completions", CompletionsEndpoint(path, chat=False), methods=["POST"]),
+                             Route("/v1/models", models, methods=["GET"]),
+                             Route("/health", health, methods=["GET"])],
+                     exception_handlers={HTTPException: http_error})
+
+
+class HttpServer:
+    """A running HTTP API: ``port`` is the bound port, ``url`` the base URL of its ``/v1`` routes."""
+
+    def __init__(self, server, task: asyncio.Task, host: str, port: int):
+        from kvmesh.serve import connect_address
+        self.server, self.task, self.host, self.port = server, task, host, port
+        self.address = connect_address(host, port)
+        self.url = f"http://{self.address}/v1"
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting, give open requests ``grace`` seconds (None = wait for them), then close
+        their connections (their requests are cancelled upstream). Idempotent."""
+        self.server.config.timeout_graceful_shutdown = grace
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+def _uvicorn_server(app):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn inside a loop it does not own: the process's signals stay its owner's."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def install_signal_handlers(self) -> None:
+            pass
+
+    # log_config None: leave the process's logging as it is; lifespan off: nothing to start
+    return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", server_header=False))
+
+
+async def start_http(path: RequestPath, host: str, port: int) -> HttpServer:
+    """Serve the HTTP API over ``path`` on ``host:port`` (0 = any free port) as a task of the
+    running loop; returns once it accepts connections. Raises EngineError if the address cannot
+    be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EngineError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? choose another "
+                          "--http-port (0 = any free port)") from None
+    server = _uvicorn_server(build_app(path))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="kvmesh-http")
+    while not server.started:
+        if task.done():
+            sock.close()
+            raise EngineError(f"the HTTP API on {host}:{port} failed to start: {task.exception()!r}")
+        await asyncio.sleep(0.01)
+    return HttpServer(server, task, host, sock.getsockname()[1])

@@ -1,0 +1,422 @@
+"""The gateway's protocol-neutral request path, shared by the gRPC servicer (:mod:`gateway.server`)
+and the OpenAI-compatible HTTP API (:mod:`gateway.http_api`).
+
+A front end turns its request into a ``kvmesh.v1`` ``GenerateRequest`` or ``ChatRequest`` and
+calls :class:`RequestPath`: :meth:`~RequestPath.check_model` and
+:meth:`~RequestPath.check_limits` (no tokenizer) → :meth:`~RequestPath.prompt_ids` (the prompt or
+the chat template, tokenized off the event loop) → :meth:`~RequestPath.prepare` (prompt length,
+``max_tokens`` rules, deadline, detokenizer with the stop strings) → :meth:`~RequestPath.stream`
+(``Submit`` to the scheduler; an async iterator of ``GenerateResponse`` messages: text deltas,
+token ids, logprobs, and a final message with finish reason, usage and timings). Every failure
+is a :class:`Status` (a gRPC status code and a message naming the field); the gRPC servicer
+answers it as is, the HTTP API maps it to an HTTP status and OpenAI's error body. The rules a
+client sees are listed in :mod:`gateway.server`'s docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from kvmesh import telemetry
+from kvmesh.config import GatewayConfig
+from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler.request import EngineError, SamplingParams
+
+ROLES = ("system", "user", "assistant")
+_Code = grpc.StatusCode
+# Failures grpc-core reports for a connection (not statuses a scheduler sends itself).
+_CONNECTION_ERRORS = ("failed to connect", "connections to all backends failing", "socket closed",
+                      "connection reset", "connection refused", "broken pipe", "goaway", "endpoint closing")
+ABORT_TIMEOUT = 10.0      # seconds for a forwarded Abort
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")      # "messages[1].role: ..."
+
+
+class Status(Exception):
+    """End the request with this gRPC status ``code`` and ``message``. ``param``: the request
+    field the message names (``max_tokens``, ``stop``, ``messages[1].role``, ``temperature``), None when
+    none; ``usage``: the usage so far of a request whose deadline passed."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, usage: common_pb2.Usage | None = None):
+        super().__init__(message)
+        self.code, self.message, self.usage = code, message, usage
+
+    @property
+    def param(self) -> str | None:
+        if self.code != _Code.INVALID_ARGUMENT:
+            return None
+        m = _FIELD.match(self.message)
+        if m is None:
+            return None
+        name = m.group(1)
+        if name == "sampling":          # "sampling: temperature must be >= 0, got -1"
+            word = self.message.split(":", 1)[1].split()
+            return word[0] if word else name
+        return name.removeprefix("sampling.")
+
+
+def invalid(message: str) -> Status:
+    return Status(_Code.INVALID_ARGUMENT, message)
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request streaming through this gateway."""
+
+    call: grpc.aio.UnaryStreamCall
+    aborted: bool = False     # set by an Abort
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A validated request, ready for :meth:`RequestPath.stream`. ``forward``: the sampling
+    message sent upstream (``max_tokens`` set, stop strings removed); ``params``: the engine's
+    view of it (with the stop strings); ``timeout``: the deadline in seconds."""
+
+    request_id: str
+    session_id: str
+    prompt_ids: list[int]
+    forward: common_pb2.SamplingParams
+    params: SamplingParams
+    timeout: float
+    detok: IncrementalDetokenizer
+
+
+class RequestPath:
+    """Validation, tokenizing and streaming of requests to the scheduler at ``cfg.scheduler_address``
+    over ``channel``. ``info`` (the scheduler's GetModelInfo) and ``text`` (tokenizer front end)
+    are None until :meth:`set_model`; ``live`` holds the requests in flight by id; ``serving`` is
+    the gateway's health (True once the scheduler answered and while its connection is up)."""
+
+    def __init__(self, cfg: GatewayConfig, channel: grpc.aio.Channel):
+        self.cfg, self.channel = cfg, channel
+        self.stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        self.info: scheduler_pb2.GetModelInfoResponse | None = None
+        self.text = None                      # kvmesh.llm._TextFront with the model's tokenizer
+        self.model_names: set[str] = set()
+        self.live: dict[str, _Live] = {}
+        self.serving = False
+        self.tracer = telemetry.setup_tracing(telemetry.GATEWAY)    # no-op unless OTEL_TRACES_EXPORTER is set
+        from kvmesh.metrics import GatewayMetrics
+        self.metrics = GatewayMetrics(self)
+
+    def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
+        from kvmesh.llm import _TextFront
+        from workers.registry import canonical_name
+        text = _TextFront()
+        text.tokenizer = tokenizer
+        self.text, self.info = text, info
+        self.model_names = {info.name} | ({canonical_name(info.name)} - {None})
+
+    def check_ready(self) -> None:
+        """Status UNAVAILABLE while the gateway has not reached the scheduler yet."""
+        if self.info is None:
+            raise Status(_Code.UNAVAILABLE, f"the gateway is starting: waiting for the scheduler at "
+                                            f"{self.cfg.scheduler_address}")
+
+    def span(self, name: str, operation: str, request, carrier: Iterable | None):
+        """The request's SERVER span ``kvmesh.gateway.<name>``, current while the request runs: a
+        child of the caller's span when ``carrier`` (gRPC metadata or HTTP headers, (key, value)
+        pairs) holds a W3C ``traceparent``, else a root."""
+        return self.tracer.start_as_current_span(
+            f"kvmesh.gateway.{name}", context=telemetry.extract_metadata(carrier),
+            kind=trace.SpanKind.SERVER, attributes={
+                "gen_ai.operation.name": operation, "gen_ai.request.model": request.model or self.info.name,
+                "kvmesh.request_id": request.request_id, "kvmesh.session_id": request.session_id})
+
+    # ---- validation ------------------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model and model not in self.model_names:
+            raise invalid(f"model: unknown model {model!r}; this gateway serves {self.info.name!r}")
+
+    def check_limits(self, request) -> None:
+        """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
+        only, so that an oversize request costs nothing more."""
+        c = self.cfg
+        for name in ("request_id", "session_id"):
+            if (n := len(getattr(request, name))) > c.max_id_length:
+                raise invalid(f"{name}: {n} characters exceeds max_id_length ({c.max_id_length})")
+        sp = request.sampling
+        if len(sp.stop) > c.max_stop_strings:
+            raise invalid(f"sampling.stop: {len(sp.stop)} stop strings exceeds max_stop_strings "
+                          f"({c.max_stop_strings})")
+        if (n := sum(map(len, sp.stop))) > c.max_stop_chars:
+            raise invalid(f"sampling.stop: {n} characters in all exceeds max_stop_chars ({c.max_stop_chars})")
+        if len(sp.stop_token_ids) > c.max_stop_token_ids:
+            raise invalid(f"sampling.stop_token_ids: {len(sp.stop_token_ids)} ids exceeds max_stop_token_ids "
+                          f"({c.max_stop_token_ids})")
+
+    async def prompt_ids(self, request: llm_pb2.GenerateRequest | llm_pb2.ChatRequest) -> list[int]:
+        """The prompt token ids of a request: a text prompt or a conversation (chat template)
+        tokenized off the event loop (a huge prompt must not stall other streams), or the
+        request's own ids, checked against the vocabulary."""
+        if isinstance(request, llm_pb2.ChatRequest):
+            return await asyncio.to_thread(self.encode_chat, request.messages)
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            _, ids = await asyncio.to_thread(self.text.encode_prompt, request.prompt)  # EngineError if empty
+            return ids
+        if kind == "prompt_token_ids":
+            self.check_prompt_len(len(request.prompt_token_ids.ids))     # before reading them
+            return self._check_ids(list(request.prompt_token_ids.ids))
+        raise invalid("prompt: a prompt or prompt_token_ids is required")
+
+    def check_prompt_len(self, n: int) -> None:
+        """``max_prompt_tokens``, and room for one output token within ``max_model_len``."""
+        limit, mml = self.cfg.max_prompt_tokens, self.info.max_model_len
+        if limit and n > limit:
+            raise invalid(f"prompt: {n} tokens exceeds max_prompt_tokens ({limit})")
+        if n >= mml:
+            raise invalid(f"prompt: {n} tokens leave no room for output within max_model_len {mml}")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise invalid("prompt_token_ids: empty")
+        bad = next((t for t in ids if t >= self.info.vocab_size), None)
+        if bad is not None:
+            raise invalid(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.info.vocab_size})")
+        return ids
+
+    def encode_chat(self, messages) -> list[int]:
+        """Chat messages → prompt token ids with the model's chat template."""
+        if not messages:
+            raise invalid("messages: at least one message is required")
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise invalid(f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(ROLES)})")
+        return self.text.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+
+    def _sampling(self, msg: common_pb2.SamplingParams, n_prompt: int
+                  ) -> tuple[common_pb2.SamplingParams, SamplingParams]:
+        """Apply the max_tokens rules (gateway.server's docstring) and validate. Returns the
+        message to forward (max_tokens set, stop strings removed: they are the gateway's) and the
+        engine params (with the stop strings)."""
+        from scheduler.service import sampling_params_from_proto
+        limit = self.info.max_model_len
+        room = limit - n_prompt             # >= 1: check_prompt_len
+        fwd = common_pb2.SamplingParams()
+        fwd.CopyFrom(msg)
+        if fwd.HasField("max_tokens"):
+            asked = fwd.max_tokens
+            fwd.max_tokens = min(asked, self.cfg.max_tokens_cap)
+            if fwd.max_tokens > room:
+                capped = f", capped to {fwd.max_tokens}" if asked > fwd.max_tokens else ""
+                raise invalid(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({asked}{capped}) "
+                              f"exceeds max_model_len {limit}; at most {room} tokens fit")
+        else:
+            fwd.max_tokens = min(self.cfg.default_max_tokens, self.cfg.max_tokens_cap, room)
+        try:
+            params = sampling_params_from_proto(fwd)
+        except EngineError as e:
+            raise invalid(f"sampling: {e}") from None
+        fwd.ClearField("stop")
+        return fwd, params
+
+    def _timeout(self, request, time_left: float | None) -> float:
+        """The request's deadline in seconds: its ``timeout`` (default ``default_timeout``, at most
+        ``max_timeout``), at most ``time_left`` (the client's own deadline; None = none)."""
+        if request.HasField("timeout"):
+            t = request.timeout.seconds + request.timeout.nanos / 1e9
+            if t <= 0:
+                raise invalid(f"timeout: must be > 0 seconds, got {t:g}")
+            if t > self.cfg.max_timeout:
+                raise invalid(f"timeout: {t:g} s exceeds the gateway's max_timeout of {self.cfg.max_timeout:g} s")
+        else:
+            t = self.cfg.default_timeout
+        return t if time_left is None else min(t, time_left)
+
+    async def prepare(self, request, prompt_ids: list[int], time_left: float | None = None) -> Prepared:
+        """Validate the rest of a request whose prompt is ``prompt_ids`` (a ``GenerateRequest`` or
+        ``ChatRequest``); ``time_left``: the client's own deadline in seconds, if any."""
+        self.check_prompt_len(len(prompt_ids))
+        fwd, params = self._sampling(request.sampling, len(prompt_ids))
+        timeout = self._timeout(request, time_left)
+        # the stop strings' automaton costs O(their characters): built off the event loop
+        make_detok = functools.partial(IncrementalDetokenizer, self.text.tokenizer, prompt_ids, stop=params.stop,
+                                       skip_special_tokens=params.skip_special_tokens)
+        detok = await asyncio.to_thread(make_detok) if params.stop else make_detok()
+        return Prepared(request.request_id or uuid.uuid4().hex, request.session_id, prompt_ids, fwd, params,
+                        timeout, detok)
+
+    # ---- streaming -------------------------------------------------------------------------
+    async def stream(self, p: Prepared) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        """Submit ``p`` upstream and yield its messages (gateway.server's docstring: one per
+        scheduler message that carries token ids or text, the last with ``finished``).
+
+        Raises:
+            Status: ALREADY_EXISTS (the id is in flight here), DEADLINE_EXCEEDED (with ``usage``
+                so far; the scheduler aborted the request), the scheduler's own status, or
+                UNAVAILABLE when it cannot be reached or ended the stream early.
+        Closing the iterator (or cancelling its consumer) cancels the upstream call: the
+        scheduler aborts the request and frees its KV blocks at its next step.
+        """
+        rid, prompt_ids, detok, params = p.request_id, p.prompt_ids, p.detok, p.params
+        if rid in self.live:
+            raise Status(_Code.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({"kvmesh.request_id": rid, "gen_ai.request.max_tokens": p.forward.max_tokens,
+                                 "gen_ai.request.temperature": params.temperature,
+                                 "gen_ai.usage.input_tokens": len(prompt_ids)})
+        t0 = time.monotonic()
+        t_first = None
+        call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                                            sampling=p.forward, session_id=p.session_id),
+                                timeout=p.timeout, metadata=telemetry.inject_metadata(span))
+        live = self.live[rid] = _Live(call)
+        usage = common_pb2.Usage()      # what the scheduler reported so far (cached tokens, speculation)
+        try:
+            try:
+                async for up in call:
+                    if t_first is None and up.token_ids:
+                        t_first = time.monotonic()
+                        self.metrics.first_token(t_first - t0)
+                    if up.HasField("usage"):
+                        usage.MergeFrom(up.usage)
+                    delta, ids = _add_tokens(detok, up.token_ids)
+                    out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=ids)
+                    if params.logprobs is not None:
+                        out.logprobs.extend(up.logprobs)
+                    if delta.stop_string is not None:       # end upstream now, report STOP
+                        self._end_upstream(rid, live)       # the id is free before the client has the end
+                        _finish(out, common_pb2.FINISH_REASON_STOP, delta.stop_string,
+                                _usage(usage, prompt_ids, detok), _timings(up, t0, t_first))
+                    elif up.finished:
+                        out.text += detok.flush()
+                        if detok.stop_string is not None:   # matched in the flushed tail
+                            _finish(out, common_pb2.FINISH_REASON_STOP, detok.stop_string, up.usage, up.timings)
+                        else:
+                            _finish(out, up.finish_reason, up.stop_reason, up.usage, up.timings)
+                    if out.token_ids or out.text or out.finished:
+                        yield out
+                    if out.finished:
+                        _span_finished(span, out, up.replica)
+                        return
+            except asyncio.CancelledError:
+                # an Abort cancelled the upstream call (not the consumer being cancelled)
+                if not live.aborted or asyncio.current_task().cancelling():
+                    raise
+                out = llm_pb2.GenerateResponse(request_id=rid, text=detok.flush())
+                _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(usage, prompt_ids, detok),
+                        _timings(None, t0, t_first))
+                _span_finished(span, out, None)
+                yield out
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == _Code.DEADLINE_EXCEEDED:
+                    raise Status(_Code.DEADLINE_EXCEEDED, f"request {rid}: deadline of {p.timeout:.3g} s exceeded "
+                                                          "(the request was aborted)",
+                                 usage=_usage(usage, prompt_ids, detok)) from None
+                raise self.upstream_status(e) from None
+            raise Status(_Code.UNAVAILABLE, f"the scheduler at {self.cfg.scheduler_address} ended request "
+                                            f"{rid} without a final message")
+        finally:
+            self._end_upstream(rid, live)
+
+    async def abort(self, rid: str) -> bool:
+        """Abort request ``rid``: one of this gateway has its upstream call cancelled (its stream
+        ends with FINISH_REASON_ABORT); another id goes to the scheduler's Abort. Returns whether
+        it was found. Raises Status for a failed scheduler call."""
+        live = self.live.get(rid)
+        if live is not None:
+            live.aborted = True
+            live.call.cancel()
+            return True
+        try:
+            r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid), timeout=ABORT_TIMEOUT)
+        except grpc.aio.AioRpcError as e:
+            raise self.upstream_status(e) from None
+        return r.found
+
+    def _end_upstream(self, rid: str, live: _Live) -> None:
+        """Cancel the upstream call (a no-op when it finished; else the scheduler aborts the
+        request) and free the id. Idempotent."""
+        live.call.cancel()
+        if self.live.get(rid) is live:
+            del self.live[rid]
+
+    def upstream_status(self, e: grpc.aio.AioRpcError) -> Status:
+        """The status to answer for a failed scheduler call: the scheduler's own status as is,
+        UNAVAILABLE 'scheduler at ADDR unreachable: ...' for a connection failure, UNAVAILABLE for
+        a call the scheduler cancelled (it was shutting down: retry elsewhere)."""
+        details = e.details() or e.code().name
+        if e.code() == _Code.UNAVAILABLE and (
+                any(s in details.lower() for s in _CONNECTION_ERRORS)
+                or self.channel.get_state() != grpc.ChannelConnectivity.READY):
+            return Status(_Code.UNAVAILABLE, f"scheduler at {self.cfg.scheduler_address} unreachable: {details}")
+        if e.code() == _Code.CANCELLED:    # the scheduler dropped the call (we cancel ours differently)
+            return Status(_Code.UNAVAILABLE, f"scheduler at {self.cfg.scheduler_address} cancelled the "
+                                             f"request: {details}")
+        return Status(e.code(), details)
+
+    def cancel_all(self) -> None:
+        """Cancel every upstream call (server shutdown)."""
+        for live in list(self.live.values()):
+            live.call.cancel()
+
+
+def _finish(out: llm_pb2.GenerateResponse, reason: int, stop_reason: str,
+            usage: common_pb2.Usage, timings: common_pb2.Timings) -> None:
+    out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
+    out.usage.CopyFrom(usage)
+    out.timings.CopyFrom(timings)
+
+
+def _span_finished(span, out: llm_pb2.GenerateResponse, replica: int | None) -> None:
+    """The request span's attributes from the final message."""
+    if not span.is_recording():
+        return
+    reason = common_pb2.FinishReason.Name(out.finish_reason).removeprefix("FINISH_REASON_").lower()
+    span.set_attributes({"gen_ai.response.finish_reasons": [reason], "kvmesh.finish_reason": reason,
+                         "gen_ai.usage.input_tokens": out.usage.prompt_tokens,
+                         "gen_ai.usage.output_tokens": out.usage.completion_tokens,
+                         "kvmesh.prefix_cache.hit_tokens": out.usage.cached_prompt_tokens,
+                         "kvmesh.ttft_s": out.timings.ttft, "kvmesh.e2e_latency_s": out.timings.e2e_latency})
+    if out.stop_reason:
+        span.set_attribute("kvmesh.stop_reason", out.stop_reason)
+    if replica is not None:
+        span.set_attribute("kvmesh.replica", replica)
+
+
+def _add_tokens(detok: IncrementalDetokenizer, token_ids) -> tuple[DetokenizerDelta, list[int]]:
+    """Feed a message's token ids one at a time: with speculative decoding one message may
+    carry several, and a stop string completing inside them ends the output at that token
+    (the ids after it are dropped, as their text is). Returns the delta and the ids kept."""
+    text, ids = [], []
+    for t in token_ids:
+        d = detok.add_tokens([t])
+        text.append(d.text)
+        ids.append(t)
+        if d.stop_string is not None:
+            return DetokenizerDelta("".join(text), d.stop_string), ids
+    return DetokenizerDelta("".join(text), None), ids
+
+
+def _usage(known: common_pb2.Usage, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
+    """Usage of a request the gateway ended (stop string, Abort, deadline): the cached prompt
+    tokens and speculation counts the scheduler reported so far (``known``), the tokens it received."""
+    usage = common_pb2.Usage()
+    usage.CopyFrom(known)
+    usage.prompt_tokens, usage.completion_tokens = len(prompt_ids), detok.num_output_tokens
+    return usage
+
+
+def _timings(up, t0: float, t_first: float | None) -> common_pb2.Timings:
+    """Timings (seconds) of a request the gateway ended, on its own clock from Submit; the
+    scheduler's queue time and ttft when its message carried them."""
+    now = time.monotonic()
+    if up is not None and up.HasField("timings"):
+        queue, ttft = up.timings.queue_time, up.timings.ttft
+    else:
+        queue, ttft = 0.0, (t_first - t0 if t_first else 0.0)
+    return common_pb2.Timings(queue_time=queue, ttft=ttft, decode_time=now - t_first if t_first else 0.0,
+                              e2e_latency=now - t0)
