@@ -107,6 +107,15 @@ ENGINE_FLAGS: list[tuple[str, str, dict]] = [
     ("--compile", "enable_compile", dict(action="store_const", const=True,
                                          help="compile decode steps with torch.compile, one graph per batch bucket "
                                               "(native attention backend; compiled at start-up). Default: eager")),
+    ("--kv-offload-host-memory", "kv_offload_host_memory", dict(
+        type=_memory, metavar="BYTES", help="keep KV blocks evicted from the pool in this much host memory "
+                                            "(e.g. 4GiB; LRU) and load them back instead of recomputing (default off)")),
+    ("--kv-offload-redis-url", "kv_offload_redis_url", dict(
+        metavar="URL", help="keep evicted KV blocks in this Redis too, shared by replicas (redis://host:port/db)")),
+    ("--kv-offload-redis-ttl", "kv_offload_redis_ttl", dict(type=float, metavar="SECONDS",
+                                                            help="lifetime of a block in the Redis tier (3600; 0 = none)")),
+    ("--kv-offload-prefix", "kv_offload_prefix", dict(metavar="PREFIX",
+                                                      help="key prefix in the Redis tier (kvmesh)")),
 ]
 
 

@@ -87,7 +87,7 @@ def _coerce_strings(obj) -> None:
             try:
                 if f.type == "bool":
                     v = v.strip().lower() in ("1", "true", "yes", "on")
-                elif f.name == "kv_cache_memory":
+                elif f.name in ("kv_cache_memory", "kv_offload_host_memory"):
                     v = _parse_bytes(v)
                 else:
                     v = int(v) if f.type == "int" else float(v)
@@ -171,6 +171,13 @@ class EngineConfig:
             at start-up (``--compile``). Off by default for now: Dynamo keeps each engine's
             graphs (keyed to that engine's modules) for the life of the process, so a process
             that creates many engines (tests, restarts) accumulates them.
+        kv_offload_host_memory: bytes of host memory (``"4GiB"`` accepted) that keep KV blocks
+            evicted from the pool, least recently used dropped first (0 = no host tier;
+            docs/kvstore.md, "KV tiers").
+        kv_offload_redis_url: a Redis shared by replicas that keeps evicted KV blocks
+            (``redis://host:port/db``; empty = none).
+        kv_offload_redis_ttl: seconds a block lives in the Redis tier (0 = no expiry).
+        kv_offload_prefix: key prefix in the Redis tier (one per deployment).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -200,6 +207,10 @@ class EngineConfig:
     num_threads: int = 0
     attention_backend: str = "auto"
     enable_compile: bool = False
+    kv_offload_host_memory: float = 0
+    kv_offload_redis_url: str = ""
+    kv_offload_redis_ttl: float = 3600.0
+    kv_offload_prefix: str = "kvmesh"
 
     ENV_PREFIX = "KVMESH_"
 
@@ -212,6 +223,18 @@ class EngineConfig:
         _coerce_strings(self)
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = _parse_bytes(self.kv_cache_memory)
+        if isinstance(self.kv_offload_host_memory, str):
+            self.kv_offload_host_memory = _parse_bytes(self.kv_offload_host_memory)
+        if self.kv_offload_host_memory < 0:
+            raise EngineError(f"kv_offload_host_memory must be >= 0 bytes, got {self.kv_offload_host_memory}")
+        if self.kv_offload_redis_url and not self.kv_offload_redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise EngineError(f"kv_offload_redis_url must be redis://host:port/db (or rediss://, unix://), "
+                              f"got {self.kv_offload_redis_url!r}")
+        if self.kv_offload_redis_ttl < 0:
+            raise EngineError(f"kv_offload_redis_ttl must be >= 0 seconds, got {self.kv_offload_redis_ttl}")
+        if self.kv_offload and self.speculative_method == "draft":
+            raise EngineError("KV offload (kv_offload_host_memory, kv_offload_redis_url) does not keep a draft "
+                              "model's KV: use it without speculative_method 'draft'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise EngineError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -241,6 +264,11 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise EngineError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                               f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def kv_offload(self) -> bool:
+        """A KV tier below the pool is configured (host memory or Redis)."""
+        return self.kv_offload_host_memory > 0 or bool(self.kv_offload_redis_url)
 
     @property
     def torch_dtype(self) -> torch.dtype:

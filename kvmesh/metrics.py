@@ -95,6 +95,12 @@ SCHEDULER_METRICS = {
     "kvmesh:spec_decode_num_accepted_tokens_total": "counter",
     "kvmesh:spec_decode_num_emitted_tokens_total": "counter",
     "kvmesh:spec_decode_propose_seconds_total": "counter",
+    "kvmesh:kv_tier_hits_total": "counter",
+    "kvmesh:kv_tier_bytes_loaded_total": "counter",
+    "kvmesh:kv_tier_bytes_stored_total": "counter",
+    "kvmesh:kv_tier_load_seconds_total": "counter",
+    "kvmesh:kv_tier_integrity_failures_total": "counter",
+    "kvmesh:kv_tier_unavailable_total": "counter",
     "kvmesh:router_requests_total": "counter",
     "kvmesh:router_prefix_routed_total": "counter",
     "kvmesh:router_fallbacks_total": "counter",
@@ -262,6 +268,7 @@ class _ReplicaCollector:
         up_total.add_metric([model], sum(r.healthy for r in replicas))
         yield from (running, waiting, usage, queries, hits, re_queries, re_hits, preempt, propose, blocks, per_token,
                     concurrency, up, restarts, up_total)
+        yield from self._tiers(model, replicas)
         router = self.service.router
         if router is not None:
             st = router.stats
@@ -274,6 +281,36 @@ class _ReplicaCollector:
                 c = CounterMetricFamily(name, doc, labels=["model_name"])
                 c.add_metric([model], value)
                 yield c
+
+
+    @staticmethod
+    def _tiers(model: str, replicas):
+        """KV tiers below each replica's pool (docs/kvstore.md, "KV tiers")."""
+        labels, tiered = ["model_name", "replica", "tier"], ["model_name", "replica"]
+        hits = CounterMetricFamily("kvmesh:kv_tier_hits", "KV blocks loaded from a tier below the pool instead "
+                                   "of recomputed.", labels=labels)
+        loaded = CounterMetricFamily("kvmesh:kv_tier_bytes_loaded", "Bytes of KV blocks loaded from a tier.",
+                                     labels=labels)
+        stored = CounterMetricFamily("kvmesh:kv_tier_bytes_stored", "Bytes of evicted KV blocks stored in a tier "
+                                     "(redis: queued for writing).", labels=labels)
+        seconds = CounterMetricFamily("kvmesh:kv_tier_load_seconds", "Time spent looking up KV blocks in the tiers "
+                                      "and copying them into the pool (seconds).", labels=tiered)
+        bad = CounterMetricFamily("kvmesh:kv_tier_integrity_failures", "Stored KV blocks found corrupted or in "
+                                  "another format (recomputed).", labels=tiered)
+        down = CounterMetricFamily("kvmesh:kv_tier_unavailable", "Look-ups that found the Redis tier down or slow "
+                                   "(recomputed).", labels=tiered)
+        for r in replicas:
+            st, lv = r.aengine.stats, [model, str(r.index)]
+            hits.add_metric(lv + ["host"], st.kv_tier_host_hits)
+            hits.add_metric(lv + ["redis"], st.kv_tier_redis_hits)
+            loaded.add_metric(lv + ["host"], st.kv_tier_host_bytes_loaded)
+            loaded.add_metric(lv + ["redis"], st.kv_tier_redis_bytes_loaded)
+            stored.add_metric(lv + ["host"], st.kv_tier_host_bytes_stored)
+            stored.add_metric(lv + ["redis"], st.kv_tier_redis_bytes_stored)
+            seconds.add_metric(lv, st.kv_tier_load_seconds)
+            bad.add_metric(lv, st.kv_tier_integrity_failures)
+            down.add_metric(lv, st.kv_tier_unavailable)
+        yield from (hits, loaded, stored, seconds, bad, down)
 
 
 class GatewayMetrics:

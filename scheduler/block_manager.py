@@ -16,6 +16,13 @@ resident memory grows with the cache up to the pool's size (``kv_cache_memory``)
 
 KV events (:mod:`kvstore.events`) go out through ``sink`` when a hashed block becomes
 reusable (stored) or is evicted (removed).
+
+With KV tiers below the pool (:mod:`kvstore.tiers`, ``offload``), every evicted cached block is
+also recorded as ``(hash, block id)`` (:meth:`take_evicted`): its K/V is still intact until the
+next model step writes the block, and the engine copies it out before that step. With
+``write_through``, every block that becomes cached is recorded too (:meth:`take_new_cached`). Blocks found
+in a lower tier at admission come in through ``allocate(..., loaded=n)``: newly allocated
+blocks, counted as computed and as cache hits, that the engine fills before the step.
 """
 
 from __future__ import annotations
@@ -70,6 +77,11 @@ class BlockManager:
         self.queries = self.hits = 0
         self.preempted_queries = self.preempted_hits = 0
         self._events: list[KVEvent] = []
+        self.offload = False                      # record evicted blocks for the KV tiers
+        self.write_through = False                # record newly cached blocks for the KV tiers
+        self._evicted: list[tuple[int, int]] = []     # (block hash, block id), since take_evicted
+        self._new_cached: list[tuple[int, int]] = []  # (block hash, block id), since take_new_cached
+        self._loading = False
 
     # ---- queries ---------------------------------------------------------------------
     @property
@@ -125,12 +137,15 @@ class BlockManager:
         return blocks
 
     # ---- allocation ------------------------------------------------------------------
-    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = (), loaded: int = 0) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens after its computed ones.
 
         ``cached_blocks`` (at admission only) are prefix-cache hits from
-        :meth:`find_cached_prefix`; they are shared and count as computed. Returns False
-        (and changes nothing) when the pool cannot supply the blocks.
+        :meth:`find_cached_prefix`; they are shared and count as computed. ``loaded`` (at
+        admission only): the next that many blocks come from a lower KV tier: they are
+        allocated here (``req.block_table[len(cached_blocks):][:loaded]``), count as computed
+        and as hits, and are registered in the prefix cache; the caller fills them before
+        the next step. Returns False (and changes nothing) when the pool cannot supply the blocks.
 
         An admission (a request holding no blocks yet) records its look-up once: a request's
         first admission adds its prompt to ``queries`` and its hits to ``hits`` and
@@ -139,12 +154,12 @@ class BlockManager:
         """
         reused_free = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
         have = len(req.block_table) + len(cached_blocks)
-        computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
+        computed = req.num_computed_tokens + (len(cached_blocks) + loaded) * self.block_size
         need = self.blocks_needed(computed + num_new_tokens) - have
         if max(need, 0) + reused_free > len(self.free_queue):
             return False
         if self.enable_prefix_caching and not req.block_table:      # an admission
-            hit = len(cached_blocks) * self.block_size
+            hit = (len(cached_blocks) + loaded) * self.block_size
             if req.num_preemptions == 0:      # usage reports the first admission's hits only
                 self.queries += req.num_tokens
                 self.hits += hit
@@ -161,6 +176,13 @@ class BlockManager:
             req.num_computed_tokens = computed
         for _ in range(need):
             req.block_table.append(self._pop_free())
+        if loaded:
+            req.num_computed_tokens = computed
+            self._loading = True              # registered, but not new: no write-through
+            try:
+                self.cache_full_blocks(req)
+            finally:
+                self._loading = False
         return True
 
     def _pop_free(self) -> int:
@@ -171,6 +193,8 @@ class BlockManager:
             if self.cached.get(h) == b:
                 del self.cached[h]
                 self._events.append(BlockRemoved((h,)))
+                if self.offload:
+                    self._evicted.append((h, b))
         self.ref_count[b] = 1
         return b
 
@@ -189,6 +213,8 @@ class BlockManager:
                 continue
             self.block_hash[b] = h
             self.cached[h] = b
+            if self.write_through and not self._loading:
+                self._new_cached.append((h, b))
             if first is None:
                 first = i
             new.append(h)
@@ -223,13 +249,30 @@ class BlockManager:
             if self.block_hash[b] is None:
                 self.free_queue.move_to_end(b, last=False)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached (unreferenced) block; emptied, they move to the free queue's front."""
+    def reset_prefix_cache(self, offload: bool = False) -> None:
+        """Forget every cached (unreferenced) block; emptied, they move to the free queue's front.
+        ``offload``: they count as evicted (:meth:`take_evicted`), so with KV tiers they move to
+        the tiers below (the pool's cache is emptied, the lower tiers keep them)."""
         for b in [b for b in self.free_queue if self.block_hash[b] is not None]:
+            if offload and self.offload and self.cached.get(self.block_hash[b]) == b:
+                self._evicted.append((self.block_hash[b], b))
             self.block_hash[b] = None
             self.free_queue.move_to_end(b, last=False)
         self.cached = {h: b for h, b in self.cached.items() if self.ref_count[b] > 0}
         self._events.append(AllBlocksCleared())
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """``(block hash, block id)`` of the cached blocks evicted since the last call (with
+        ``offload`` only). Their K/V is intact until the next model step writes them."""
+        ev, self._evicted = self._evicted, []
+        return ev
+
+    def take_new_cached(self) -> list[tuple[int, int]]:
+        """``(block hash, block id)`` of the blocks that became cached since the last call (with
+        ``write_through`` only; blocks loaded from a tier are not listed). Full and computed:
+        their K/V does not change while they stay cached."""
+        new, self._new_cached = self._new_cached, []
+        return new
 
     def take_events(self) -> list[KVEvent]:
         """Events since the last call; also forwards them to the sink."""

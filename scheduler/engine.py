@@ -95,6 +95,17 @@ class EngineStats:
     num_preemptions: int = 0
     spec_propose_seconds: float = 0.0
     num_added: int = 0
+    # KV tiers below the pool (kvstore.tiers.TierStats): blocks loaded, bytes, seconds
+    kv_tier_host_hits: int = 0
+    kv_tier_redis_hits: int = 0
+    kv_tier_host_bytes_loaded: int = 0
+    kv_tier_redis_bytes_loaded: int = 0
+    kv_tier_host_bytes_stored: int = 0
+    kv_tier_redis_bytes_stored: int = 0
+    kv_tier_blocks_offloaded: int = 0
+    kv_tier_load_seconds: float = 0.0          # look-ups and copies into the pool
+    kv_tier_integrity_failures: int = 0
+    kv_tier_unavailable: int = 0
 
 
 def model_identity(model_dir: Path, name: str, cfg: EngineConfig, kv_dtype: torch.dtype) -> str:
@@ -170,6 +181,7 @@ class LLMEngine:
                                    speculative_method=cfg.speculative_method,
                                    num_speculative_tokens=cfg.num_speculative_tokens,
                                    speculative_adaptive=cfg.speculative_adaptive)
+        self.tiers = self._make_tiers(cfg, mcfg, executor)
         self.lock = threading.RLock()
         self._emitted: dict[str, int] = {}
         self._finished_out: list[EngineOutput] = []
@@ -178,6 +190,27 @@ class LLMEngine:
         self.num_steps = 0
         self.num_added = 0                       # add_request calls, accepted or not
         self.spec_propose_seconds = 0.0          # time spent proposing (ngram here, draft in the runner)
+
+    def _make_tiers(self, cfg: EngineConfig, mcfg, executor):
+        """The KV tiers below the pool (:mod:`kvstore.tiers`), or None when none is configured.
+        Raises EngineError when the engine cannot use them."""
+        if not cfg.kv_offload:
+            return None
+        if not cfg.enable_prefix_caching:
+            raise EngineError("KV offload (kv_offload_host_memory, kv_offload_redis_url) needs prefix caching")
+        if not hasattr(executor, "save_blocks"):
+            raise EngineError(f"KV offload: executor {type(executor).__name__} cannot save or load KV blocks")
+        from kvstore.tiers import BlockLayout, KVTiers
+        from workers.kv_cache import is_quantized, kv_dtype
+        dt = kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype)
+        layout = BlockLayout(str(dt).removeprefix("torch."), dt.itemsize, cfg.block_size, mcfg.num_kv_heads,
+                             mcfg.head_dim, tuple(tuple(r) for r in executor.kv_layer_ranges), is_quantized(dt))
+        tiers = KVTiers(layout, int(cfg.kv_offload_host_memory), cfg.kv_offload_redis_url, cfg.kv_offload_prefix,
+                        cfg.kv_offload_redis_ttl)
+        self.block_manager.offload = tiers.host is not None
+        self.block_manager.write_through = tiers.redis is not None
+        self.scheduler.tiers = tiers
+        return tiers
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
@@ -262,12 +295,22 @@ class LLMEngine:
         """The state readers see (:class:`EngineStats`), taken under the lock."""
         with self.lock:
             s, b = self.scheduler, self.block_manager.stats()
-            return EngineStats(len(s.waiting), len(s.running),
-                               sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
-                               sum(r.num_tokens for r in s.running), b.num_blocks, b.used, b.cached,
-                               b.prefix_cache_queries, b.prefix_cache_hits, b.preempted_queries, b.preempted_hits,
-                               self.num_steps, s.num_preemptions,
-                               self.spec_propose_seconds, self.num_added)
+            st = EngineStats(len(s.waiting), len(s.running),
+                             sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                             sum(r.num_tokens for r in s.running), b.num_blocks, b.used, b.cached,
+                             b.prefix_cache_queries, b.prefix_cache_hits, b.preempted_queries, b.preempted_hits,
+                             self.num_steps, s.num_preemptions,
+                             self.spec_propose_seconds, self.num_added)
+            if self.tiers is not None:
+                t = self.tiers.stats
+                st.kv_tier_host_hits, st.kv_tier_redis_hits = t.hits["host"], t.hits["redis"]
+                st.kv_tier_host_bytes_loaded, st.kv_tier_redis_bytes_loaded = t.bytes_loaded["host"], t.bytes_loaded["redis"]
+                st.kv_tier_host_bytes_stored, st.kv_tier_redis_bytes_stored = t.bytes_stored["host"], t.bytes_stored["redis"]
+                st.kv_tier_blocks_offloaded = t.blocks_offloaded
+                st.kv_tier_load_seconds = t.lookup_seconds + t.load_seconds
+                st.kv_tier_integrity_failures = t.integrity_failures + t.format_mismatches
+                st.kv_tier_unavailable = t.unavailable
+            return st
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -289,16 +332,44 @@ class LLMEngine:
         executor. None when there is nothing to run."""
         with self.lock, torch.profiler.record_function("schedule"):
             sched = self.scheduler.schedule(busy=self._in_flight)
+            evicted, new = self.block_manager.take_evicted(), self.block_manager.take_new_cached()
             if sched.empty:
+                if evicted or new:
+                    self._move_blocks(evicted, new, [])
                 return None
             ids = {s.req.request_id for s in sched.seqs}
             self._in_flight |= ids
         try:
+            if evicted or new or sched.kv_loads:
+                self._move_blocks(evicted, new, sched.kv_loads)
             handle = self.executor.submit(sched)
         except BaseException:
             self._settle(ids)
             raise
         return InFlightStep(sched, ids, handle)
+
+    def _move_blocks(self, evicted: list[tuple[int, int]], new: list[tuple[int, int]], loads: list) -> None:
+        """KV tiers, before a step: copy out of the pool the blocks evicted by its scheduling
+        (to the host tier; their K/V is intact until the step runs) and the blocks that became
+        cached since the last step (to Redis, write-through), then fill the blocks admitted
+        from a tier. Raises EngineError when the executor fails."""
+        if evicted or new:
+            moved = evicted + new
+            bodies = self.executor.save_blocks([b for _, b in moved])
+            self.tiers.offload([h for h, _ in evicted], bodies[:len(evicted)])
+            self.tiers.publish([h for h, _ in new], bodies[len(evicted):])
+        if loads:
+            t0 = time.perf_counter()
+            ids = [b for block_ids, _ in loads for b in block_ids]
+            bodies = [f.bodies for _, fetched in loads for f in fetched]
+            self.executor.load_blocks(ids, bodies)
+            self.tiers.stats.load_seconds += time.perf_counter() - t0
+
+    def reset_prefix_cache(self, offload: bool = False) -> None:
+        """Empty the pool's prefix cache; ``offload``: its blocks move to the KV tiers below
+        (copied out before the next step), as if evicted."""
+        with self.lock:
+            self.block_manager.reset_prefix_cache(offload=offload)
 
     def complete_step(self, step: "InFlightStep") -> list[EngineOutput]:
         """Wait for a submitted micro-batch and apply its results (in submission order)."""
@@ -368,6 +439,8 @@ class LLMEngine:
             time.monotonic() if finished else None, req.num_drafts, req.num_draft_tokens, req.num_accepted_tokens)
 
     def shutdown(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
         self.executor.shutdown()
 
 

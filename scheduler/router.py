@@ -11,6 +11,13 @@ Policies (``SchedulerConfig.routing``):
 
       prefix_weight * cached_blocks / prompt_blocks  -  load_weight * load_tokens / pool_tokens
 
+  With a KV tier shared by the replicas (Redis, written through: :mod:`kvstore.tiers`), a block
+  that another replica holds is also in that tier, and loading it costs far less than
+  recomputing it, though more than a hit in the replica's own pool. Then ``cached_blocks`` =
+  own + ``shared_tier_weight`` x (the most any replica holds - own), with
+  :data:`SHARED_TIER_WEIGHT` (0.5): a chat may move to a lightly loaded replica and still
+  skip most of its prefill.
+
   Highest score wins; ties go to the lower load, then to the replica that last served the
   request's ``session_id`` (a tie-breaker only: the hashes decide), then to the lowest index.
   Right after routing, the router records in-process that the replica will hold the prompt's
@@ -37,6 +44,7 @@ from kvstore.hashing import hash_blocks
 from kvstore.index import IndexUnavailable
 
 ROUTING_POLICIES = ("prefix", "load", "round_robin", "random")
+SHARED_TIER_WEIGHT = 0.5    # a block loadable from the shared KV tier, against one in the replica's pool
 MAX_SESSIONS = 100_000      # session affinities kept (least recently routed dropped first)
 
 
@@ -81,6 +89,8 @@ class Router:
         replica_ids: the index's name of each replica, by replica index (``prefix`` only).
         hash_seed, block_size: the replicas' block-hash seed and tokens per block (``prefix`` only).
         prefix_weight, load_weight: score weights (see the module docstring).
+        shared_tier_weight: weight of a block another replica holds, which a shared KV tier
+            lets every replica load (0 = no shared tier; see the module docstring).
         provisional_ttl: seconds a routed prompt counts as held by its replica.
         clock: monotonic seconds (tests pass a fake one).
         seed: seed of the ``random`` policy.
@@ -90,7 +100,8 @@ class Router:
 
     def __init__(self, policy: str = "load", index=None, *, replica_ids: Sequence[str] = (), hash_seed: int = 0,
                  block_size: int = 0, prefix_weight: float = 1.0, load_weight: float = 1.0,
-                 provisional_ttl: float = 2.0, clock: Callable[[], float] = time.monotonic, seed: int = 0):
+                 provisional_ttl: float = 2.0, clock: Callable[[], float] = time.monotonic, seed: int = 0,
+                 shared_tier_weight: float = 0.0):
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         if policy == "prefix" and (index is None or not replica_ids or block_size < 1):
@@ -99,6 +110,7 @@ class Router:
         self.replica_of = {rid: i for i, rid in enumerate(replica_ids)}
         self.hash_seed, self.block_size = hash_seed, block_size
         self.prefix_weight, self.load_weight = prefix_weight, load_weight
+        self.shared_tier_weight = shared_tier_weight
         self.provisional_ttl, self.clock = provisional_ttl, clock
         self.stats = RouterStats()
         self._rng = random.Random(seed)
@@ -166,9 +178,12 @@ class Router:
                 held[r] = max(held.get(r, 0), n)
         max_load = max(max(r.load for r in healthy), 1)
         affine = self._sessions.get(session_id) if session_id else None
+        best_held = max(held.values(), default=0)
 
         def key(r: ReplicaLoad):
-            cached = held.get(r.index, 0) / len(hashes) if hashes else 0.0
+            own = held.get(r.index, 0)
+            own += self.shared_tier_weight * (best_held - own)
+            cached = own / len(hashes) if hashes else 0.0
             score = self.prefix_weight * cached - self.load_weight * r.load / (r.pool_tokens or max_load)
             return (-score, r.load, r.index != affine, r.index)
 

@@ -57,6 +57,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    # KV tiers: blocks to fill before this step: (block ids, kvstore.tiers.FetchedBlock each)
+    kv_loads: list[tuple[list[int], list]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -102,6 +104,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.tiers = None        # kvstore.tiers.KVTiers below the pool (the engine sets it)
+        self._fetched: dict[str, tuple[int, list]] = {}   # waiting request -> (pool hits, its tier blocks)
 
     # ---- admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -203,16 +207,21 @@ class Scheduler:
             if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in inflight:
                 deferred.append(self.waiting.popleft())
                 continue
-            remaining = req.num_tokens - len(hits) * self.bm.block_size
+            loaded = self._from_lower_tiers(req, len(hits))
+            remaining = req.num_tokens - (len(hits) + len(loaded)) * self.bm.block_size
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
             # a prefill that samples may ask the draft for proposals (lookahead slots)
             _, m = self._speculation(req, n, budget, sample=n == remaining)   # (no proposals yet)
-            if not (m and self.bm.allocate(req, n + 1 + m, hits)):
+            if not (m and self.bm.allocate(req, n + 1 + m, hits, len(loaded))):
                 m = 0
-                if not self.bm.allocate(req, n, hits):
+                if not self.bm.allocate(req, n, hits, len(loaded)):
                     break
+            self._fetched.pop(req.request_id, None)
+            if loaded:
+                out.kv_loads.append((req.block_table[len(hits):len(hits) + len(loaded)], loaded))
+                self.tiers.count_loaded(loaded)
             self.waiting.popleft()
             self._start(req)
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens,
@@ -222,6 +231,23 @@ class Scheduler:
                 inflight.update(req.block_hashes[len(hits):])
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _from_lower_tiers(self, req: Request, num_hits: int) -> list:
+        """The blocks (:class:`kvstore.tiers.FetchedBlock`) after the request's ``num_hits`` pool
+        hits that a KV tier below the pool holds (leading ones only; at least one token is
+        left to compute)."""
+        if self.tiers is None or not self.bm.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.bm.block_size
+        if num_hits >= max_blocks:
+            return []
+        prev = self._fetched.get(req.request_id)
+        if prev is not None and prev[0] == num_hits:      # still waiting for blocks: no new look-up
+            return prev[1]
+        found = self.tiers.fetch(req.block_hashes[num_hits:max_blocks])
+        if found:
+            self._fetched[req.request_id] = (num_hits, found)
+        return found
 
     def _inflight_hashes(self) -> set[int]:
         """Hashes of full prompt blocks that running requests have not finished computing."""
@@ -328,6 +354,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.requests.pop(req.request_id, None)
+        self._fetched.pop(req.request_id, None)
         if req in self.waiting:
             self.waiting.remove(req)
             self.bm.free(req)

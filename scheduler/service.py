@@ -42,7 +42,7 @@ from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
 from scheduler.request import DuplicateRequestError, EngineError, FinishReason, SamplingParams
-from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
+from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -245,7 +245,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         info = replicas[0].info
         self.router = Router(sc.routing, self.index, replica_ids=[r.replica_id for r in replicas],
                              hash_seed=info.hash_seed, block_size=info.block_size, prefix_weight=sc.prefix_weight,
-                             load_weight=sc.load_weight, provisional_ttl=sc.provisional_ttl)
+                             load_weight=sc.load_weight, provisional_ttl=sc.provisional_ttl,
+                             shared_tier_weight=SHARED_TIER_WEIGHT if self.engine_cfg.kv_offload_redis_url else 0.0)
         self.replicas = replicas
         if self.index is not None:
             for r in replicas:

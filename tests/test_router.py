@@ -227,3 +227,21 @@ def test_routing_settings(monkeypatch):
                        (dict(scheduler_id="a/b"), "scheduler_id")):
         with pytest.raises(EngineError, match=match):
             SchedulerConfig(**bad)
+
+
+def test_shared_kv_tier_lets_a_chat_move_to_a_lightly_loaded_replica():
+    """A replica holding the whole prompt but loaded to 60% of its pool loses to an idle one
+    when a shared KV tier (Redis, write-through) lets the idle one load the blocks; without
+    the tier, moving would recompute the prompt, and the holder wins."""
+    p = prompt(0, 10)
+    for weight, want in ((0.0, 0), (0.5, 1)):
+        idx = FakeIndex()
+        idx.held["s/0"] = hashes(p)
+        r = Router("prefix", idx, replica_ids=IDS[:2], hash_seed=SEED, block_size=BS, provisional_ttl=0,
+                   shared_tier_weight=weight)
+        assert r.pick(loads(600, 0), prompt_token_ids=p) == want
+    idx = FakeIndex()
+    idx.held["s/0"] = hashes(p)
+    r = Router("prefix", idx, replica_ids=IDS[:2], hash_seed=SEED, block_size=BS, provisional_ttl=0,
+               shared_tier_weight=0.5)
+    assert r.pick(loads(100, 0), prompt_token_ids=p) == 0     # lightly loaded holder: stays

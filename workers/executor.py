@@ -41,6 +41,13 @@ class Executor(Protocol):
 
     def shutdown(self) -> None: ...
 
+    # KV tiers (kvstore/tiers.py): whole blocks out of the pool and back, one body per stage
+    kv_layer_ranges: list[tuple[int, int]]
+
+    def save_blocks(self, block_ids: list[int]) -> list[list[bytes]]: ...
+
+    def load_blocks(self, block_ids: list[int], bodies: list[list[bytes]]) -> None: ...
+
 
 class Completed:
     """The handle of a step that already ran."""
@@ -78,6 +85,21 @@ class InProcessExecutor:
     def free_requests(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)
         self.spans.finish(request_ids)
+
+    @property
+    def kv_layer_ranges(self) -> list[tuple[int, int]]:
+        m = self.runner.model
+        return [(m.start_layer, m.end_layer)]
+
+    def save_blocks(self, block_ids: list[int]) -> list[list[bytes]]:
+        """Bodies of blocks ``block_ids`` (:func:`workers.kv_blocks.save_blocks`), one stage each."""
+        from workers.kv_blocks import save_blocks
+        return [[b] for b in save_blocks(self.runner.kv_caches, block_ids)]
+
+    def load_blocks(self, block_ids: list[int], bodies: list[list[bytes]]) -> None:
+        """Write saved bodies (``bodies[i][0]``) into blocks ``block_ids`` before the next step."""
+        from workers.kv_blocks import load_blocks
+        load_blocks(self.runner.kv_caches, block_ids, [b[0] for b in bodies])
 
     def shutdown(self) -> None:
         self.runner = None
@@ -270,6 +292,31 @@ class RayPipelineExecutor:
             delta = self.encoder.encode(out)
             refs = [stage.execute.remote(delta) for stage in self.stages]
         return RayHandle(refs[-1], len(refs) - 1)
+
+    @property
+    def kv_layer_ranges(self) -> list[tuple[int, int]]:
+        return list(self.layer_bounds)
+
+    def save_blocks(self, block_ids: list[int]) -> list[list[bytes]]:
+        """Bodies of blocks ``block_ids``: ``[block][stage]``, each stage its own layers. Runs
+        after the steps already submitted (each stage runs its calls in order) and waits.
+        Raises EngineError when a stage fails."""
+        import ray
+        with self._lock:
+            refs = [s.save_blocks.remote(block_ids) for s in self.stages]
+        try:
+            parts = ray.get(refs)
+        except ray.exceptions.RayError as e:
+            raise EngineError(f"saving KV blocks failed on a pipeline stage: {_first_line(e)}") from None
+        return [list(p) for p in zip(*parts)]
+
+    def load_blocks(self, block_ids: list[int], bodies: list[list[bytes]]) -> None:
+        """Send each stage its bodies (``bodies[i][stage]``) of blocks ``block_ids``; a stage
+        writes them before any step submitted later (no wait here: the copy overlaps the
+        stages' work in flight)."""
+        with self._lock:
+            for i, s in enumerate(self.stages):
+                s.load_blocks.remote(block_ids, [b[i] for b in bodies])
 
     def check_health(self, timeout: float = 10.0) -> None:
         """Raise EngineError when a stage is dead or does not answer within ``timeout`` seconds

@@ -229,6 +229,17 @@ class PipelineStage:
             self._free(self.requests.free(delta.done))
         return out
 
+    def save_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """This stage's bodies of KV blocks ``block_ids`` (:func:`workers.kv_blocks.save_blocks`)."""
+        from workers.kv_blocks import save_blocks
+        return save_blocks(self.runner.kv_caches, block_ids)
+
+    def load_blocks(self, block_ids: list[int], bodies: list[bytes]) -> None:
+        """Write this stage's saved bodies into KV blocks ``block_ids``. Raises ValueError on a
+        body of the wrong size."""
+        from workers.kv_blocks import load_blocks
+        load_blocks(self.runner.kv_caches, block_ids, bodies)
+
     def free_requests(self, handles: list[int]) -> None:
         """Forget finished requests (by the handles of their step messages): their state here,
         the runner's (input batch rows, the last stage's seeded generators) and emit their spans."""
