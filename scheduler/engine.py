@@ -274,15 +274,6 @@ class LLMEngine:
         with self.lock:
             return self.block_manager.stats()
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``); blocks of
-        running requests keep their hashes. Emits ``AllBlocksCleared`` to the KV-event sink.
-        Returns how many cached blocks were forgotten."""
-        with self.lock:
-            before = self.block_manager.stats().cached
-            self.block_manager.reset_prefix_cache()
-            return before - self.block_manager.stats().cached
-
     def info(self) -> EngineInfo:
         from workers.kv_cache import KVCacheInfo
         kv = KVCacheInfo.of(self.cfg, self.model_config, self.block_manager.num_blocks)
@@ -365,11 +356,15 @@ class LLMEngine:
             self.executor.load_blocks(ids, bodies)
             self.tiers.stats.load_seconds += time.perf_counter() - t0
 
-    def reset_prefix_cache(self, offload: bool = False) -> None:
-        """Empty the pool's prefix cache; ``offload``: its blocks move to the KV tiers below
-        (copied out before the next step), as if evicted."""
+    def reset_prefix_cache(self, offload: bool = False) -> int:
+        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``); blocks of
+        running requests keep their hashes. Emits ``AllBlocksCleared`` to the KV-event sink.
+        ``offload``: the blocks move to the KV tiers below (copied out before the next step), as
+        if evicted. Returns how many cached blocks the pool forgot."""
         with self.lock:
+            before = self.block_manager.stats().cached
             self.block_manager.reset_prefix_cache(offload=offload)
+            return before - self.block_manager.stats().cached
 
     def complete_step(self, step: "InFlightStep") -> list[EngineOutput]:
         """Wait for a submitted micro-batch and apply its results (in submission order)."""
