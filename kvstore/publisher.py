@@ -29,7 +29,7 @@ from collections import deque
 from typing import Callable
 
 from kvstore.events import KVEvent
-from kvstore.index import IndexUnavailable, PrefixIndex
+from kvstore.index import IndexUnavailable, PrefixIndex, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class KVEventPublisher:
         index: the prefix index (:class:`kvstore.index.MemoryIndex` or ``RedisIndex``).
         replica_id: this replica's id in the index (the router uses "<scheduler id>/<index>").
         snapshot: returns the hashes of every block in the replica's prefix cache, e.g.
-            ``BlockManager.cached_block_hashes`` called under the engine lock. Called from
+            ``BlockManager.cached_block_hashes`` called under the engine lock, or
+            ``{medium: hashes}`` for its pool and host tier (:meth:`PrefixIndex.resync`). Called from
             the publisher thread, possibly as soon as it starts; an exception is logged,
             counted in ``failures`` and retried.
         heartbeat_interval: seconds between heartbeats.
@@ -53,7 +54,7 @@ class KVEventPublisher:
     errors), ``seq`` (the last number used, by a batch, empty ones included, or a resync).
     """
 
-    def __init__(self, index: PrefixIndex, replica_id: str, snapshot: Callable[[], list[int]], *,
+    def __init__(self, index: PrefixIndex, replica_id: str, snapshot: Callable[[], Snapshot], *,
                  heartbeat_interval: float = 1.0, ttl: float = 3.0, retry_interval: float = 0.2):
         if ttl <= heartbeat_interval:
             raise ValueError(f"ttl ({ttl} s) must exceed heartbeat_interval ({heartbeat_interval} s)")
