@@ -33,6 +33,12 @@ apart. Keys carry no request text. Value (little-endian)::
                               dtype, then (quantized caches) scales [layers, 2, kv_heads] float32
 
 The body layout is :func:`workers.kv_blocks.save_blocks`'s.
+
+KV events (:mod:`kvstore.events`): the tiers queue ``BlockStored``/``BlockRemoved`` of medium
+``host`` as blocks enter and leave the host tier (offload, promotion from Redis, LRU) and
+``BlockStored`` of medium ``redis`` (with the TTL) once a write-through has reached Redis; the
+engine forwards them with the pool's events (:meth:`KVTiers.take_events`). A value dropped by
+Redis itself (TTL, ``maxmemory``) is not observed: the index keeps a Redis block for the TTL.
 """
 
 from __future__ import annotations
@@ -48,12 +54,13 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvstore.events import HOST, REDIS, BlockRemoved, BlockStored, KVEvent
+
 log = logging.getLogger("kvmesh.kvstore")
 
 FORMAT_VERSION = 1
 MAGIC = b"KVMT"
 _HEADER = struct.Struct("<4sHHQQ")
-HOST, REDIS = "host", "redis"
 
 
 class TierValueError(ValueError):
@@ -108,6 +115,11 @@ def block_key(prefix: str, block_hash: int, layers: tuple[int, int]) -> str:
     return f"{prefix}:kv:{block_hash:016x}:{layers[0]}-{layers[1]}"
 
 
+def block_hash_of(key: str) -> int:
+    """The block hash in a :func:`block_key` key."""
+    return int(key.rsplit(":", 2)[1], 16)
+
+
 def encode_value(layout: BlockLayout, stage: int, body: bytes) -> bytes:
     """Header + ``body`` (one stage's part of a block). Raises ValueError on a body of the
     wrong size."""
@@ -156,20 +168,28 @@ class HostTier:
     def __contains__(self, key: str) -> bool:
         return key in self._values
 
-    def put(self, key: str, value: bytes) -> None:
-        """Store (or refresh) ``value``; a value larger than the capacity is not kept."""
+    def put(self, key: str, value: bytes) -> list[str]:
+        """Store (or refresh) ``value``; a value larger than the capacity is not kept. Returns
+        the keys dropped to make room (least recently used first)."""
+        dropped: list[str] = []
         with self._lock:
             old = self._values.pop(key, None)
             if old is not None:
                 self.bytes -= len(old)
             if len(value) > self.capacity:
-                return
+                return dropped
             self._values[key] = value
             self.bytes += len(value)
             while self.bytes > self.capacity:
-                _, v = self._values.popitem(last=False)
+                k, v = self._values.popitem(last=False)
                 self.bytes -= len(v)
                 self.evictions += 1
+                dropped.append(k)
+        return dropped
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._values)
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -199,10 +219,12 @@ class RedisTier:
         max_pending_bytes: bytes of writes that may wait for the writer thread.
         encode: ``(stage, body) -> value``, run on the writer thread for items queued as
             ``(key, stage, body)`` (None: items are ``(key, value)``).
+        on_written: ``(tag) -> None``, called on the writer thread once a batch queued with a
+            ``tag`` (not None) has been written.
     """
 
     def __init__(self, url: str, ttl: float = 3600.0, timeout: float = 1.0, max_pending_bytes: int = 256 * 2**20,
-                 encode=None):
+                 encode=None, on_written=None):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -212,7 +234,7 @@ class RedisTier:
                                             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
                                             health_check_interval=0)
         self.max_pending_bytes = max_pending_bytes
-        self._encode = encode
+        self._encode, self._on_written = encode, on_written
         self._queue: queue.Queue = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -221,27 +243,28 @@ class RedisTier:
         self._thread = threading.Thread(target=self._writer, name="kvmesh-kv-redis-writer", daemon=True)
         self._thread.start()
 
-    def put_async(self, items: list[tuple]) -> bool:
+    def put_async(self, items: list[tuple], tag=None) -> bool:
         """Queue writes, ``(key, value)`` or ``(key, stage, body)`` (with ``encode``); False
-        (nothing queued) when more than ``max_pending_bytes`` already wait."""
+        (nothing queued) when more than ``max_pending_bytes`` already wait. ``tag`` goes to
+        ``on_written`` once the batch is written."""
         n = sum(len(it[-1]) for it in items)
         with self._lock:
             if self._pending + n > self.max_pending_bytes:
                 self.dropped += len(items)
                 return False
             self._pending += n
-        self._queue.put((items, n))
+        self._queue.put((items, n, tag))
         return True
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write was attempted (tests, benchmarks)."""
         done = threading.Event()
-        self._queue.put((None, done))
+        self._queue.put((None, done, None))
         done.wait(timeout)
 
     def _writer(self) -> None:
         while True:
-            items, n = self._queue.get()
+            items, n, tag = self._queue.get()
             if items is None:
                 if n is not None:
                     n.set()
@@ -254,6 +277,8 @@ class RedisTier:
                     pipe.set(it[0], v, px=int(self.ttl * 1000) if self.ttl > 0 else None)
                 pipe.execute()
                 self.bytes_written += n
+                if tag is not None and self._on_written is not None:
+                    self._on_written(tag)
             except self._errors as e:
                 self.write_errors += 1
                 log.debug("kv tier: redis write failed: %s", e)
@@ -271,7 +296,7 @@ class RedisTier:
             raise TierUnavailable(f"kv tier at {self.url}: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
-        self._queue.put((None, None))
+        self._queue.put((None, None, None))
         self._thread.join(5)
         self._client.close()
 
@@ -315,24 +340,70 @@ class KVTiers:
                  ttl: float = 3600.0, timeout: float = 1.0):
         self.layout, self.prefix = layout, prefix
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
-        self.redis = (RedisTier(redis_url, ttl=ttl, timeout=timeout, encode=lambda s, b: encode_value(layout, s, b))
-                      if redis_url else None)
+        self.redis = (RedisTier(redis_url, ttl=ttl, timeout=timeout, encode=lambda s, b: encode_value(layout, s, b),
+                                on_written=self._written) if redis_url else None)
         self.stats = TierStats()
+        self._events: list[KVEvent] = []
+        self._events_lock = threading.Lock()      # the Redis writer thread queues events too
 
     def keys(self, block_hash: int) -> list[str]:
         return [block_key(self.prefix, block_hash, r) for r in self.layout.layer_ranges]
 
+    # ---- KV events ---------------------------------------------------------------------------
+    def _queue_events(self, events: list[KVEvent]) -> None:
+        with self._events_lock:
+            self._events += events
+
+    def take_events(self) -> list[KVEvent]:
+        """The tiers' KV events since the last call, in order (module docstring)."""
+        with self._events_lock:
+            ev, self._events = self._events, []
+        return ev
+
+    def _written(self, block_hashes: tuple[int, ...]) -> None:
+        """A write-through reached Redis (the writer thread)."""
+        self._queue_events([BlockStored(block_hashes, None, self.layout.block_size, REDIS, self.redis.ttl)])
+
+    def host_block_hashes(self) -> list[int]:
+        """Hashes of the blocks the host tier holds whole (every stage's value): the ``host``
+        part of a prefix-index resync."""
+        if self.host is None:
+            return []
+        keys = self.host.keys()
+        n_stages = len(self.layout.layer_ranges)
+        count: dict[int, int] = {}
+        for k in keys:
+            h = block_hash_of(k)
+            count[h] = count.get(h, 0) + 1
+        return [h for h, n in count.items() if n == n_stages]
+
+    def _host_put(self, blocks: list[tuple[int, list[tuple[str, bytes]]]]) -> int:
+        """Put ``(block hash, [(key, value) per stage])`` into the host tier and queue the events
+        of what it holds afterwards: ``BlockRemoved`` for the blocks its LRU dropped,
+        ``BlockStored`` for the blocks now whole in it. Returns the bytes put."""
+        n, dropped = 0, set()
+        for _, values in blocks:
+            for key, value in values:
+                dropped.update(block_hash_of(k) for k in self.host.put(key, value))
+                n += len(value)
+        kept = list(dict.fromkeys(h for h, values in blocks if all(k in self.host for k, _ in values)))
+        removed = tuple(h for h in dropped if h not in kept)
+        events: list[KVEvent] = [BlockRemoved(removed, HOST)] if removed else []
+        if kept:
+            events.append(BlockStored(tuple(kept), None, self.layout.block_size, HOST))
+        self._queue_events(events)
+        return n
+
+    # ---- down and up -------------------------------------------------------------------------
     def offload(self, block_hashes: Sequence[int], bodies: Sequence[Sequence[bytes]]) -> None:
         """Keep blocks evicted from the pool in the host tier: ``bodies[i][s]`` is stage ``s``'s
         body of block ``block_hashes[i]``. A no-op without a host tier."""
         if self.host is None:
             return
-        for h, parts in zip(block_hashes, bodies):
-            for s, (key, body) in enumerate(zip(self.keys(h), parts)):
-                value = encode_value(self.layout, s, body)
-                self.host.put(key, value)
-                self.stats.bytes_stored[HOST] += len(value)
-            self.stats.blocks_offloaded += 1
+        blocks = [(h, [(key, encode_value(self.layout, s, body)) for s, (key, body) in enumerate(zip(self.keys(h), parts))])
+                  for h, parts in zip(block_hashes, bodies)]
+        self.stats.bytes_stored[HOST] += self._host_put(blocks)
+        self.stats.blocks_offloaded += len(blocks)
 
     def publish(self, block_hashes: Sequence[int], bodies: Sequence[Sequence[bytes]]) -> None:
         """Write newly computed blocks to the Redis tier (write-through, in the background:
@@ -342,7 +413,7 @@ class KVTiers:
             return
         items = [(key, s, body) for h, parts in zip(block_hashes, bodies)
                  for s, (key, body) in enumerate(zip(self.keys(h), parts))]
-        if self.redis.put_async(items):
+        if self.redis.put_async(items, tag=tuple(block_hashes)):
             self.stats.bytes_stored[REDIS] += sum(len(b) for _, _, b in items)
 
     def fetch(self, block_hashes: Sequence[int]) -> list[FetchedBlock]:
@@ -362,6 +433,7 @@ class KVTiers:
             pending = pending[len(out):]
         if self.redis is not None and pending:
             n_stages = len(self.layout.layer_ranges)
+            promoted = []
             try:
                 values = self.redis.get_many([k for h in pending for k in self.keys(h)])
             except TierUnavailable as e:
@@ -374,9 +446,9 @@ class KVTiers:
                 if parts is None:
                     break
                 out.append(FetchedBlock(REDIS, parts))
-                if self.host is not None:          # promote: the next look-up stays local
-                    for key, value in zip(self.keys(h), raw):
-                        self.host.put(key, value)
+                promoted.append((h, list(zip(self.keys(h), raw))))
+            if self.host is not None and promoted:   # promote: the next look-up stays local
+                self._host_put(promoted)
         self.stats.lookup_seconds += time.perf_counter() - t0
         return out
 

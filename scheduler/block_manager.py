@@ -28,6 +28,7 @@ blocks, counted as computed and as cache hits, that the engine fills before the 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventSink
@@ -274,9 +275,10 @@ class BlockManager:
         new, self._new_cached = self._new_cached, []
         return new
 
-    def take_events(self) -> list[KVEvent]:
-        """Events since the last call; also forwards them to the sink."""
-        ev, self._events = self._events, []
+    def take_events(self, extra: Sequence[KVEvent] = ()) -> list[KVEvent]:
+        """Events since the last call, then ``extra`` (the KV tiers' events, medium ``host`` or
+        ``redis``); also forwards them to the sink."""
+        ev, self._events = self._events + list(extra), []
         if ev and self.sink is not None:
             self.sink.publish(ev)
         return ev

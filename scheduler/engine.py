@@ -380,7 +380,7 @@ class LLMEngine:
             outputs, self._finished_out = self._finished_out, []
             outputs += [self._output(r) for r in changed]
             done = [o.request_id for o in outputs if o.finished]
-            self.block_manager.take_events()
+            self._forward_events()
         if done:
             self.executor.free_requests(done)
         return outputs
@@ -407,8 +407,23 @@ class LLMEngine:
         """Outputs of requests ended outside a step (aborts) since the last call."""
         with self.lock:
             out, self._finished_out = self._finished_out, []
-            self.block_manager.take_events()
+            self._forward_events()
         return out
+
+    def _forward_events(self) -> None:
+        """Under the lock: the pool's KV events, then the tiers' (blocks entering or leaving the
+        host tier, write-throughs that reached Redis), to the block manager's sink."""
+        self.block_manager.take_events(self.tiers.take_events() if self.tiers is not None else ())
+
+    def kv_snapshot(self) -> dict[str, list[int]]:
+        """``{medium: hashes}`` of the blocks this replica can reuse from its pool and its host
+        tier (a prefix-index resync, :meth:`kvstore.index.PrefixIndex.resync`). Call under the
+        lock, like ``take_events``, so that no event falls between a snapshot and the next batch."""
+        from kvstore.events import HOST, POOL
+        snap = {POOL: self.block_manager.cached_block_hashes()}
+        if self.tiers is not None and self.tiers.host is not None:
+            snap[HOST] = self.tiers.host_block_hashes()
+        return snap
 
     def _settle(self, request_ids: set[str]) -> None:
         """A micro-batch is back: its requests leave the in-flight set, and the ones ended
@@ -575,7 +590,8 @@ class OutputStreams:
     def set_kv_sink(self, sink) -> None:
         raise NotImplementedError
 
-    def cached_block_hashes(self) -> list[int]:
+    def cached_block_hashes(self) -> dict[str, list[int]]:
+        """``{medium: hashes}`` the replica can reuse (:meth:`LLMEngine.kv_snapshot`)."""
         raise NotImplementedError
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
@@ -649,9 +665,9 @@ class AsyncEngine(OutputStreams):
         with self.engine.lock:
             self.engine.block_manager.sink = sink
 
-    def cached_block_hashes(self) -> list[int]:
+    def cached_block_hashes(self) -> dict[str, list[int]]:
         with self.engine.lock:
-            return self.engine.block_manager.cached_block_hashes()
+            return self.engine.kv_snapshot()
 
     def _wait(self, timeout: float) -> None:
         self._wake.wait(timeout)

@@ -33,7 +33,7 @@ from collections import deque
 
 import msgpack
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvstore.events import REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler.engine import EngineInfo, EngineOutput, EngineStats, OutputStreams
 from scheduler.request import EngineError, FinishReason, SamplingParams
 
@@ -71,18 +71,18 @@ def _output_of(row: list) -> EngineOutput:
 
 def _event_row(e) -> list:
     if isinstance(e, BlockStored):
-        return [0, list(e.block_hashes), e.parent_hash, e.block_size]
+        return [0, list(e.block_hashes), e.parent_hash, e.block_size, e.medium, e.ttl]
     if isinstance(e, BlockRemoved):
-        return [1, list(e.block_hashes)]
-    return [2]
+        return [1, list(e.block_hashes), e.medium]
+    return [2, e.medium]
 
 
 def _event_of(row: list):
     if row[0] == 0:
-        return BlockStored(tuple(row[1]), row[2], row[3])
+        return BlockStored(tuple(row[1]), row[2], row[3], row[4], row[5])
     if row[0] == 1:
-        return BlockRemoved(tuple(row[1]))
-    return AllBlocksCleared()
+        return BlockRemoved(tuple(row[1]), row[2])
+    return AllBlocksCleared(row[1])
 
 
 # ---- the core (child process) ---------------------------------------------------------------
@@ -152,8 +152,9 @@ class EngineCore:
                 self._stop = True
 
     def _wait(self, timeout: float) -> None:
-        if self._dirty or self._rejected:
-            self._emit([])                   # new requests show in the stats before they run
+        if self._dirty or self._rejected or (self.events is not None and self.events.events):
+            self._emit([])                   # new requests show in the stats before they run; KV events
+            #                                  of an idle engine (write-throughs that reached Redis) go out
         if self._check_health is not None and time.monotonic() >= self._next_check:
             self._check_health()             # EngineError: a stage died while nothing ran
             self._next_check = time.monotonic() + HEALTH_CHECK_INTERVAL
@@ -247,7 +248,7 @@ class EngineCoreClient(OutputStreams):
         self.stage_pids: list[int] = []
         self.on_death = None
         self.sink = None
-        self.cached_hashes: set[int] = set()    # mirror of the core's prefix cache (from KV events)
+        self.cached_hashes: dict[str, set[int]] = {}  # medium -> mirror of the core's (from KV events)
         self.kv_lock = threading.RLock()
         self._send_lock = threading.Lock()
         self._pending: deque[tuple[int, int]] = deque()   # (add number, prompt tokens) not yet in stats
@@ -378,12 +379,15 @@ class EngineCoreClient(OutputStreams):
             evs = [_event_of(r) for r in events]
             with self.kv_lock:
                 for ev in evs:
+                    if ev.medium == REDIS:           # the shared tier's: not this replica's to resync
+                        continue
+                    held = self.cached_hashes.setdefault(ev.medium, set())
                     if isinstance(ev, BlockStored):
-                        self.cached_hashes.update(ev.block_hashes)
+                        held.update(ev.block_hashes)
                     elif isinstance(ev, BlockRemoved):
-                        self.cached_hashes.difference_update(ev.block_hashes)
+                        held.difference_update(ev.block_hashes)
                     else:
-                        self.cached_hashes.clear()
+                        held.clear()
                 if self.sink is not None:
                     self.sink.publish(evs)
         self.stats = EngineStats(*stats)
@@ -432,10 +436,11 @@ class EngineCoreClient(OutputStreams):
         with self.kv_lock:
             self.sink = sink
 
-    def cached_block_hashes(self) -> list[int]:
-        """The core's cached block hashes as its KV events say (the publisher's resync)."""
+    def cached_block_hashes(self) -> dict[str, list[int]]:
+        """``{medium: hashes}`` of the core's pool and host tier as its KV events say (the
+        publisher's resync)."""
         with self.kv_lock:
-            return list(self.cached_hashes)
+            return {m: list(hs) for m, hs in self.cached_hashes.items()}
 
     async def shutdown(self, timeout: float = 15.0) -> None:
         """Ask the core to stop (its executor shuts down), wait for it, kill it if it hangs."""
