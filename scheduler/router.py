@@ -2,21 +2,29 @@
 
 Policies (``SchedulerConfig.routing``):
 
-- ``prefix``: the replica that already holds the longest prefix of the prompt in its KV cache,
-  weighed against load. The prompt's full blocks are hashed exactly as the replicas' block
-  managers hash them (:func:`kvstore.hashing.hash_blocks`, same seed and the request's
-  ``cache_salt``), the prefix index
-  (:mod:`kvstore.index`, fed by the replicas' KV events) says how many leading blocks each
-  replica holds, and each healthy replica gets the score::
+- ``prefix``: the replica that can reuse the longest prefix of the prompt, weighed against load.
+  The prompt's full blocks are hashed exactly as the replicas' block managers hash them
+  (:func:`kvstore.hashing.hash_blocks`, same seed and the request's ``cache_salt``), the prefix
+  index (:mod:`kvstore.index`, fed by the replicas' KV events) says in which tier each replica
+  holds each leading block (``match_tiers``), and each healthy replica gets the score::
 
       prefix_weight * cached_blocks / prompt_blocks  -  load_weight * load_tokens / pool_tokens
 
-  With a KV tier shared by the replicas (Redis, written through: :mod:`kvstore.tiers`), a block
-  that another replica holds is also in that tier, and loading it costs far less than
-  recomputing it, though more than a hit in the replica's own pool. Then ``cached_blocks`` =
-  own + ``shared_tier_weight`` x (the most any replica holds - own), with
-  :data:`SHARED_TIER_WEIGHT` (0.5): a chat may move to a lightly loaded replica and still
-  skip most of its prefill.
+  where ``cached_blocks`` sums, over the prompt's leading blocks, the best weight of a copy
+  that replica can load, and ends at the first block it can load from nowhere:
+
+  =================================================  ======================================
+  where the block is                                  weight
+  =================================================  ======================================
+  the replica's own pool (or just routed there)       1.0
+  the replica's own host tier (a copy into the pool)  :data:`HOST_TIER_WEIGHT` (0.9)
+  the shared Redis tier (any replica loads it)        ``shared_tier_weight``
+                                                      (:data:`SHARED_TIER_WEIGHT`, 0.5, when the
+                                                      replicas have a Redis tier; else 0)
+  another replica's pool or host tier only            0 (not loadable from here)
+  =================================================  ======================================
+
+  So a chat may move to a lightly loaded replica and still skip most of its prefill.
 
   Highest score wins; ties go to the lower load, then to the replica that last served the
   request's ``session_id`` (a tie-breaker only: the hashes decide), then to the lowest index.
@@ -40,10 +48,12 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore.events import HOST, POOL
 from kvstore.hashing import hash_blocks
 from kvstore.index import IndexUnavailable
 
 ROUTING_POLICIES = ("prefix", "load", "round_robin", "random")
+HOST_TIER_WEIGHT = 0.9      # a block in the replica's own host tier, against one in its pool
 SHARED_TIER_WEIGHT = 0.5    # a block loadable from the shared KV tier, against one in the replica's pool
 MAX_SESSIONS = 100_000      # session affinities kept (least recently routed dropped first)
 
@@ -69,13 +79,13 @@ class ReplicaLoad:
 
 @dataclass
 class RouterStats:
-    """Counters since start. ``prefix_hits``: requests sent to a replica that held (or was
-    just sent) at least one block of the prompt; ``fallbacks``: requests routed by load
-    because the index was unavailable."""
+    """Counters since start. ``prefix_hits``: requests sent to a replica that could reuse
+    (held in a tier of its own, was just sent, or could load from the shared tier) at least the
+    prompt's first block; ``fallbacks``: requests routed by load because the index was unavailable."""
 
     routed: int = 0
     prefix_hits: int = 0
-    matched_blocks: int = 0     # sum over routed requests of the chosen replica's matched blocks
+    matched_blocks: int = 0     # sum over routed requests of the leading blocks the chosen replica could reuse
     fallbacks: int = 0
 
 
@@ -89,8 +99,9 @@ class Router:
         replica_ids: the index's name of each replica, by replica index (``prefix`` only).
         hash_seed, block_size: the replicas' block-hash seed and tokens per block (``prefix`` only).
         prefix_weight, load_weight: score weights (see the module docstring).
-        shared_tier_weight: weight of a block another replica holds, which a shared KV tier
-            lets every replica load (0 = no shared tier; see the module docstring).
+        shared_tier_weight: weight of a block in the shared (Redis) KV tier, which every
+            replica can load (0 = the replicas have no shared tier; see the module docstring).
+        host_tier_weight: weight of a block in the replica's own host tier.
         provisional_ttl: seconds a routed prompt counts as held by its replica.
         clock: monotonic seconds (tests pass a fake one).
         seed: seed of the ``random`` policy.
@@ -101,16 +112,17 @@ class Router:
     def __init__(self, policy: str = "load", index=None, *, replica_ids: Sequence[str] = (), hash_seed: int = 0,
                  block_size: int = 0, prefix_weight: float = 1.0, load_weight: float = 1.0,
                  provisional_ttl: float = 2.0, clock: Callable[[], float] = time.monotonic, seed: int = 0,
-                 shared_tier_weight: float = 0.0):
+                 shared_tier_weight: float = 0.0, host_tier_weight: float = HOST_TIER_WEIGHT):
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         if policy == "prefix" and (index is None or not replica_ids or block_size < 1):
             raise ValueError("prefix routing needs an index, the replica ids and the block size")
         self.policy, self.index = policy, index
-        self.replica_of = {rid: i for i, rid in enumerate(replica_ids)}
+        self._replica_ids = list(replica_ids)
         self.hash_seed, self.block_size = hash_seed, block_size
         self.prefix_weight, self.load_weight = prefix_weight, load_weight
         self.shared_tier_weight = shared_tier_weight
+        self.tier_weights = {POOL: 1.0, HOST: host_tier_weight}
         self.provisional_ttl, self.clock = provisional_ttl, clock
         self.stats = RouterStats()
         self._rng = random.Random(seed)
@@ -165,32 +177,46 @@ class Router:
                   if len(prompt) >= self.block_size else [])
         now = self.clock()
         self._expire(now)
-        held: dict[int, int] = {}
+        reuse: dict[int, tuple[float, int]] = {}      # replica -> (weighted blocks, blocks)
         if hashes:
             try:
-                found = self.index.match(hashes)
+                found = self.index.match_tiers(hashes)
             except IndexUnavailable:
                 self.stats.fallbacks += 1
                 return min(healthy, key=lambda r: (r.load, r.index)).index, 0
-            held = {self.replica_of[rid]: n for rid, n in found.items() if rid in self.replica_of}
-            for r, prov in self._provisional.items():
-                n = next((k for k, h in enumerate(hashes) if prov.get(h, 0.0) <= now), len(hashes))
-                held[r] = max(held.get(r, 0), n)
+            for r in healthy:
+                prov = self._provisional.get(r.index, {})
+                routed = next((k for k, h in enumerate(hashes) if prov.get(h, 0.0) <= now), len(hashes))
+                media = found.held.get(self._replica_ids[r.index], ()) if r.index < len(self._replica_ids) else ()
+                reuse[r.index] = self._reusable(media, routed, found.shared)
         max_load = max(max(r.load for r in healthy), 1)
         affine = self._sessions.get(session_id) if session_id else None
-        best_held = max(held.values(), default=0)
 
         def key(r: ReplicaLoad):
-            own = held.get(r.index, 0)
-            own += self.shared_tier_weight * (best_held - own)
-            cached = own / len(hashes) if hashes else 0.0
+            cached = reuse.get(r.index, (0.0, 0))[0] / len(hashes) if hashes else 0.0
             score = self.prefix_weight * cached - self.load_weight * r.load / (r.pool_tokens or max_load)
             return (-score, r.load, r.index != affine, r.index)
 
         best = min(healthy, key=key)
         if hashes and self.provisional_ttl > 0:
             self._remember(best.index, hashes, now + self.provisional_ttl)
-        return best.index, held.get(best.index, 0)
+        return best.index, reuse.get(best.index, (0.0, 0))[1]
+
+    def _reusable(self, media: Sequence[str | None], routed: int, shared: int) -> tuple[float, int]:
+        """(weighted blocks, blocks) of the prompt's leading run that a replica can reuse:
+        ``media`` its own tier of each leading block (``PrefixMatch.held``), ``routed`` leading
+        blocks just routed to it (its pool, provisionally), ``shared`` leading blocks in the
+        shared tier. The run ends at the first block of weight 0."""
+        total, n = 0.0, 0
+        while True:
+            w = 1.0 if n < routed else 0.0
+            if n < len(media) and media[n] is not None:
+                w = max(w, self.tier_weights[media[n]])
+            if n < shared:
+                w = max(w, self.shared_tier_weight)
+            if w <= 0.0:
+                return total, n
+            total, n = total + w, n + 1
 
     def _remember(self, replica: int, hashes: list[int], expiry: float) -> None:
         prov = self._provisional.setdefault(replica, {})

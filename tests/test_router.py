@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.hashing import hash_blocks, seed_hash
-from kvstore.index import IndexUnavailable, MemoryIndex
+from kvstore.events import POOL as POOL_MEDIUM
+from kvstore.index import IndexUnavailable, MemoryIndex, PrefixMatch
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, SamplingParams
 from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router
@@ -36,6 +37,10 @@ class FakeIndex:
             if n:
                 out[rid] = n
         return out
+
+    def match_tiers(self, hashes):
+        """What the router asks: every held block is in the replica's pool, none is shared."""
+        return PrefixMatch({rid: (POOL_MEDIUM,) * n for rid, n in self.match(hashes).items()})
 
 
 class Clock:
