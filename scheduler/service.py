@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -40,7 +41,7 @@ from kvmesh import telemetry
 from kvmesh.config import EngineConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
-from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
+from scheduler.engine import AsyncEngine, EngineOutput, EngineStats, LLMEngine
 from scheduler.request import DuplicateRequestError, EngineError, FinishReason, SamplingParams
 from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
 
@@ -51,6 +52,7 @@ _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Heal
 _FINISH = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
 MAX_CACHE_SALT = 256      # characters of SubmitRequest.cache_salt
+_TIER_STATS = [f.name for f in dataclasses.fields(EngineStats) if f.name.startswith("kv_tier_")]  # ReplicaStats too
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
 
@@ -200,7 +202,8 @@ class Replica:
             replica_id=self.replica_id, indexed=pub is not None,
             index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
             kv_cache_dtype=info.kv_cache_dtype, kv_cache_bytes_per_token=info.kv_bytes_per_token,
-            max_concurrency=info.max_concurrency, restarts=self.restarts, pid=getattr(self.aengine, "pid", 0))
+            max_concurrency=info.max_concurrency, restarts=self.restarts, pid=getattr(self.aengine, "pid", 0),
+            **{name: getattr(st, name) for name in _TIER_STATS})
 
     async def shutdown(self) -> None:
         await close_engine_loop(self.aengine)
