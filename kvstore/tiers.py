@@ -381,10 +381,10 @@ class KVTiers:
         """Put ``(block hash, [(key, value) per stage])`` into the host tier and queue the events
         of what it holds afterwards: ``BlockRemoved`` for the blocks its LRU dropped,
         ``BlockStored`` for the blocks now whole in it. Returns the bytes put."""
-        n, dropped = 0, set()
+        n, dropped = 0, {}                                 # ordered: events in a stable order
         for _, values in blocks:
             for key, value in values:
-                dropped.update(block_hash_of(k) for k in self.host.put(key, value))
+                dropped.update(dict.fromkeys(block_hash_of(k) for k in self.host.put(key, value)))
                 n += len(value)
         kept = list(dict.fromkeys(h for h, values in blocks if all(k in self.host for k, _ in values)))
         removed = tuple(h for h in dropped if h not in kept)

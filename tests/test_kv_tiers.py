@@ -21,6 +21,7 @@ import uuid
 import pytest
 import torch
 
+from kvstore.events import BlockRemoved, BlockStored
 from kvstore.hashing import hash_blocks, seed_hash
 from kvstore.tiers import (FORMAT_VERSION, HOST, REDIS, BlockLayout, HostTier, KVTiers, block_key, decode_value,
                            encode_value, TierValueError)
@@ -200,6 +201,41 @@ def test_host_tier_evicts_least_recently_used_by_size():
     tiers.offload(hashes, [[bytes(layout.body_bytes(0))]] * 3)
     assert len(tiers.host) == 2 and tiers.fetch(hashes) == []     # the first block was dropped
     assert len(tiers.fetch(hashes[1:])) == 2
+
+
+def test_tiers_publish_kv_events_with_their_medium(redis_prefix):
+    """Blocks entering and leaving the host tier (offload, LRU drop, promotion from Redis) and
+    write-throughs that reached Redis come out of ``take_events`` with their medium; a block
+    whose stages are not all kept is not reported stored; a failed Redis write reports nothing."""
+    raw, prefix = redis_prefix
+    layout = _layout(torch.float32, ((0, 2), (2, 3)))
+    parts = [bytes(layout.body_bytes(0)), bytes(layout.body_bytes(1))]
+    block = sum(len(encode_value(layout, s, b)) for s, b in enumerate(parts))
+    tiers = KVTiers(layout, host_bytes=2 * block, redis_url=REDIS_URL, prefix=prefix, ttl=120.0)
+    h = hash_blocks(seed_hash("events"), list(range(4 * BS)), BS)
+    tiers.offload(h[:3], [parts] * 3)                  # room for two: h[0] is dropped
+    assert tiers.take_events() == [BlockRemoved((h[0],), HOST), BlockStored(tuple(h[1:3]), None, BS, HOST)]
+    assert sorted(tiers.host_block_hashes()) == sorted(h[1:3])
+    assert tiers.take_events() == []
+    tiers.publish(h, [parts] * 4)                      # write-through: reported once written
+    tiers.flush()
+    assert tiers.take_events() == [BlockStored(tuple(h), None, BS, REDIS, 120.0)]
+    assert [f.tier for f in tiers.fetch(h[:1])] == [REDIS]    # h[0], promoted into the host tier
+    ev = tiers.take_events()                           # ... where it pushes out the oldest, h[1]
+    assert ev == [BlockRemoved((h[1],), HOST), BlockStored((h[0],), None, BS, HOST)]
+    assert sorted(tiers.host_block_hashes()) == sorted([h[0], h[2]])
+    tiers.close()
+    small = KVTiers(layout, host_bytes=block - 1)      # a block's stages do not fit together
+    small.offload(h[:1], [parts])
+    assert small.take_events() == [] and small.host_block_hashes() == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                      # nothing listens there
+    down = KVTiers(layout, redis_url=f"redis://127.0.0.1:{port}/0", prefix=prefix, timeout=0.2)
+    down.publish(h[:1], [parts])
+    down.flush()
+    assert down.take_events() == [] and down.redis.write_errors == 1
+    down.close()
 
 
 def test_keys_are_namespaced_and_carry_no_request_text(redis_prefix, smollm2_tokenizer):

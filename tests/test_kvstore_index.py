@@ -19,9 +19,9 @@ import uuid
 
 import pytest
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvstore.events import HOST, POOL, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.hashing import hash_blocks, seed_hash
-from kvstore.index import IndexUnavailable, MemoryIndex, RedisIndex
+from kvstore.index import SHARED_NO_TTL, IndexUnavailable, MemoryIndex, PrefixMatch, RedisIndex
 from kvstore.publisher import KVEventPublisher
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, SamplingParams
@@ -222,11 +222,89 @@ def test_two_models_never_share_keys(index):
     assert index.match(hb) == {"b/0": 4}
     if isinstance(index, RedisIndex):
         for x in ha:
-            assert index.raw.hgetall(f"{index.prefix}:b:{x:016x}") == {"a/0": "gpu"}   # tier recorded
+            assert index.raw.hgetall(f"{index.prefix}:b:{x:016x}") == {"a/0": "pool"}   # tier recorded
         for x in hb:
-            assert index.raw.hgetall(f"{index.prefix}:b:{x:016x}") == {"b/0": "gpu"}
+            assert index.raw.hgetall(f"{index.prefix}:b:{x:016x}") == {"b/0": "pool"}
     else:
-        assert all(index._holders[x] == {"a/0": "gpu"} for x in ha)
+        assert all(index._holders[x] == {"a/0": {"pool"}} for x in ha)
+
+
+# ---- tiers: the medium of each block --------------------------------------------------------
+def in_tier(medium, hashes, ttl=0.0):
+    return BlockStored(tuple(hashes), None, BS, medium, ttl)
+
+
+def test_mediums_per_replica_and_block(index):
+    """A replica's blocks in its pool and in its host tier: match_tiers answers the best medium
+    of each, each medium follows its own events, and a reset pool leaves the host tier."""
+    h = chain(5)
+    index.heartbeat("s/0", 30)
+    index.heartbeat("s/1", 30)
+    assert index.apply("s/0", 1, [stored(h[:3]), in_tier(HOST, h[3:4])])
+    assert index.apply("s/1", 1, [in_tier(HOST, h[:2])])
+    assert index.match_tiers(h) == PrefixMatch({"s/0": (POOL, POOL, POOL, HOST), "s/1": (HOST, HOST)}, 0)
+    assert index.match(h) == {"s/0": 4, "s/1": 2}
+    # evicted from the pool into the host tier
+    assert index.apply("s/0", 2, [BlockRemoved((h[1],)), in_tier(HOST, h[1:2])])
+    assert index.match_tiers(h).held["s/0"] == (POOL, HOST, POOL, HOST)
+    # loaded back into the pool while the host tier keeps its copy: the pool is the better one
+    assert index.apply("s/0", 3, [stored(h[1:2])])
+    assert index.match_tiers(h).held["s/0"] == (POOL, POOL, POOL, HOST)
+    if isinstance(index, RedisIndex):
+        assert sorted(index.raw.hget(f"{index.prefix}:b:{h[1]:016x}", "s/0").split(",")) == ["host", "pool"]
+    # the host tier's LRU drops it: the pool's copy stays
+    assert index.apply("s/0", 4, [BlockRemoved((h[1],), HOST)])
+    assert index.match_tiers(h).held["s/0"] == (POOL, POOL, POOL, HOST)
+    # the pool's prefix cache is reset: the host tier keeps h[3]
+    assert index.apply("s/0", 5, [AllBlocksCleared()])
+    assert index.match_tiers(h) == PrefixMatch({"s/1": (HOST, HOST)}, 0)
+    assert index.match_tiers(h[3:]) == PrefixMatch({"s/0": (HOST,)}, 0)
+    if isinstance(index, RedisIndex):
+        assert index.raw.smembers(f"{index.prefix}:r:s/0:blocks") == {f"{h[3]:016x}"}
+
+
+def test_shared_redis_blocks_belong_to_no_replica(index):
+    """Blocks in the shared Redis tier: counted for every replica, bridging the gaps of a
+    replica's own run; neither a resync nor the replica's removal drops them."""
+    h = chain(4)
+    index.heartbeat("s/0", 30)
+    index.heartbeat("s/1", 30)
+    assert index.apply("s/0", 1, [stored(h[:2]), in_tier(REDIS, h[:3], ttl=60.0)])
+    assert index.match_tiers(h) == PrefixMatch({"s/0": (POOL, POOL)}, 3)
+    assert index.apply("s/0", 2, [BlockRemoved((h[0],)), in_tier(HOST, h[3:])])
+    assert index.match_tiers(h) == PrefixMatch({"s/0": (None, POOL, None, HOST)}, 3)
+    assert index.match(h) == {}                       # its own run starts with a miss
+    index.resync("s/0", 3, [])
+    assert index.match_tiers(h) == PrefixMatch({}, 3)
+    index.remove_replica("s/0")
+    index.remove_replica("s/1")
+    assert index.match_tiers(h) == PrefixMatch({}, 3)
+    assert index.match_tiers(h[1:]) == PrefixMatch({}, 2)
+    if isinstance(index, RedisIndex):
+        ttl = index.raw.pttl(f"{index.prefix}:s:{h[0]:016x}")
+        assert 50_000 < ttl <= 60_000
+
+
+def test_shared_blocks_expire_with_the_tiers_ttl(index):
+    h = chain(2)
+    index.heartbeat("s/0", 30)
+    assert index.apply("s/0", 1, [in_tier(REDIS, h, ttl=0.3), in_tier(REDIS, h[1:])])    # 0 = no TTL
+    assert index.match_tiers(h).shared == 2
+    time.sleep(0.5)
+    assert index.match_tiers(h).shared == 0          # the first is gone: the run ends there
+    assert index.match_tiers(h[1:]).shared == 1      # kept for SHARED_NO_TTL
+    if isinstance(index, RedisIndex):
+        assert index.raw.pttl(f"{index.prefix}:s:{h[1]:016x}") > (SHARED_NO_TTL - 60) * 1000
+
+
+def test_unknown_medium_is_refused(index):
+    index.heartbeat("s/0", 30)
+    for bad in ([in_tier("disk", [1])], [BlockRemoved((1,), "gpu")], [AllBlocksCleared(REDIS)]):
+        with pytest.raises(ValueError, match="medium"):
+            index.apply("s/0", 1, bad)
+    with pytest.raises(ValueError, match="medium"):
+        index.resync("s/0", 1, {REDIS: [1]})
+    assert index.apply("s/0", 1, [])                  # nothing was applied: batch 1 is still next
 
 
 def test_match_hundred_blocks_one_call(index):
@@ -312,6 +390,13 @@ def test_publisher_resyncs_after_a_gap(index, publisher):
     wait_for(lambda: pub.resyncs == 3)
     assert pub.failures == 0
     pub.close()
+
+
+def test_publisher_resync_carries_the_host_tier(index, publisher):
+    h = chain(4)
+    publisher(index, lambda: {POOL: h[:2], HOST: h[2:]})
+    wait_for(lambda: index.match_tiers(h) == PrefixMatch({"s/0": (POOL, POOL, HOST, HOST)}, 0),
+             what="the initial resync, pool and host")
 
 
 def test_publisher_with_block_manager(publisher):

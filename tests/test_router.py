@@ -1,17 +1,24 @@
-"""Router unit tests (no model, no Redis): the four policies, the prefix score against load,
-provisional entries with a fake clock, tie-breaks, index outages, and that the router hashes
-a prompt exactly as the block manager does (a real BlockManager's KV events feed a MemoryIndex)."""
+"""Router unit tests (no model): the four policies, the prefix score against load,
+provisional entries with a fake clock, tie-breaks, index outages, that the router hashes a
+prompt exactly as the block manager does (a real BlockManager's KV events feed a MemoryIndex),
+and the score's tier weights (own pool, own host tier, shared Redis tier) read from a real
+index, MemoryIndex and RedisIndex (Redis at ``REDIS_URL``, a unique key prefix, skipped when
+unreachable unless ``CI`` is set)."""
 
 from __future__ import annotations
+
+import os
+import uuid
 
 import pytest
 
 from kvstore.hashing import hash_blocks, seed_hash
+from kvstore.events import HOST, REDIS, BlockRemoved, BlockStored
 from kvstore.events import POOL as POOL_MEDIUM
-from kvstore.index import IndexUnavailable, MemoryIndex, PrefixMatch
+from kvstore.index import IndexUnavailable, MemoryIndex, PrefixMatch, RedisIndex
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request, SamplingParams
-from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router
+from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router
 
 BS = 4
 SEED = seed_hash("router-test")
@@ -250,3 +257,85 @@ def test_shared_kv_tier_lets_a_chat_move_to_a_lightly_loaded_replica():
     r = Router("prefix", idx, replica_ids=IDS[:2], hash_seed=SEED, block_size=BS, provisional_ttl=0,
                shared_tier_weight=0.5)
     assert r.pick(loads(100, 0), prompt_token_ids=p) == 0     # lightly loaded holder: stays
+
+
+# ---- tier weights, from a real index ---------------------------------------------------------
+@pytest.fixture(params=["memory", "redis"])
+def real_index(request):
+    """A MemoryIndex, or a RedisIndex under a unique prefix (its keys deleted afterwards)."""
+    if request.param == "memory":
+        yield MemoryIndex()
+        return
+    import redis
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    raw = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        raw.ping()
+    except redis.RedisError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"Redis not reachable at {url}: {e}")
+        pytest.skip(f"Redis not reachable at {url}: {e}")
+    prefix = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
+    idx = RedisIndex(url, prefix=prefix, timeout=0.25)
+    yield idx
+    idx.close()
+    keys = list(raw.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        raw.delete(*keys)
+    raw.close()
+
+
+TURN = prompt(10, 4, tail=1)          # 4 full blocks
+
+
+def publish(index, **events):
+    """Each replica (IDS[i] for keyword ri) heartbeats and applies its events as batch 1."""
+    for name, evs in events.items():
+        rid = IDS[int(name[1:])]
+        index.heartbeat(rid, 30.0)
+        assert index.apply(rid, 1, evs)
+
+
+def in_tier(medium, hs, ttl=0.0):
+    return BlockStored(tuple(hs), None, BS, medium, ttl)
+
+
+def test_score_weighs_own_pool_own_host_and_shared_tier(real_index, clock):
+    """Equal prompts held in r0's pool (1.0 a block), r1's host tier (0.9) and the shared tier
+    (0.5, every replica): the load at which each loses to the next pins the weights."""
+    h = hashes(TURN)
+    publish(real_index, r0=[in_tier(POOL_MEDIUM, h)], r1=[in_tier(HOST, h)], r2=[in_tier(REDIS, h, ttl=60.0)])
+    assert real_index.match_tiers(h) == PrefixMatch({IDS[0]: (POOL_MEDIUM,) * 4, IDS[1]: (HOST,) * 4}, 4)
+    r = router(real_index, clock, provisional_ttl=0, shared_tier_weight=SHARED_TIER_WEIGHT)
+    assert r.pick(loads(0, 0, 0), prompt_token_ids=TURN) == 0
+    assert r.pick(loads(90, 0, 0), prompt_token_ids=TURN) == 0        # 1.0 - 0.09 > 0.9
+    assert r.pick(loads(110, 0, 0), prompt_token_ids=TURN) == 1       # 1.0 - 0.11 < 0.9
+    assert r.pick(loads(110, 390, 0), prompt_token_ids=TURN) == 0     # 0.89 > 0.51 > 0.5
+    assert r.pick(loads(510, 390, 0), prompt_token_ids=TURN) == 1     # 0.49 < 0.51 > 0.5
+    assert r.pick(loads(600, 550, 0), prompt_token_ids=TURN) == 2     # 0.4, 0.35 < 0.5: loads from Redis
+    assert r.stats.matched_blocks == 6 * 4                            # every pick could reuse all 4
+    # without a shared tier the Redis copies count for nothing: r2 holds none of its own
+    r = router(real_index, clock, provisional_ttl=0, shared_tier_weight=0.0)
+    assert r.pick(loads(600, 550, 0), prompt_token_ids=TURN) == 0     # 0.4 > 0.35 > 0
+    assert r.pick(loads(1100, 1050, 0), prompt_token_ids=TURN) == 2   # -0.1, -0.15 < 0
+    assert r.stats.matched_blocks == 4                                # the second pick reused nothing
+
+
+def test_shared_tier_bridges_a_replicas_own_run(real_index, clock):
+    """r0 holds blocks 0, 1 in its pool and 3 in its host tier, the shared tier 0-3: r0's run is
+    1 + 1 + 0.5 + 0.9 = 3.4 blocks, r1's 4 x 0.5 = 2; without the shared tier r0's ends at 2."""
+    h = hashes(TURN)
+    publish(real_index, r0=[in_tier(POOL_MEDIUM, h[:2]), in_tier(HOST, h[3:])], r1=[in_tier(REDIS, h, ttl=60.0)])
+    assert real_index.match_tiers(h) == PrefixMatch({IDS[0]: (POOL_MEDIUM, POOL_MEDIUM, None, HOST)}, 4)
+    r = router(real_index, clock, provisional_ttl=0, shared_tier_weight=SHARED_TIER_WEIGHT)
+    assert r.pick(loads(340, 0), prompt_token_ids=TURN) == 0          # 0.85 - 0.34 > 0.5
+    assert r.pick(loads(360, 0), prompt_token_ids=TURN) == 1          # 0.85 - 0.36 < 0.5
+    assert r.stats.matched_blocks == 4 + 4
+    r = router(real_index, clock, provisional_ttl=0, shared_tier_weight=0.0)
+    assert r.pick(loads(0, 0), prompt_token_ids=TURN) == 0
+    assert r.stats.matched_blocks == 2
+    assert r.pick(loads(490, 0), prompt_token_ids=TURN) == 0          # 0.5 - 0.49 > 0
+    assert r.pick(loads(510, 0), prompt_token_ids=TURN) == 1          # 0.5 - 0.51 < 0
+    # block 1 leaves r0's pool and the shared copies are removed: r0's run ends after block 0
+    assert real_index.apply(IDS[0], 2, [BlockRemoved((h[1],)), BlockRemoved(tuple(h), REDIS)])
+    assert real_index.match_tiers(h) == PrefixMatch({IDS[0]: (POOL_MEDIUM,)}, 0)
