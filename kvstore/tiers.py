@@ -39,6 +39,10 @@ KV events (:mod:`kvstore.events`): the tiers queue ``BlockStored``/``BlockRemove
 ``BlockStored`` of medium ``redis`` (with the TTL) once a write-through has reached Redis; the
 engine forwards them with the pool's events (:meth:`KVTiers.take_events`). A value dropped by
 Redis itself (TTL, ``maxmemory``) is not observed: the index keeps a Redis block for the TTL.
+
+Why one file over ~450 lines: the value format, the two tiers and :class:`KVTiers`, which
+composes them and names their keys and events, change together (a format version, a key, an
+event medium).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from kvmesh.config import EngineConfig
-from kvstore.events import KVEventSink
+from kvstore.events import HOST, POOL, KVEventSink
 from kvstore.hashing import seed_hash
 from scheduler.block_manager import BlockManager, BlockStats
 from scheduler.request import (DuplicateRequestError, EngineError, FinishReason, Request, RequestStatus,
@@ -419,7 +419,6 @@ class LLMEngine:
         """``{medium: hashes}`` of the blocks this replica can reuse from its pool and its host
         tier (a prefix-index resync, :meth:`kvstore.index.PrefixIndex.resync`). Call under the
         lock, like ``take_events``, so that no event falls between a snapshot and the next batch."""
-        from kvstore.events import HOST, POOL
         snap = {POOL: self.block_manager.cached_block_hashes()}
         if self.tiers is not None and self.tiers.host is not None:
             snap[HOST] = self.tiers.host_block_hashes()

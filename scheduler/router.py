@@ -172,7 +172,7 @@ class Router:
     # ---- prefix ------------------------------------------------------------------------
     def _pick_prefix(self, healthy: list[ReplicaLoad], session_id: str, prompt: Sequence[int],
                      cache_salt: str) -> tuple[int, int]:
-        """(replica, blocks of the prompt it holds) by score; by load when the index fails."""
+        """(replica, leading blocks of the prompt it can reuse) by score; by load when the index fails."""
         hashes = (hash_blocks(self.hash_seed, prompt, self.block_size, cache_salt=cache_salt)
                   if len(prompt) >= self.block_size else [])
         now = self.clock()
@@ -187,8 +187,7 @@ class Router:
             for r in healthy:
                 prov = self._provisional.get(r.index, {})
                 routed = next((k for k, h in enumerate(hashes) if prov.get(h, 0.0) <= now), len(hashes))
-                media = found.held.get(self._replica_ids[r.index], ()) if r.index < len(self._replica_ids) else ()
-                reuse[r.index] = self._reusable(media, routed, found.shared)
+                reuse[r.index] = self._reusable(found.held.get(self._replica_ids[r.index], ()), routed, found.shared)
         max_load = max(max(r.load for r in healthy), 1)
         affine = self._sessions.get(session_id) if session_id else None
 
