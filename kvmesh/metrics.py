@@ -274,7 +274,7 @@ class _ReplicaCollector:
             st = router.stats
             for name, doc, value in (
                     ("kvmesh:router_requests", "Requests routed to a replica.", st.routed),
-                    ("kvmesh:router_prefix_routed", "Requests routed to a replica holding part of the prompt.",
+                    ("kvmesh:router_prefix_routed", "Requests routed to a replica that could reuse part of the prompt.",
                      st.prefix_hits),
                     ("kvmesh:router_fallbacks", "Requests routed by load because the prefix index was unavailable.",
                      st.fallbacks)):
