@@ -206,7 +206,8 @@ def test_host_tier_evicts_least_recently_used_by_size():
 def test_tiers_publish_kv_events_with_their_medium(redis_prefix):
     """Blocks entering and leaving the host tier (offload, LRU drop, promotion from Redis) and
     write-throughs that reached Redis come out of ``take_events`` with their medium; a block
-    whose stages are not all kept is not reported stored; a failed Redis write reports nothing."""
+    whose stages are not all kept is reported removed, never stored; a failed Redis write
+    reports nothing."""
     raw, prefix = redis_prefix
     layout = _layout(torch.float32, ((0, 2), (2, 3)))
     parts = [bytes(layout.body_bytes(0)), bytes(layout.body_bytes(1))]
@@ -227,7 +228,7 @@ def test_tiers_publish_kv_events_with_their_medium(redis_prefix):
     tiers.close()
     small = KVTiers(layout, host_bytes=block - 1)      # a block's stages do not fit together
     small.offload(h[:1], [parts])
-    assert small.take_events() == [] and small.host_block_hashes() == []
+    assert small.take_events() == [BlockRemoved((h[0],), HOST)] and small.host_block_hashes() == []
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]                      # nothing listens there
