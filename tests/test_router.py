@@ -27,10 +27,12 @@ POOL = 1000                                   # KV pool tokens of each fake repl
 
 
 class FakeIndex:
-    """``match`` answers from ``held`` (replica id -> hashes it holds); ``down`` raises."""
+    """``match`` answers from ``held`` (replica id -> hashes it holds in its pool) and ``shared``
+    (hashes in the shared Redis tier); ``down`` raises."""
 
     def __init__(self):
         self.held: dict[str, list[int]] = {}
+        self.shared: list[int] = []
         self.down = False
         self.calls: list[list[int]] = []
 
@@ -46,8 +48,10 @@ class FakeIndex:
         return out
 
     def match_tiers(self, hashes):
-        """What the router asks: every held block is in the replica's pool, none is shared."""
-        return PrefixMatch({rid: (POOL_MEDIUM,) * n for rid, n in self.match(hashes).items()})
+        """What the router asks: every held block is in the replica's pool (its run ends at its
+        first miss), ``shared`` gives the shared run."""
+        shared = next((i for i, h in enumerate(hashes) if h not in self.shared), len(hashes))
+        return PrefixMatch({rid: (POOL_MEDIUM,) * n for rid, n in self.match(hashes).items()}, shared)
 
 
 class Clock:
@@ -248,12 +252,12 @@ def test_shared_kv_tier_lets_a_chat_move_to_a_lightly_loaded_replica():
     p = prompt(0, 10)
     for weight, want in ((0.0, 0), (0.5, 1)):
         idx = FakeIndex()
-        idx.held["s/0"] = hashes(p)
+        idx.held["s/0"] = idx.shared = hashes(p)           # written through to the shared tier
         r = Router("prefix", idx, replica_ids=IDS[:2], hash_seed=SEED, block_size=BS, provisional_ttl=0,
                    shared_tier_weight=weight)
         assert r.pick(loads(600, 0), prompt_token_ids=p) == want
     idx = FakeIndex()
-    idx.held["s/0"] = hashes(p)
+    idx.held["s/0"] = idx.shared = hashes(p)
     r = Router("prefix", idx, replica_ids=IDS[:2], hash_seed=SEED, block_size=BS, provisional_ttl=0,
                shared_tier_weight=0.5)
     assert r.pick(loads(100, 0), prompt_token_ids=p) == 0     # lightly loaded holder: stays
