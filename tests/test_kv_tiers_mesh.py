@@ -132,7 +132,7 @@ async def test_next_turn_on_the_other_replica_loads_the_chat_from_redis(mesh, pr
                     "turn 1 in replica 0's pool and, written through, in the shared Redis tier")
 
     # a long request of other text keeps replica 0 busy and evicts the chat from its pool
-    busy_prompt = [t + 7 for t in prose_ids[150:400]]
+    busy_prompt = [t + 7 for t in prose_ids[:250]]          # 16 blocks: 13 are free, 3 of the chat's go
     busy = stub.Submit(pb.SubmitRequest(prompt_token_ids=busy_prompt, sampling=_greedy(MAX_LEN - len(busy_prompt) - 14)))
     first = await busy.read()
     assert first.replica == 0
@@ -144,8 +144,9 @@ async def test_next_turn_on_the_other_replica_loads_the_chat_from_redis(mesh, pr
     assert m.shared == 11 and b not in m.held               # replica 1 holds nothing of its own
     assert set(m.held[a]) <= {POOL, HOST} and len(m.held[a]) == 11
 
-    # turn 2: replica 0 is loaded (its score ≤ 11/16 - 250/384 < 0), replica 1 can load the
-    # chat from Redis (11 x 0.5 / 16); same greedy tokens and text as without tiers
+    # turn 2: replica 0 is loaded (its score ≤ 11/16 - 250/384 ≈ 0.04: the busy prompt alone),
+    # replica 1 can load the chat from Redis (11 x 0.5 / 16 ≈ 0.34); same greedy tokens and text
+    # as without tiers
     t2 = [m async for m in stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:TURN2], sampling=_greedy()))]
     busy.cancel()
     assert t2[-1].replica == 1
@@ -160,7 +161,7 @@ async def test_next_turn_on_the_other_replica_loads_the_chat_from_redis(mesh, pr
     assert r1.kv_tier_redis_hits == 11 and r1.kv_tier_host_hits == 0
     assert r1.kv_tier_redis_bytes_loaded == 11 * _block_bytes(srv.service.engine_cfg.model)
     assert r1.kv_tier_load_seconds > 0
-    assert r0.kv_tier_blocks_offloaded >= 3 and r0.kv_tier_host_bytes_stored > 0
+    assert r0.kv_tier_blocks_offloaded >= m.held[a].count(HOST) > 0 and r0.kv_tier_host_bytes_stored > 0
     assert r0.kv_tier_redis_bytes_stored > 0 and r0.kv_tier_redis_hits == 0
     assert r0.kv_tier_integrity_failures == r1.kv_tier_integrity_failures == 0
     assert r0.kv_tier_unavailable == r1.kv_tier_unavailable == 0
