@@ -19,8 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.config import EngineConfig, SchedulerConfig, available_cpus
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
+from kvstore.events import HOST, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler.engine import EngineOutput
-from scheduler.engine_core import _output_of, _output_row, _pack, _unpack
+from scheduler.engine_core import _event_of, _event_row, _output_of, _output_row, _pack, _unpack
 from scheduler.request import EngineError, FinishReason, SamplingParams
 from scheduler.service import SERVICE_NAME, serve_scheduler
 
@@ -40,6 +41,12 @@ def test_output_rows_round_trip():
                      1.5, 1.6, 1.7, 2.0, 1, 4, 3)
     back = _output_of(_unpack(_pack(_output_row(o))))
     assert back == o and back.finish_reason is FinishReason.STOP
+
+
+def test_kv_event_rows_round_trip_with_their_medium():
+    events = [BlockStored((1, 2), None, 16), BlockStored((3,), 2, 16, HOST), BlockStored((4,), None, 16, REDIS, 60.0),
+              BlockRemoved((1,)), BlockRemoved((3,), HOST), AllBlocksCleared()]
+    assert [_event_of(_unpack(_pack(_event_row(e)))) for e in events] == events
 
 
 def test_executor_auto_resolution():
