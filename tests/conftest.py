@@ -22,7 +22,9 @@ sibling), so the tests use ``KVMESH_TEST_THREADS`` (default 1).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
 
 import pytest
 import torch
@@ -191,11 +193,34 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
+@contextlib.contextmanager
+def redis_namespace():
+    """``(url, prefix)``: the Redis at ``REDIS_URL`` (default redis://127.0.0.1:6379/0) and a
+    unique key prefix; every key under the prefix is deleted afterwards. Skips the test when
+    Redis is unreachable (fails it when ``CI`` is set)."""
+    import redis
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    raw = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        raw.ping()
+    except redis.RedisError as e:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"Redis not reachable at {url}: {e}")
+    prefix = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield url, prefix
+    finally:
+        keys = list(raw.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            raw.delete(*keys)
+        raw.close()
+
+
 class Helpers:
     make_engine = staticmethod(make_engine)
     derive_engine = staticmethod(derive_engine)
     run = staticmethod(run_to_completion)
     greedy = staticmethod(greedy)
+    redis_namespace = staticmethod(redis_namespace)
     BLOCK = BLOCK
 
     @staticmethod

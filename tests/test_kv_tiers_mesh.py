@@ -14,7 +14,6 @@ text as an engine without tiers. Needs Redis at ``REDIS_URL`` (skipped without, 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 
@@ -31,7 +30,6 @@ from scheduler.service import serve_scheduler
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 MAX_LEN = 384
 POOL_BLOCKS = 24          # 384 tokens: the busy request (250 + 120 tokens) takes the whole pool
 NEW = 12                  # greedy tokens per turn
@@ -58,25 +56,6 @@ def _greedy(n: int = NEW) -> common_pb2.SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def redis_prefix():
-    """A unique key prefix on REDIS_URL; every key under it is deleted afterwards."""
-    import redis
-    raw = redis.Redis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-    try:
-        raw.ping()
-    except redis.RedisError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis not reachable at {REDIS_URL}: {e}")
-        pytest.skip(f"Redis not reachable at {REDIS_URL}: {e}")
-    prefix = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    keys = list(raw.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        raw.delete(*keys)
-    raw.close()
-
-
-@pytest.fixture(scope="module")
 def reference(smollm2_dir, prose_ids, h):
     """Greedy tokens of turn 2 from an engine without tiers (its whole prompt computed)."""
     eng = h.make_engine(smollm2_dir, dtype="float32", max_model_len=MAX_LEN)
@@ -87,22 +66,23 @@ def reference(smollm2_dir, prose_ids, h):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def mesh(smollm2_dir, redis_prefix):
+async def mesh(smollm2_dir, h):
     """(server, stub, index on the service's Redis index, scheduler id)."""
-    sid = f"kvt-{uuid.uuid4().hex[:6]}"
-    sc = SchedulerConfig(port=0, replicas=2, executor="local", routing="prefix", redis_url=REDIS_URL,
-                         index_prefix=redis_prefix, index_timeout=0.25, scheduler_id=sid)
-    ec = _engine_cfg(smollm2_dir, kv_offload_host_memory=64 * 2**20, kv_offload_redis_url=REDIS_URL,
-                     kv_offload_prefix=redis_prefix)
-    srv = await serve_scheduler(sc, ec)
-    index = RedisIndex(REDIS_URL, prefix=redis_prefix, timeout=1.0)
-    try:
-        await srv.wait_ready()
-        async with grpc.aio.insecure_channel(srv.address) as ch:
-            yield srv, scheduler_pb2_grpc.SchedulerServiceStub(ch), index, sid
-    finally:
-        index.close()
-        await srv.stop(grace=1.0)
+    with h.redis_namespace() as (redis_url, redis_prefix):
+        sid = f"kvt-{uuid.uuid4().hex[:6]}"
+        sc = SchedulerConfig(port=0, replicas=2, executor="local", routing="prefix", redis_url=redis_url,
+                             index_prefix=redis_prefix, index_timeout=0.25, scheduler_id=sid)
+        ec = _engine_cfg(smollm2_dir, kv_offload_host_memory=64 * 2**20, kv_offload_redis_url=redis_url,
+                         kv_offload_prefix=redis_prefix)
+        srv = await serve_scheduler(sc, ec)
+        index = RedisIndex(redis_url, prefix=redis_prefix, timeout=1.0)
+        try:
+            await srv.wait_ready()
+            async with grpc.aio.insecure_channel(srv.address) as ch:
+                yield srv, scheduler_pb2_grpc.SchedulerServiceStub(ch), index, sid
+        finally:
+            index.close()
+            await srv.stop(grace=1.0)
 
 
 async def _wait_for(cond, what: str, timeout: float = 30.0):

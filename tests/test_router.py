@@ -7,9 +7,6 @@ unreachable unless ``CI`` is set)."""
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import pytest
 
 from kvstore.hashing import hash_blocks, seed_hash
@@ -265,28 +262,15 @@ def test_shared_kv_tier_lets_a_chat_move_to_a_lightly_loaded_replica():
 
 # ---- tier weights, from a real index ---------------------------------------------------------
 @pytest.fixture(params=["memory", "redis"])
-def real_index(request):
+def real_index(request, h):
     """A MemoryIndex, or a RedisIndex under a unique prefix (its keys deleted afterwards)."""
     if request.param == "memory":
         yield MemoryIndex()
         return
-    import redis
-    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    raw = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-    try:
-        raw.ping()
-    except redis.RedisError as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis not reachable at {url}: {e}")
-        pytest.skip(f"Redis not reachable at {url}: {e}")
-    prefix = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
-    idx = RedisIndex(url, prefix=prefix, timeout=0.25)
-    yield idx
-    idx.close()
-    keys = list(raw.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        raw.delete(*keys)
-    raw.close()
+    with h.redis_namespace() as (url, prefix):
+        idx = RedisIndex(url, prefix=prefix, timeout=0.25)
+        yield idx
+        idx.close()
 
 
 TURN = prompt(10, 4, tail=1)          # 4 full blocks
