@@ -29,7 +29,8 @@ from kvstore.hashing import seed_hash
 from scheduler.block_manager import BlockManager, BlockStats
 from scheduler.request import (DuplicateRequestError, EngineError, FinishReason, Request, RequestStatus,
                                SamplingParams, SpecDecodeCounts)
-from scheduler.scheduler import Scheduler, SchedulerOutput
+from scheduler.batching import make_scheduler
+from scheduler.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -174,13 +175,13 @@ class LLMEngine:
         self.identity = model_identity(self.model_dir, cfg.model, cfg, kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
         self.block_manager = BlockManager(executor.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           seed_hash(self.identity), kv_event_sink)
-        self.scheduler = Scheduler(self.block_manager, policy=cfg.policy, max_num_seqs=cfg.max_num_seqs,
-                                   max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
-                                   max_model_len=cfg.max_model_len,
-                                   enable_chunked_prefill=cfg.enable_chunked_prefill,
-                                   speculative_method=cfg.speculative_method,
-                                   num_speculative_tokens=cfg.num_speculative_tokens,
-                                   speculative_adaptive=cfg.speculative_adaptive)
+        self.scheduler = make_scheduler(self.block_manager, cfg.policy, max_num_seqs=cfg.max_num_seqs,
+                                        max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
+                                        max_model_len=cfg.max_model_len,
+                                        enable_chunked_prefill=cfg.enable_chunked_prefill,
+                                        speculative_method=cfg.speculative_method,
+                                        num_speculative_tokens=cfg.num_speculative_tokens,
+                                        speculative_adaptive=cfg.speculative_adaptive)
         self.tiers = self._make_tiers(cfg, mcfg, executor)
         self.lock = threading.RLock()
         self._emitted: dict[str, int] = {}
@@ -314,9 +315,9 @@ class LLMEngine:
 
     @property
     def max_inflight(self) -> int:
-        """Micro-batches that may be in flight at once: the executor's pipeline depth under
-        continuous batching, else 1."""
-        return getattr(self.executor, "max_inflight", 1) if self.cfg.policy == "continuous" else 1
+        """Micro-batches that may be in flight at once: the executor's pipeline depth when the
+        batching policy schedules around busy requests (continuous), else 1."""
+        return getattr(self.executor, "max_inflight", 1) if self.scheduler.supports_micro_batches else 1
 
     def submit_step(self) -> "InFlightStep | None":
         """Schedule a micro-batch of the requests not already in flight and start it on the
