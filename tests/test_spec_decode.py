@@ -17,7 +17,8 @@ import torch
 from kvmesh.config import EngineConfig, SchedulerConfig
 from scheduler.batching import make_scheduler
 from scheduler.block_manager import BlockManager
-from scheduler.engine import AsyncEngine, LLMEngine
+from scheduler.async_engine import AsyncEngine
+from scheduler.engine import LLMEngine
 from scheduler.request import EngineError, FinishReason, Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from workers.spec_decode.ngram import propose_ngram
