@@ -1,5 +1,5 @@
 """Paired mesh overhead: the same short request alternately through an in-process
-:class:`scheduler.engine.AsyncEngine` and through the mesh (gateway → scheduler → executor) in
+:class:`scheduler.async_engine.AsyncEngine` and through the mesh (gateway → scheduler → executor) in
 this one process, ``--reps`` times; the figure is the median of the per-pair differences of
 TTFT and of median inter-token latency, which cancels most of the machine's drift.
 
@@ -32,7 +32,8 @@ async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict
     from gateway.server import serve_gateway
     from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
-    from scheduler.engine import AsyncEngine, LLMEngine
+    from scheduler.async_engine import AsyncEngine
+    from scheduler.engine import LLMEngine
     from scheduler.request import SamplingParams
     from scheduler.service import serve_scheduler
 

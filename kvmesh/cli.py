@@ -31,7 +31,7 @@ import time
 from kvmesh.config import ATTENTION_BACKENDS, STAGE_PLACEMENTS, WEIGHT_FORMATS
 from scheduler.request import EngineError, SamplingParams
 from scheduler.router import ROUTING_POLICIES
-from scheduler.scheduler import POLICIES
+from scheduler.batching import POLICIES
 
 DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
 DEMO_QUESTION = "travel-02"

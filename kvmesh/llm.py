@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from gateway.detokenizer import IncrementalDetokenizer
 from kvmesh.config import EngineConfig
-from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
+from scheduler.async_engine import AsyncEngine
+from scheduler.engine import EngineOutput, LLMEngine
 from scheduler.request import EngineError, FinishReason, SamplingParams, SpecDecodeCounts
 
 

@@ -161,7 +161,7 @@ class SchedulerMetrics:
         self.registry.register(_ReplicaCollector(self, service))
 
     def observer(self, replica: int) -> Callable[[list], None]:
-        """The callback of one replica's :class:`scheduler.engine.AsyncEngine` (``on_outputs``):
+        """The callback of one replica's :class:`scheduler.async_engine.AsyncEngine` (``on_outputs``):
         called on the event loop with each batch of outputs."""
         labels = (self.model_name, str(replica))
         itl, ttft, e2e, queue, tpot, req_prompt, req_gen = (m.labels(*labels) for m in (

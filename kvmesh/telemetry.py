@@ -151,7 +151,7 @@ def epoch_ns(monotonic_s: float) -> int:
 
 def _client_request_id(engine_id: str) -> str:
     """The caller's request id of an engine request id: the engine runs each submission as
-    ``<request id>#<n>`` (scheduler.engine.OutputStreams), so that an id is free again as soon
+    ``<request id>#<n>`` (scheduler.async_engine.OutputStreams), so that an id is free again as soon
     as its stream ends; spans carry the id the client knows."""
     head, sep, tail = engine_id.rpartition("#")
     return head if sep and tail.isdigit() else engine_id

@@ -15,7 +15,7 @@ their outputs, the requests it rejected, its :class:`~scheduler.engine.EngineSta
 step's KV events (for the prefix index, :mod:`kvstore.publisher`).
 
 The client (:class:`EngineCoreClient`) streams per-request outputs to asyncio callers with the
-same API as :class:`scheduler.engine.AsyncEngine`. A core that exits (killed, crashed) fails
+same API as :class:`scheduler.async_engine.AsyncEngine`. A core that exits (killed, crashed) fails
 every open stream with EngineError at once and marks the client ``errored``.
 """
 
@@ -34,7 +34,8 @@ from collections import deque
 import msgpack
 
 from kvstore.events import REDIS, AllBlocksCleared, BlockRemoved, BlockStored
-from scheduler.engine import EngineInfo, EngineOutput, EngineStats, OutputStreams
+from scheduler.async_engine import OutputStreams
+from scheduler.engine import EngineInfo, EngineOutput, EngineStats
 from scheduler.request import EngineError, FinishReason, SamplingParams
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -218,7 +219,7 @@ def engine_core_main(engine_cfg, sched_cfg, replica: int, conn_in, conn_out, col
 
 class EngineCoreClient(OutputStreams):
     """A replica's engine process, seen from the scheduler service (API of
-    :class:`scheduler.engine.AsyncEngine`). Create it inside a running event loop, then
+    :class:`scheduler.async_engine.AsyncEngine`). Create it inside a running event loop, then
     ``await start()``.
 
     Attributes:

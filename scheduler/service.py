@@ -1,6 +1,6 @@
 """The scheduler gRPC service (``kvmesh.v1.SchedulerService``): token ids in, token ids out.
 
-One process holds ``replicas`` engine loops (:class:`scheduler.engine.AsyncEngine`), each with
+One process holds ``replicas`` engine loops (:class:`scheduler.async_engine.AsyncEngine`), each with
 its own KV cache and executor (in-process model, or a Ray pipeline of stage actors). The
 :class:`scheduler.router.Router` picks the replica of each new request. With ``routing=prefix``
 each replica publishes its KV events (:class:`kvstore.publisher.KVEventPublisher`) to a prefix
@@ -8,7 +8,8 @@ index (:mod:`kvstore.index`: in-process, or Redis at ``redis_url``) under the na
 ``<scheduler_id>/<replica>``, and the router asks that index which replica holds a prompt's
 prefix; a replica whose engine loop died leaves the index, and so do all of them at shutdown.
 The server also speaks standard gRPC health checking (SERVING only once every replica has
-loaded) and server reflection.
+loaded) and server reflection. A replica (its engine loop, load, stats, publisher, restarts)
+is :mod:`scheduler.replica`; a request's trace span is :mod:`scheduler.request_span`.
 
 A request's ``cache_salt`` goes into its block hashes (:mod:`kvstore.hashing`): the router and
 its replica's block manager hash its prompt under it, so it shares cached blocks only with
@@ -25,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import os
 import socket
 import time
 import uuid
@@ -41,9 +40,12 @@ from kvmesh import telemetry
 from kvmesh.config import EngineConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
-from scheduler.engine import AsyncEngine, EngineOutput, EngineStats, LLMEngine
+from scheduler.engine import EngineOutput
+from scheduler.replica import (Replica, build_engine_threads, close_engine_loop, restart_engine_process,
+                               start_engine_processes, watch_steps)
 from scheduler.request import DuplicateRequestError, EngineError, FinishReason, SamplingParams
-from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
+from scheduler.request_span import end_request_span, start_request_span
+from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, Router, RouterStats
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -52,7 +54,6 @@ _SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Heal
 _FINISH = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
 MAX_CACHE_SALT = 256      # characters of SubmitRequest.cache_salt
-_TIER_STATS = [f.name for f in dataclasses.fields(EngineStats) if f.name.startswith("kv_tier_")]  # ReplicaStats too
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
 
@@ -99,123 +100,12 @@ def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitRe
     return msg
 
 
-def _end_request_span(tracer, span, last: EngineOutput | None, block_size: int) -> None:
-    """End a request's span with its outcome, and give it the children ``queue`` (arrival →
-    first scheduled), ``prefill`` (→ first token) and ``decode`` (→ finished), built from the
-    request's timestamps now that it is over: nothing is emitted per step or token."""
-    import sys
-    exc = sys.exception()
-    if last is None or not last.finished:
-        if exc is not None and not isinstance(exc, grpc.aio.AbortError):
-            span.record_exception(exc)
-        span.set_status(telemetry.trace.StatusCode.ERROR,
-                        "the request ended without a final message (cancelled, or it failed)")
-        span.end()
-        return
-    o = last
-    reason = o.finish_reason.value if o.finish_reason is not None else "unspecified"
-    end = o.finished_time or time.monotonic()
-    attrs = {"gen_ai.usage.input_tokens": o.num_prompt_tokens, "gen_ai.usage.output_tokens": o.num_output_tokens,
-             "gen_ai.response.finish_reasons": [reason], "kvmesh.finish_reason": reason,
-             "kvmesh.prefix_cache.hit_tokens": o.num_cached_tokens,
-             "kvmesh.prefix_cache.hit_blocks": o.num_cached_tokens // block_size,
-             "kvmesh.queue_time_s": (o.first_scheduled_time or end) - o.arrival_time}
-    if o.first_token_time:
-        attrs["kvmesh.ttft_s"] = o.first_token_time - o.arrival_time
-    if o.stop_reason is not None:
-        attrs["kvmesh.stop_reason"] = str(o.stop_reason)
-    span.set_attributes(attrs)
-    parent = telemetry.trace.set_span_in_context(span)
-    phases = [("queue", o.arrival_time, o.first_scheduled_time or end)]
-    if o.first_scheduled_time:
-        phases.append(("prefill", o.first_scheduled_time, o.first_token_time or end))
-    if o.first_token_time:
-        phases.append(("decode", o.first_token_time, end))
-    for name, t0, t1 in phases:
-        child = tracer.start_span(name, context=parent, start_time=telemetry.epoch_ns(t0))
-        child.end(end_time=telemetry.epoch_ns(t1))
-    span.end()
-
-
 def _redacted(url: str) -> str:
     """``url`` without its password (for stats and logs)."""
     u = urlsplit(url)
     if u.password is None:
         return url
     return u._replace(netloc=f"{u.username or ''}:***@{u.hostname}" + (f":{u.port}" if u.port else "")).geturl()
-
-
-class Replica:
-    """One engine loop: its engine process (:class:`scheduler.engine_core.EngineCoreClient`)
-    or a thread of this process (:class:`scheduler.engine.AsyncEngine`), both as ``aengine``.
-    Reads only what the loop pushes (``aengine.info``, ``aengine.stats``), never the engine's
-    lock. ``replica_id`` is its name in the prefix index; ``publisher`` sends its KV events
-    there (None: not published)."""
-
-    def __init__(self, index: int, aengine, replica_id: str = ""):
-        self.index, self.aengine, self.replica_id = index, aengine, replica_id or str(index)
-        self.info = aengine.info
-        self.publisher = None
-        self.restarts = 0
-
-    @property
-    def healthy(self) -> bool:
-        return self.aengine.is_up()
-
-    def num_waiting(self) -> int:
-        return self.aengine.stats.num_waiting + self.aengine.pending_load()[0]
-
-    def load(self) -> ReplicaLoad:
-        st = self.aengine.stats
-        _, pending_tokens = self.aengine.pending_load()
-        return ReplicaLoad(self.index, self.healthy, st.waiting_tokens + pending_tokens, st.running_tokens,
-                           self.info.num_blocks * self.info.block_size)
-
-    def start_publishing(self, index) -> None:
-        """Publish this replica's KV events to ``index``: a snapshot of its cached blocks, then
-        every event, with heartbeats. Attached under ``kv_lock``, so no event is missed."""
-        from kvstore.publisher import KVEventPublisher
-
-        with self.aengine.kv_lock:
-            self.publisher = KVEventPublisher(index, self.replica_id, self.aengine.cached_block_hashes)
-            self.aengine.set_kv_sink(self.publisher)
-
-    def stop_publishing(self) -> None:
-        """Stop publishing; the publisher removes the replica's entries from the index (blocks
-        until its thread has ended, a fraction of a second). Idempotent."""
-        with self.aengine.kv_lock:
-            pub, self.publisher = self.publisher, None
-            self.aengine.set_kv_sink(None)
-        if pub is not None:
-            pub.close()
-
-    def stats(self) -> scheduler_pb2.ReplicaStats:
-        st, load, info, pub = self.aengine.stats, self.load(), self.info, self.publisher
-        return scheduler_pb2.ReplicaStats(
-            replica=self.index, healthy=self.healthy, num_waiting=self.num_waiting(), num_running=st.num_running,
-            num_waiting_tokens=load.waiting_tokens, num_running_tokens=load.running_tokens,
-            num_blocks=info.num_blocks, num_used_blocks=st.used_blocks, num_cached_blocks=st.cached_blocks,
-            num_steps=st.num_steps, num_preemptions=st.num_preemptions,
-            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
-            prefix_cache_preempted_queries=st.prefix_cache_preempted_queries,
-            prefix_cache_preempted_hits=st.prefix_cache_preempted_hits,
-            replica_id=self.replica_id, indexed=pub is not None,
-            index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
-            kv_cache_dtype=info.kv_cache_dtype, kv_cache_bytes_per_token=info.kv_bytes_per_token,
-            max_concurrency=info.max_concurrency, restarts=self.restarts, pid=getattr(self.aengine, "pid", 0),
-            **{name: getattr(st, name) for name in _TIER_STATS})
-
-    async def shutdown(self) -> None:
-        await close_engine_loop(self.aengine)
-
-
-async def close_engine_loop(aengine) -> None:
-    """Stop an engine loop: an engine process (its executor stops with it), or an engine
-    thread and then its engine's executor."""
-    await aengine.shutdown()
-    engine = getattr(aengine, "engine", None)
-    if engine is not None:
-        await asyncio.to_thread(engine.shutdown)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -239,7 +129,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.metrics = SchedulerMetrics(engine_cfg.model, self)
 
     def start(self, engines: list) -> None:
-        """Serve with these loaded engine loops (:class:`scheduler.engine.AsyncEngine` or
+        """Serve with these loaded engine loops (:class:`scheduler.async_engine.AsyncEngine` or
         :class:`scheduler.engine_core.EngineCoreClient`): their replicas, publishers and the router."""
         sc = self.sched_cfg
         replicas = [Replica(i, e, f"{self.scheduler_id}/{i}") for i, e in enumerate(engines)]
@@ -314,7 +204,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         # to the engine): concurrent Submits see each other's load.
         self.requests[rid] = replica
         self.tenants[rid] = request.tenant
-        span = self._request_span(request, context, rid, replica, params)
+        span = start_request_span(self.tracer, context, self.engine_cfg.model, request, rid, replica, params)
         aengine = replica.aengine           # this stream's engine loop (a restart gives the replica a new one)
         stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span), cache_salt=request.cache_salt)
         last = None
@@ -334,7 +224,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             self.requests.pop(rid, None)
             self.tenants.pop(rid, None)
             if span.is_recording():
-                _end_request_span(self.tracer, span, last, replica.info.block_size)
+                end_request_span(self.tracer, span, last, replica.info.block_size)
 
     async def _pick(self, context, session_id: str, prompt: list[int], cache_salt: str = "") -> "Replica":
         """The router's replica for a new request. While none is up and one is restarting or
@@ -355,19 +245,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                     extra = f"; waited {waited:.1f} s for a restarting replica" if waited > 0.05 else ""
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}{extra}")
                 await asyncio.sleep(0.05)
-
-    def _request_span(self, request, context, rid: str, replica: "Replica", params: SamplingParams):
-        """The span of one request (``kvmesh.scheduler.request``), a child of the gateway's span
-        when the call's metadata carries its ``traceparent``. Not current: ended by
-        :func:`_end_request_span`."""
-        return self.tracer.start_span(
-            "kvmesh.scheduler.request", context=telemetry.extract_metadata(context.invocation_metadata()),
-            kind=telemetry.trace.SpanKind.SERVER, attributes={
-                "gen_ai.request.model": self.engine_cfg.model, "gen_ai.request.max_tokens": params.max_tokens,
-                "gen_ai.request.temperature": params.temperature,
-                "gen_ai.usage.input_tokens": len(request.prompt_token_ids), "kvmesh.request_id": rid,
-                "kvmesh.session_id": request.session_id, "kvmesh.replica": replica.index,
-                "kvmesh.replica_id": replica.replica_id, "kvmesh.tenant": request.tenant})
 
     async def Abort(self, request, context):
         """Abort an in-flight request of the same tenant (``found`` False for another tenant's);
@@ -422,9 +299,9 @@ class SchedulerServer:
         log.info("loading %d replica(s) of %s (executor %s, pp %d, %s)", sc.replicas, ec.model,
                  sc.resolved_executor(), sc.pp, "an engine process each" if sc.engine_process else "engine threads")
         if sc.engine_process:
-            built = await self._start_engine_processes(sc, ec)
+            built, self._engine_sched_cfg = await start_engine_processes(sc, ec)
         else:
-            built = await self._build_engine_threads(sc, ec)
+            built = await build_engine_threads(sc, ec)
         failed = [e for e in built if isinstance(e, BaseException)]
         if not failed and not self.service.stopping:
             try:
@@ -444,40 +321,13 @@ class SchedulerServer:
         for r in self.service.replicas:
             r.aengine.on_death = self._replica_died
         if sc.engine_process and sc.step_timeout:
-            self._tasks.add(asyncio.ensure_future(self._watchdog()))
+            self._tasks.add(asyncio.ensure_future(watch_steps(lambda: self.service.replicas, sc.step_timeout,
+                                                              lambda: self.service.stopping)))
         self._health_status = _SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, _SERVING)
         log.info("scheduler serving on %s: %d replica(s) loaded in %.1f s", self.address, sc.replicas,
                  time.monotonic() - t0)
-
-    async def _start_engine_processes(self, sc, ec) -> list:
-        """One engine process per replica (:mod:`scheduler.engine_core`), loading concurrently.
-        A Ray executor's local Ray is started here first, so that every replica joins the same."""
-        from scheduler.engine_core import EngineCoreClient
-        if sc.resolved_executor() == "ray":
-            from workers.executor import ensure_ray, ray_address_of_this_process
-            cpus = sc.cpus_per_stage()
-            await asyncio.to_thread(ensure_ray, sc.ray_address,
-                                    max(os.cpu_count() or 1, sc.replicas * sc.pp * cpus))
-            sc = sc.replace(ray_address=sc.ray_address or ray_address_of_this_process(), stage_num_cpus=cpus)
-        self._engine_sched_cfg = sc
-        clients = [EngineCoreClient(ec, sc, i, collect_events=sc.routing == "prefix") for i in range(sc.replicas)]
-        started = await asyncio.gather(*(c.start() for c in clients), return_exceptions=True)
-        return [e if isinstance(e, BaseException) else c for c, e in zip(clients, started)]
-
-    async def _build_engine_threads(self, sc, ec) -> list:
-        """Engines in this process, each loop on a thread (:class:`scheduler.engine.AsyncEngine`)."""
-        def build(i: int) -> LLMEngine:
-            from workers.executor import create_executor
-            return LLMEngine(ec, executor_factory=lambda cfg, model_dir: create_executor(cfg, model_dir, sc, i))
-
-        # the first replica alone (its executor may start Ray), then the others concurrently
-        built = await asyncio.gather(asyncio.to_thread(build, 0), return_exceptions=True)
-        if not isinstance(built[0], BaseException):
-            built += await asyncio.gather(*(asyncio.to_thread(build, i) for i in range(1, sc.replicas)),
-                                          return_exceptions=True)
-        return [e if isinstance(e, BaseException) else AsyncEngine(e) for e in built]
 
     def _replica_died(self, client) -> None:
         """A replica's engine process exited unasked (or the watchdog killed it): out of the
@@ -506,48 +356,20 @@ class SchedulerServer:
         for name in ("", SERVICE_NAME):
             asyncio.ensure_future(self.health.set(name, status))
 
-    async def _restart(self, replica: "Replica") -> None:
-        """Replace a dead replica's engine process: reap the old one (its Ray stages, owned by
-        it, go with it), start a new one, retrying with backoff (0.5 s doubling to 30 s)."""
-        from scheduler.engine_core import EngineCoreClient
-        service, delay = self.service, 0.5
+    async def _restart(self, replica: Replica) -> None:
+        """Restart a dead replica's engine process (:func:`scheduler.replica.restart_engine_process`)."""
+        service = self.service
+
+        async def install(replica: Replica, client) -> None:
+            await service.replace_engine(replica, client)
+            client.on_death = self._replica_died
+
         try:
-            await close_engine_loop(replica.aengine)
-            while not service.stopping:
-                t0 = time.monotonic()
-                client = EngineCoreClient(service.engine_cfg, self._engine_sched_cfg, replica.index,
-                                          collect_events=service.sched_cfg.routing == "prefix")
-                try:
-                    await client.start()
-                except EngineError as e:
-                    log.error("replica %d: restart failed (%s); next try in %.1f s", replica.index, e, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, 30.0)
-                    continue
-                if service.stopping:
-                    await close_engine_loop(client)
-                    return
-                await service.replace_engine(replica, client)
-                client.on_death = self._replica_died
-                log.warning("replica %d: engine process restarted (pid %d) in %.1f s", replica.index, client.pid,
-                            time.monotonic() - t0)
-                break
+            await restart_engine_process(replica, service.engine_cfg, self._engine_sched_cfg,
+                                         stopping=lambda: service.stopping, install=install)
         finally:
             service.restarting.discard(replica.index)
             self._update_health()
-
-    async def _watchdog(self) -> None:
-        """Kill an engine process that has requests and sent nothing for ``step_timeout``
-        seconds (a hung step); its death then restarts it."""
-        timeout = self.service.sched_cfg.step_timeout
-        while not self.service.stopping:
-            await asyncio.sleep(min(1.0, timeout / 4))
-            for r in self.service.replicas:
-                stalled = getattr(r.aengine, "stalled_for", None)
-                if stalled is not None and stalled() > timeout:
-                    log.error("replica %d: no step for %.0f s with requests open (step_timeout): killing its "
-                              "engine process", r.index, stalled())
-                    r.aengine.kill(f"killed by the watchdog after {timeout:g} s without a step")
 
     async def wait_ready(self) -> None:
         """Wait until every replica has loaded. Raises what loading raised (EngineError: bad

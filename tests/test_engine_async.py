@@ -228,7 +228,8 @@ class FailingExecutor:
 async def test_engine_loop_failure_reaches_callers(tiny_llama_dir, h):
     """If a step raises, every open stream gets an EngineError (instead of waiting forever)
     and new requests are refused."""
-    from scheduler.engine import AsyncEngine, LLMEngine
+    from scheduler.async_engine import AsyncEngine
+    from scheduler.engine import LLMEngine
     base = h.make_engine(tiny_llama_dir)
     eng = AsyncEngine(LLMEngine(base.cfg, executor=FailingExecutor(base.executor, fail_at=3)))
     try:

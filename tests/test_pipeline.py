@@ -14,7 +14,8 @@ import shutil
 import pytest
 
 from kvmesh.config import EngineConfig, SchedulerConfig
-from scheduler.engine import AsyncEngine, LLMEngine
+from scheduler.async_engine import AsyncEngine
+from scheduler.engine import LLMEngine
 from scheduler.request import EngineError, SamplingParams
 from workers.executor import Completed, RayPipelineExecutor, create_executor, ensure_ray, split_layers
 from workers.model_runner import StepInput

@@ -71,6 +71,22 @@ def test_matmul_matches_dequantized_reference(fmt, T, n, k):
     assert ((y - dense).abs().max() / dense.abs().max()).item() < (0.3 if fmt == "int4" else 0.1)
 
 
+def test_format_is_chosen_once_when_the_layer_is_quantized():
+    """set_quantized picks the layer's method (its format, the dense weight gone); a format it
+    does not know is refused with its name, and the layer keeps serving its dense weight."""
+    for fmt in FORMATS:
+        lin, _, _ = _layer(fmt, 48, 128)
+        assert lin.format == fmt and lin.method.format == fmt and lin.weight is None
+    dense = Linear(64, 16)
+    dense.load_shard("weight", "", torch.randn(16, 64))
+    dense.finalize(torch.float32)
+    assert dense.format == "none" and tuple(dense.weight.shape) == (64, 16)      # [in, out] after finalize
+    with pytest.raises(ValueError, match="no quantized weight format 'int3'"):
+        dense.set_quantized("int3", quant.quantize_int8(torch.randn(16, 64)), torch.float32)
+    x = torch.randn(3, 64)
+    assert dense.format == "none" and torch.equal(dense(x), x @ dense.weight)
+
+
 def test_int4_group_layout_and_padding():
     """K=80 with group 64 is zero-padded to 128 (two groups), the padded columns contribute 0;
     quantize_int4 itself refuses an unpadded K."""

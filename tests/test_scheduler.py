@@ -7,14 +7,14 @@ import pytest
 
 from scheduler.block_manager import BlockManager
 from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.batching import make_scheduler
 
 BS = 4
 
 
 def make(num_blocks=64, policy="continuous", caching=False, **kw):
     kw.setdefault("max_model_len", 256)
-    return Scheduler(BlockManager(num_blocks, BS, caching, 0), policy=policy, **kw)
+    return make_scheduler(BlockManager(num_blocks, BS, caching, 0), policy, **kw)
 
 
 def add(s, rid, n_prompt, max_tokens=4, start=0):

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from kvmesh.config import EngineConfig, SchedulerConfig
+from scheduler.batching import make_scheduler
 from scheduler.block_manager import BlockManager
-from scheduler.engine import AsyncEngine, LLMEngine
+from scheduler.async_engine import AsyncEngine
+from scheduler.engine import LLMEngine
 from scheduler.request import EngineError, FinishReason, Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from workers.spec_decode.ngram import propose_ngram
@@ -152,7 +154,7 @@ def _decoding(s: Scheduler, rid: str, prompt_len: int, max_tokens: int = 50) -> 
 
 def test_token_budget_counts_proposals_and_rollback_trims_blocks():
     bm = BlockManager(64, 4, False, 0)
-    s = Scheduler(bm, max_num_batched_tokens=6, speculative_method="ngram", num_speculative_tokens=4)
+    s = make_scheduler(bm, max_num_batched_tokens=6, speculative_method="ngram", num_speculative_tokens=4)
     a, b = _decoding(s, "a", 5), _decoding(s, "b", 5)
     while not (a.num_output_tokens and b.num_output_tokens):     # prefill both (chunked)
         out = s.schedule()
@@ -181,8 +183,8 @@ def test_token_budget_counts_proposals_and_rollback_trims_blocks():
 
 def test_speculation_needs_continuous_policy():
     with pytest.raises(EngineError, match="continuous"):
-        Scheduler(BlockManager(8, 4, False, 0), policy="static", speculative_method="ngram",
-                  num_speculative_tokens=2)
+        make_scheduler(BlockManager(8, 4, False, 0), "static", speculative_method="ngram",
+                       num_speculative_tokens=2)
 
 
 def test_requests_with_penalties_logprobs_or_min_tokens_do_not_speculate():

@@ -17,8 +17,137 @@ from torch import nn
 from workers.layers import quant
 
 
+class LinearMethod:
+    """How a :class:`Linear` computes ``x @ W.T + b`` from its stored weight: one subclass per
+    weight format and layout, chosen once when the layer gets its serving storage
+    (:meth:`Linear.set_quantized`, :meth:`Linear.pack_bf16`; :class:`Dense` otherwise), so that
+    ``Linear.forward`` does no format dispatch. Stateless: the tensors live on the layer, and
+    one instance (:data:`DENSE`, ...) serves every layer of its format, so a compiled decoder
+    layer (:mod:`workers.compiled_decode`) finds the same object in every layer.
+
+    Attributes:
+        format: the weight format, one of :data:`workers.layers.quant.WEIGHT_FORMATS`.
+    """
+
+    format = "none"
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[T, in_features]`` → ``[T, out_features]`` in x's dtype."""
+        raise NotImplementedError
+
+
+class Dense(LinearMethod):
+    """``weight`` ``[in_features, out_features]`` contiguous (after :meth:`Linear.finalize`):
+    one ``addmm`` (``mm`` without bias)."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.bias is not None:
+            return torch.addmm(layer.bias, x, layer.weight)
+        return torch.mm(x, layer.weight)
+
+
+class DenseBF16Panels(LinearMethod):
+    """bfloat16 weight in the panels of the native bf16 GEMM (``bf16_panels``,
+    :meth:`Linear.pack_bf16`); the bias goes into the kernel."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvmesh.bf16_linear(x, layer.bf16_panels, layer.out_features, layer.bias)
+
+
+class Quantized(LinearMethod):
+    """A quantized weight (:meth:`Linear.set_quantized`): x is multiplied by ``input_scale``
+    first when the layer has one, then the format's :meth:`mm`, then the bias is added."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.input_scale is not None:
+            x = x * layer.input_scale
+        y = self.mm(layer, x)
+        return y if layer.bias is None else y + layer.bias
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for the layer's runtime tensors (:func:`workers.layers.quant.to_runtime`)."""
+        raise NotImplementedError
+
+
+class Int8(Quantized):
+    """Weight-only int8 (``qweight``, ``scales``)."""
+
+    format = "int8"
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return quant.int8_mm(x, layer.qweight, layer.scales)
+
+
+class Int4Packed(Quantized):
+    """Weight-only int4 in the CPU or CUDA kernel's packed layout (``packed``,
+    ``scales_and_zeros``)."""
+
+    format = "int4"
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return quant.int4_packed_mm(x, layer.packed, layer.scales_and_zeros, layer.group_size, layer.out_features)
+
+
+class Int4Dequantized(Quantized):
+    """Weight-only int4 in canonical tensors (``qweight``, ``scales``, ``zeros``), dequantized
+    at each call: a CUDA shape the kernel does not take."""
+
+    format = "int4"
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return quant.int4_dequantized_mm(x, layer.qweight, layer.scales, layer.zeros)
+
+
+class FP8(Quantized):
+    """fp8 e4m3 weights (``qweight``, ``scales``)."""
+
+    format = "fp8"
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return quant.fp8_mm(x, layer.qweight, layer.scales)
+
+
+class W8A8Int8(Quantized):
+    """int8 weights and per-token int8 activations (``qweight``, ``scales``)."""
+
+    format = "w8a8-int8"
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return quant.w8a8_int8_mm(x, layer.qweight, layer.scales)
+
+
+DENSE, BF16_PANELS = Dense(), DenseBF16Panels()
+_QUANTIZED = {m.format: m for m in (Int8(), FP8(), W8A8Int8())}
+INT4_PACKED, INT4_DEQUANTIZED = Int4Packed(), Int4Dequantized()
+
+
+def quantized_method(fmt: str, runtime: dict[str, torch.Tensor]) -> Quantized:
+    """The method of a layer quantized to ``fmt`` with the tensors ``runtime`` of
+    :func:`workers.layers.quant.to_runtime`. Raises ValueError for an unknown format."""
+    if fmt == "int4":
+        return INT4_PACKED if "packed" in runtime else INT4_DEQUANTIZED
+    if fmt not in _QUANTIZED:
+        raise ValueError(f"no quantized weight format {fmt!r}")
+    return _QUANTIZED[fmt]
+
+
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` with ``W: [out_features, in_features]``.
+    """``y = x @ W.T + b`` for a weight ``W`` of ``[out_features, in_features]``.
+
+    Storage (``weight`` changes shape when the layer is finalized):
+
+    - as built: ``weight`` ``[out_features, in_features]`` float32, the checkpoint's layout
+      (:meth:`load_shard` writes rows of it); after :meth:`allocate` it is the
+      ``[out_features, in_features]`` transposed view of ``[in_features, out_features]``
+      contiguous storage of the serving dtype;
+    - after :meth:`finalize` (dense): ``weight`` ``[in_features, out_features]`` contiguous of
+      the serving dtype, so ``y = x @ weight + bias``;
+    - after :meth:`pack_bf16`: ``weight`` None, ``bf16_panels`` the native GEMM's panels;
+    - after :meth:`set_quantized`: ``weight`` None, the format's runtime tensors as buffers
+      (:func:`workers.layers.quant.to_runtime`), optional ``input_scale`` ``[in_features]``.
+
+    ``bias`` is ``[out_features]``. ``method`` (:class:`LinearMethod`) computes the product
+    for the current storage; ``format`` is its weight format.
 
     Args:
         in_features, out_features: sizes (ints).
@@ -37,11 +166,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._loaded: set[tuple[str, str]] = set()
-        self.format = "none"
+        self.method: LinearMethod = DENSE
         self.group_size = 0
         self.register_buffer("input_scale", None)     # [in_features]: x * input_scale first
         self.register_buffer("bf16_panels", None)     # weight panels of the native bf16 GEMM (pack_bf16)
         self._qnames: list[str] = []
+
+    @property
+    def format(self) -> str:
+        """The weight format (``none`` for dense)."""
+        return self.method.format
 
     def _rows(self, shard: str) -> slice:
         start = 0
@@ -109,6 +243,7 @@ class Linear(nn.Module):
             group_size: int4 group size along in_features.
         """
         rt = quant.to_runtime(fmt, tensors, torch.device(device))
+        method = quantized_method(fmt, rt)
         self.weight = None
         for name in self._qnames:
             delattr(self, name)
@@ -119,7 +254,7 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(tensors["bias"].to(device=device, dtype=dtype), requires_grad=False)
         scale = tensors.get("input_scale")
         self.input_scale = None if scale is None else scale.to(device=device, dtype=dtype)
-        self.format, self.group_size = fmt, group_size
+        self.method, self.group_size = method, group_size
 
     def weight_bytes(self) -> int:
         """Bytes of the stored weight: dense weight or quantized tensors incl. scales/zeros,
@@ -149,30 +284,11 @@ class Linear(nn.Module):
             raise ValueError("pack_bf16 needs a dense bfloat16 layer")
         self.bf16_panels = gemm.pack_bf16_weight(self.weight.data.t())     # stored [in, out]: W = .t()
         self.weight = None
+        self.method = BF16_PANELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, in_features]`` → ``[T, out_features]`` in x's dtype."""
-        if self.bf16_panels is not None:
-            return torch.ops.kvmesh.bf16_linear(x, self.bf16_panels, self.out_features, self.bias)
-        if self.format != "none":
-            return self._forward_quantized(x)
-        if self.bias is not None:
-            return torch.addmm(self.bias, x, self.weight)
-        return torch.mm(x, self.weight)
-
-    def _forward_quantized(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is not None:
-            x = x * self.input_scale
-        fmt = self.format
-        if fmt == "int8":
-            y = quant.int8_mm(x, self.qweight, self.scales)
-        elif fmt == "int4":
-            y = quant.int4_mm(x, {n: getattr(self, n) for n in self._qnames}, self.group_size, self.out_features)
-        elif fmt == "fp8":
-            y = quant.fp8_mm(x, self.qweight, self.scales)
-        else:
-            y = quant.w8a8_int8_mm(x, self.qweight, self.scales)
-        return y if self.bias is None else y + self.bias
+        return self.method.apply(self, x)
 
 
 def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:

@@ -189,21 +189,27 @@ def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> tor
     return (F.linear(x, qweight.to(x.dtype)) * scales.to(x.dtype))
 
 
-def int4_mm(x: torch.Tensor, rt: dict[str, torch.Tensor], group_size: int, out_features: int) -> torch.Tensor:
-    """Weight-only int4 with the tensors of :func:`to_runtime`; x's K is zero-padded to the
-    stored (group-aligned) K, the output sliced to ``out_features``."""
-    if "packed" in rt:
-        sz = rt["scales_and_zeros"]
-        k_pad = sz.shape[0] * group_size
-        xb = x.to(torch.bfloat16)
-        if xb.shape[-1] != k_pad:
-            xb = F.pad(xb, (0, k_pad - xb.shape[-1]))
-        if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, rt["packed"], group_size, sz)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm(xb, rt["packed"], group_size, sz)
-        return y[:, :out_features].to(x.dtype)
-    w = dequantize_int4(rt["qweight"], rt["scales"], rt["zeros"])[:, : x.shape[-1]]
+def int4_packed_mm(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                   out_features: int) -> torch.Tensor:
+    """Weight-only int4 through the CPU or CUDA kernel, with the ``packed`` and
+    ``scales_and_zeros`` (bf16 ``[K_pad/g, N_pad, 2]``) tensors of :func:`to_runtime`; x's K is
+    zero-padded to the stored (group-aligned) ``K_pad``, the output sliced to ``out_features``."""
+    k_pad = scales_and_zeros.shape[0] * group_size
+    xb = x.to(torch.bfloat16)
+    if xb.shape[-1] != k_pad:
+        xb = F.pad(xb, (0, k_pad - xb.shape[-1]))
+    if x.device.type == "cpu":
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group_size, scales_and_zeros)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm(xb, packed, group_size, scales_and_zeros)
+    return y[:, :out_features].to(x.dtype)
+
+
+def int4_dequantized_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor) -> torch.Tensor:
+    """Weight-only int4 from the canonical tensors (a CUDA shape the kernel does not take):
+    dequantized (K cut to x's), then a matmul in x's dtype."""
+    w = dequantize_int4(qweight, scales, zeros)[:, : x.shape[-1]]
     return F.linear(x, w.to(x.dtype))
 
 

@@ -1,0 +1,173 @@
+"""Continuous batching: iteration-level scheduling (Orca, Yu et al. 2022 OSDI; vLLM).
+
+Each step fills a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``): running requests first (decodes, and the rest of chunked prefills), then
+waiting requests (chunked prefill, prefix-cache hits and blocks of the KV tiers skipped). When KV
+blocks run out, the most recently admitted running request is preempted by recompute (its
+blocks are freed and it goes back to the front of the queue with its tokens so far), and no
+waiting request is admitted in that step.
+
+Speculative decoding (docs/spec_decode.md): a decoding request with proposals
+(``Request.spec_token_ids``) runs ``1 + k`` tokens in one step (its last token and ``k``
+proposals, ``k`` at most its adaptive ``spec_k``); the ``k`` proposals count against the token
+budget and get KV slots. With a draft model, a sampling row that asks the draft for ``m``
+proposals also gets ``1 + m`` lookahead slots (vLLM v1's ``num_lookahead_tokens``). After the
+step, :meth:`Scheduler.update` rolls back rejected proposals and lookahead slots.
+"""
+
+from __future__ import annotations
+
+from scheduler.block_manager import BlockManager
+from scheduler.request import EngineError, FinishReason, Request
+from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+
+
+class ContinuousBatching(Scheduler):
+    """Args (besides :class:`Scheduler`'s):
+        enable_chunked_prefill: split long prompts across steps.
+        speculative_method: ``""`` (off), ``ngram`` or ``draft``.
+        num_speculative_tokens: the most proposals verified per request and step (k).
+        speculative_adaptive: adapt each request's k to its acceptance (docs/spec_decode.md).
+    """
+
+    supports_micro_batches = True
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int = 2048, enable_chunked_prefill: bool = True, speculative_method: str = "",
+                 num_speculative_tokens: int = 0, speculative_adaptive: bool = True):
+        super().__init__(block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.speculative_method = speculative_method
+        self.num_speculative_tokens = num_speculative_tokens if speculative_method else 0
+        self.speculative_adaptive = speculative_adaptive
+        self._fetched: dict[str, tuple[int, list]] = {}   # waiting request -> (pool hits, its tier blocks)
+
+    def _check_servable(self, req: Request, total: int) -> None:
+        if self.enable_chunked_prefill:
+            return
+        # unchunked, a prompt (or, after a preemption, prompt + output so far) must be
+        # prefilled in one step; a longer one would wait forever
+        worst = total - 1
+        if worst > self.max_num_batched_tokens:
+            raise EngineError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                              f"({req.sampling_params.max_tokens}) may need a {worst}-token prefill, over "
+                              f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked prefill "
+                              f"disabled (enable chunked prefill or raise max_num_batched_tokens)")
+
+    def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
+        """Running requests (those not ``busy``), then waiting ones unless this step had to preempt."""
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, busy)
+        if not out.preempted:
+            self._admit(out, budget)
+        out.num_batched_tokens = sum(s.num_scheduled_tokens for s in out.seqs)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, busy) -> int:
+        """Decodes and unfinished chunked prefills, in admission order, while the budget lasts;
+        a request short of blocks preempts the most recently admitted idle one (itself last).
+        Returns the budget left."""
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.request_id in busy:
+                i += 1
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            sample = req.num_computed_tokens + n == req.num_tokens
+            spec, m = self._speculation(req, n, budget, sample)
+            done = bool(spec or m) and self.bm.allocate(req, n + len(spec) + (1 + m if m else 0))
+            if not done:
+                spec, m = [], 0                  # no speculation, or short of blocks for it
+            while not done and not self.bm.allocate(req, n):
+                victim = next(r for r in reversed(self.running) if r.request_id not in busy)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, sample, False, spec, m))
+                budget -= n + len(spec)
+                i += 1
+        return budget
+
+    def _speculation(self, req: Request, n: int, budget: int, sample: bool) -> tuple[list[int], int]:
+        """What a row of ``n`` real tokens of ``req`` speculates this step: the proposals it
+        verifies (a decode with proposals; at most ``spec_k``, the budget left after its own
+        token, and one less than the tokens it may still emit) and, with a draft model, how
+        many proposals the draft makes for its next step (a row that samples)."""
+        if not (self.num_speculative_tokens and sample and req.can_speculate()):
+            return [], 0
+        left = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
+        spec: list[int] = []
+        if n == 1:
+            k = min(len(req.spec_token_ids), req.spec_k, budget - 1, left - 1)
+            spec = req.spec_token_ids[:max(k, 0)]
+        m = 0
+        if self.speculative_method == "draft":
+            m = max(0, min(req.spec_k, left - 2))
+        return spec, m
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Move waiting requests into the batch (FCFS) while budget, sequence cap and blocks
+        allow. With prefix caching, a request whose next uncached block is being computed
+        right now by another request waits for it (prefix-aware admission) instead of
+        computing the same K/V twice; requests behind it may go first."""
+        inflight = self._inflight_hashes() if self.bm.enable_prefix_caching else set()
+        deferred = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.bm.find_cached_prefix(req)
+            if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in inflight:
+                deferred.append(self.waiting.popleft())
+                continue
+            loaded = self._from_lower_tiers(req, len(hits))
+            remaining = req.num_tokens - (len(hits) + len(loaded)) * self.bm.block_size
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                break
+            # a prefill that samples may ask the draft for proposals (lookahead slots)
+            _, m = self._speculation(req, n, budget, sample=n == remaining)   # (no proposals yet)
+            if not (m and self.bm.allocate(req, n + 1 + m, hits, len(loaded))):
+                m = 0
+                if not self.bm.allocate(req, n, hits, len(loaded)):
+                    break
+            self._fetched.pop(req.request_id, None)
+            if loaded:
+                out.kv_loads.append((req.block_table[len(hits):len(hits) + len(loaded)], loaded))
+                self.tiers.count_loaded(loaded)
+            self.waiting.popleft()
+            self._start(req)
+            out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens,
+                                         num_proposals=m))
+            budget -= n
+            if self.bm.enable_prefix_caching:
+                inflight.update(req.block_hashes[len(hits):])
+        self.waiting.extendleft(reversed(deferred))
+
+    def _from_lower_tiers(self, req: Request, num_hits: int) -> list:
+        """The blocks (:class:`kvstore.tiers.FetchedBlock`) after the request's ``num_hits`` pool
+        hits that a KV tier below the pool holds (leading ones only; at least one token is
+        left to compute)."""
+        if self.tiers is None or not self.bm.enable_prefix_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.bm.block_size
+        if num_hits >= max_blocks:
+            return []
+        prev = self._fetched.get(req.request_id)
+        if prev is not None and prev[0] == num_hits:      # still waiting for blocks: no new look-up
+            return prev[1]
+        found = self.tiers.fetch(req.block_hashes[num_hits:max_blocks])
+        if found:
+            self._fetched[req.request_id] = (num_hits, found)
+        return found
+
+    def _inflight_hashes(self) -> set[int]:
+        """Hashes of full prompt blocks that running requests have not finished computing."""
+        bs = self.bm.block_size
+        return {h for r in self.running for h in r.block_hashes[r.num_computed_tokens // bs:]}
+
+    def finish(self, req: Request, reason: FinishReason, stop_reason=None) -> None:
+        self._fetched.pop(req.request_id, None)
+        super().finish(req, reason, stop_reason)
