@@ -238,7 +238,7 @@ def _bytes_per_block(engine: dict) -> int:
     from kvmesh.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.loader import load_config
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
 
     cfg = EngineConfig(**engine)
     m = load_config(resolve_model(cfg.model))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 MARK_BEGIN, MARK_END = "<!-- bench:model-choice begin -->", "<!-- bench:model-choice end -->"
 
-# (model, weight format): the known models (workers/registry.py) in the formats worth serving.
+# (model, weight format): the known models (kvmesh/hub/models.json) in the formats worth serving.
 CONFIGS: list[tuple[str, str]] = [
     ("smollm2-135m-instruct", "none"),
     ("qwen2.5-coder-0.5b-instruct", "none"), ("qwen2.5-coder-0.5b-instruct", "int8"),

@@ -45,7 +45,7 @@ def policy_texts() -> list[str]:
 
 def _resolved(cfg: EngineConfig):
     from workers.loader import load_config
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     model_dir = resolve_model(cfg.model)
     m = load_config(model_dir)
     return cfg.replace(max_model_len=cfg.max_model_len or min(m.max_position_embeddings, 8192)), model_dir

@@ -148,7 +148,7 @@ def quality(args, specs: list[tuple[str, str]]) -> str:
     from workers.kv_cache import allocate_kv_cache
     from workers.layers.attention import AttentionMetadata, PrefillChunk
     from workers.loader import load_model
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     model_dir = resolve_model(args.model)
     ids = quality_text_ids(model_dir, args.quality_text)
     n, nb = len(ids), -(-len(ids) // 16)
@@ -217,7 +217,7 @@ def table(rows: list[dict], dense_fp32_bytes: int | None) -> str:
 def _prepare(args, fmt: str) -> int:
     """Build the quantized checkpoint (parent, uncapped) and return its weight bytes on disk
     (dense: 4 bytes x parameters of the checkpoint, plus a tied lm_head's copy)."""
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     model_dir = resolve_model(args.model)
     if fmt == "none":
         from safetensors import safe_open

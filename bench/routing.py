@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     from kvmesh.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.loader import load_config
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
 
     t_start = time.time()
     model_dir = resolve_model(args.model)

@@ -113,7 +113,7 @@ def _kvmesh(loads: dict, args, extra: list[str]) -> dict:
 
 def _vllm(loads: dict, args, workdir: Path) -> dict:
     from bench.peers.compare import free_port, http_server, peer_python
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
 
     py = peer_python("vllm")
     if not py.exists():

@@ -375,7 +375,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
 
     The port is bound first (health NOT_SERVING, RPCs UNAVAILABLE meanwhile); then the scheduler
     at ``cfg.scheduler_address`` is awaited (GetModelInfo, up to ``cfg.connect_timeout`` seconds),
-    the served model's tokenizer is loaded (``workers.registry.resolve_model`` of the scheduler's
+    the served model's tokenizer is loaded (``kvmesh.hub.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
     health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
     (:mod:`kvmesh.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
@@ -390,7 +390,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     """
     from kvmesh import tls
     from kvmesh.llm import _load_tokenizer
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
 
     cfg.check_tls()
     keys = ApiKeys.load(cfg.api_keys_file)

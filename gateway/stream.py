@@ -122,7 +122,7 @@ class RequestPath:
 
     def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
         from kvmesh.llm import _TextFront
-        from workers.registry import canonical_name
+        from kvmesh.hub import canonical_name
         text = _TextFront()
         text.tokenizer = tokenizer
         self.text, self.info = text, info

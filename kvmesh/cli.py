@@ -1,7 +1,7 @@
 """The ``kvmesh`` command line.
 
     kvmesh models list                  known models, pulled or not, and where
-    kvmesh models pull NAME...          fetch and convert pinned weights (see workers.registry)
+    kvmesh models pull NAME...          fetch and convert pinned weights (see kvmesh.hub)
     kvmesh generate --prompt TEXT       stream one completion (``--chat`` applies the chat template);
                                         in this process, or through a gateway with ``--server ADDR``
     kvmesh chat --server ADDR           interactive multi-turn chat through a gateway (stdin lines)
@@ -468,7 +468,7 @@ def add_server_arg(p: argparse.ArgumentParser, *, required: bool) -> None:
 # ---- commands ----------------------------------------------------------------------------------
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from workers.registry import DEFAULT_MODEL, KNOWN_MODELS, is_pulled, kvmesh_home, model_dir
+    from kvmesh.hub import DEFAULT_MODEL, KNOWN_MODELS, is_pulled, kvmesh_home, model_dir
 
     print(f"models live in {kvmesh_home() / 'models'} (KVMESH_HOME)")
     rows = [("NAME", "STATE", "UPSTREAM", "PATH")]
@@ -483,7 +483,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from workers.registry import pull_cli
+    from kvmesh.hub import pull_cli
     return pull_cli(args.names, progress=not args.quiet, force=args.force)
 
 

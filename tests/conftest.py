@@ -64,7 +64,7 @@ PROSE = (
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     return resolve_model("smollm2-135m-instruct")
 
 

@@ -75,7 +75,7 @@ def _checkpoint_digest(model_dir: Path) -> str:
 def cache_dir(model_dir: str | Path, weight_format: str, group_size: int, calibration: bool,
               calibration_data: str) -> Path:
     """Where :func:`ensure_quantized` keeps the quantized checkpoint of these settings."""
-    from workers.registry import kvmesh_home
+    from kvmesh.hub import kvmesh_home
     model_dir = Path(model_dir)
     tag = weight_identity(weight_format, group_size, calibration, calibration_data).replace(":", "-")
     return kvmesh_home() / "quantized" / model_dir.name / f"{tag}-{_checkpoint_digest(model_dir)}"
