@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import policydesk
+import policydesk
 
 OUTPUT_LENS = (16, 32, 64, 128, 256, 64)
 
@@ -48,7 +48,7 @@ CONFIGS = [
 
 def policydesk_conversations(n: int) -> list[list[dict]]:
     """``n`` single-turn PolicyDesk chats: policies in rotation, each with its own questions
-    (prompt layout of :mod:`bench.policydesk`)."""
+    (prompt layout of :mod:`policydesk`)."""
     by_policy: dict[str, list[str]] = {}
     for q in policydesk.questions():
         by_policy.setdefault(q["policy"], []).append(q["question"])

@@ -7,7 +7,7 @@ both, and judges the configuration with the paired gate of :mod:`bench.gate`.
 
 The set (:func:`select_items`): by default the **whole** data set, every single-turn question
 (96) and every turn of every multi-turn chat (24 chats, 116 turns): 212 scored items. Prompt
-layout (bench/data/policydesk/README.md), through the model's chat template: system prompt +
+layout (policydesk/data/README.md), through the model's chat template: system prompt +
 the policy text as the system message; a question is one user message; chat turn ``k`` is the
 chat's first ``k`` user messages, each earlier one followed by **the configuration's own
 reply** to it as an assistant message (so a chat is answered turn by turn, and a configuration

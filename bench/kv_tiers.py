@@ -1,7 +1,7 @@
 """KV tiers benchmark: a returning PolicyDesk chat whose KV blocks left the pool, with and
 without the tiers below it (kvstore/tiers.py).
 
-Workload: ``--chats`` chats of ``bench/data/policydesk/chats.jsonl`` (different policies first).
+Workload: ``--chats`` chats of ``policydesk/data/chats.jsonl`` (different policies first).
 Turn 1 (the policy's system message + the first question, ~1.5-1.7k tokens through the chat
 template) runs; its answer (greedy, ``--max-tokens``, EOS ignored) joins the conversation; then
 turn 2 (the whole conversation + the second question) runs, and its time to first token
@@ -36,7 +36,7 @@ import sys
 import time
 import uuid
 
-from bench import policydesk
+import policydesk
 from bench.engine_offline import percentile
 from bench.machine import cpu_model
 

@@ -38,7 +38,7 @@ from bench.machine import cpu_model, read_bandwidth
 
 def _prompts(tokenizer, n: int, context: int, shared: bool) -> list[list[int]]:
     """``n`` PolicyDesk prompts cut or padded (by repeating the policy) to ``context`` tokens."""
-    from bench import policydesk
+    import policydesk
     names = sorted({q["policy"] for q in policydesk.questions()})
     out = []
     for i in range(n):

@@ -32,15 +32,10 @@ from pathlib import Path
 
 import torch
 
-from bench import policydesk
+import policydesk
 from kvmesh.config import EngineConfig
 
 CHUNK = 64
-
-
-def policy_texts() -> list[str]:
-    """The PolicyDesk policy documents (``bench/data/policydesk/policies/*.md``), by name."""
-    return [p.read_text(encoding="utf-8") for p in sorted((policydesk.DATA_DIR / "policies").glob("*.md"))]
 
 
 def _resolved(cfg: EngineConfig):
@@ -158,7 +153,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)
-    texts = policy_texts()
+    texts = policydesk.policy_texts()
     token_ids = tokenize(base, texts, args.max_tokens)
     key = {"model": args.model, "dtype": str(base.torch_dtype), "tokens": token_ids, "chunk": args.chunk}
     reference = None

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 
-from bench import policydesk
+import policydesk
 from bench.ablation import peak_rss
 
 DEFAULT_FORMATS = ["none:float32", "none:bfloat16", "int8", "int4", "fp8", "w8a8-int8"]

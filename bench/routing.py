@@ -2,7 +2,7 @@
 service, routed by ``prefix`` / ``round_robin`` / ``random`` / ``load``, plus a reference: one
 replica whose KV pool holds everything (its prefix-cache hit rate is the ceiling).
 
-Workload: ``--sessions`` chats of ``bench/data/policydesk/chats.jsonl`` (policies in rotation,
+Workload: ``--sessions`` chats of ``policydesk/data/chats.jsonl`` (policies in rotation,
 over the first ``--policies`` policies), started in a seeded random order (so that arrival
 order does not line up with the policies: round robin would split them evenly by accident),
 session k at ``k x --stagger`` seconds (default 0: all at t=0), each sending ``--turns`` turns
@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import policydesk
+import policydesk
 from bench.engine_offline import percentile
 from bench.served import served
 

@@ -217,7 +217,7 @@ def load_requests(dataset: str, *, num_prompts: int | None, seed: int = 0, max_t
     if max_tokens < 1:
         raise EngineError(f"max_tokens must be >= 1, got {max_tokens}")
     if dataset == "policydesk":
-        from bench import policydesk
+        import policydesk
         qs = policydesk.questions()
         return [BenchRequest(id=_rid(q["id"], rep), max_tokens=max_tokens,
                              messages=[{"role": "system", "content": policydesk.system_message(q["policy"])},
@@ -226,7 +226,7 @@ def load_requests(dataset: str, *, num_prompts: int | None, seed: int = 0, max_t
                                                      "answerable")})
                 for rep, q in _pick(qs, num_prompts or len(qs), seed)]
     if dataset == "policydesk-chat":
-        from bench import policydesk
+        import policydesk
         chats = policydesk.chats()
         return [BenchRequest(id=_rid(c["id"], rep), max_tokens=max_tokens, session_id=_rid(c["id"], rep),
                              messages=[{"role": "system", "content": policydesk.system_message(c["policy"])}],

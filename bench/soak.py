@@ -73,7 +73,7 @@ class Soak:
     """The request mix against one gateway (``stub``: ``LLMServiceStub`` on a grpc.aio channel)."""
 
     def __init__(self, stub, seed: int):
-        from bench import policydesk
+        import policydesk
         self.stub = stub
         self.rng = random.Random(seed + 1)
         self.questions = policydesk.questions()

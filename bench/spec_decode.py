@@ -3,7 +3,7 @@
 
 Workloads (every request greedy, stops at EOS or ``--max-tokens``):
 
-- ``policydesk``: PolicyDesk questions in the prompt layout of :mod:`bench.policydesk` (system
+- ``policydesk``: PolicyDesk questions in the prompt layout of :mod:`policydesk` (system
   message = system prompt + one policy text, then the question, through the chat template);
   answers quote the policy, so proposals are often right. Run closed-loop at each
   ``--concurrency`` (1: one request at a time; 8: eight in flight, the next one added as soon as
@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import policydesk
+import policydesk
 from bench.engine_offline import percentile, policydesk_conversations
 
 CONFIGS = ("none", "ngram", "draft")

@@ -643,7 +643,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import grpc
-    from bench import policydesk
+    import policydesk
 
     question = next((q for q in policydesk.questions() if q["id"] == args.question), None)
     if question is None:
@@ -781,7 +781,7 @@ def register_commands(sub) -> None:
     p = sub.add_parser("demo", help="a two-turn PolicyDesk chat through an in-process mesh: streamed answers, "
                                     "TTFT, tokens/s, prefix-cache hits",
                        description="Start the mesh (scheduler with Ray stage workers, gateway) in this "
-                                   "process on free ports, ask a PolicyDesk question (bench/data/policydesk) "
+                                   "process on free ports, ask a PolicyDesk question (policydesk/data) "
                                    "with the policy in the system message through the gateway's Chat RPC, "
                                    "then a follow-up turn in the same session that reuses the cached prefix.")
     p.add_argument("--question", default=DEMO_QUESTION, metavar="ID",

@@ -121,7 +121,7 @@ def mesh(smollm2_dir, redis_url, tmp_path_factory):
 
 
 def _chat_request(salt: str = "") -> llm_pb2.ChatRequest:
-    from bench import policydesk
+    import policydesk
     req = llm_pb2.ChatRequest(messages=[
         llm_pb2.ChatMessage(role="system", content=policydesk.system_message("paid_leave")),
         llm_pb2.ChatMessage(role="user", content="How many days of paid leave do I get in my first year?")],

@@ -49,7 +49,7 @@ class CalibrationText:
 
 
 def calibration_text(path: str = "") -> CalibrationText:
-    """``path`` = a UTF-8 text file, or ``""`` = the PolicyDesk policies (bench/data/policydesk,
+    """``path`` = a UTF-8 text file, or ``""`` = the PolicyDesk policies (:func:`policydesk.policy_texts`,
     one document per policy). Raises EngineError naming ``calibration_data`` when unreadable."""
     from scheduler.request import EngineError
     if path:
@@ -62,8 +62,8 @@ def calibration_text(path: str = "") -> CalibrationText:
             raise EngineError(f"calibration_data {path!r} is empty")
         source = str(p.resolve())
     else:
-        from bench.policydesk import DATA_DIR
-        docs = [f.read_text(encoding="utf-8") for f in sorted((DATA_DIR / "policies").glob("*.md"))]
+        import policydesk
+        docs = policydesk.policy_texts()
         source = "policydesk"
     h = hashlib.sha256()
     for d in docs:
