@@ -237,7 +237,7 @@ class _KVPoller:
 def _bytes_per_block(engine: dict) -> int:
     from kvmesh.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
-    from workers.loader import load_config
+    from workers.checkpoint import load_config
     from kvmesh.hub import resolve_model
 
     cfg = EngineConfig(**engine)

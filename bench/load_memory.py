@@ -67,12 +67,13 @@ def measure_once(model: str, dtype: str, device: str, max_positions: int, thread
     import torch
 
     import workers
-    from workers.loader import _safetensors_files, load_model, weight_bytes
+    from workers.checkpoint import safetensors_files
+    from workers.loader import load_model, weight_bytes
     from kvmesh.hub import resolve_model
 
     torch.set_num_threads(threads)
     model_dir = resolve_model(model, pull_if_missing=False)
-    files = _safetensors_files(Path(model_dir))
+    files = safetensors_files(Path(model_dir))
     from safetensors import safe_open
     dtypes: dict[str, int] = {}
     for f in files:                     # header only; closed before measuring

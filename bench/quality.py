@@ -39,7 +39,7 @@ CHUNK = 64
 
 
 def _resolved(cfg: EngineConfig):
-    from workers.loader import load_config
+    from workers.checkpoint import load_config
     from kvmesh.hub import resolve_model
     model_dir = resolve_model(cfg.model)
     m = load_config(model_dir)

@@ -221,10 +221,9 @@ def _prepare(args, fmt: str) -> int:
     model_dir = resolve_model(args.model)
     if fmt == "none":
         from safetensors import safe_open
-        from workers.loader import _safetensors_files
-        from workers.loader import load_config
+        from workers.checkpoint import load_config, safetensors_files
         n = 0
-        for f in _safetensors_files(model_dir):
+        for f in safetensors_files(model_dir):
             with safe_open(str(f), framework="pt") as sf:
                 n += sum(_numel(sf.get_slice(k).get_shape()) for k in sf.keys())
         cfg = load_config(model_dir)

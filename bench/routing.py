@@ -231,7 +231,7 @@ def main(argv=None) -> int:
 
     from kvmesh.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
-    from workers.loader import load_config
+    from workers.checkpoint import load_config
     from kvmesh.hub import resolve_model
 
     t_start = time.time()

@@ -155,7 +155,7 @@ class LLMEngine:
         self.model_dir = resolve_model(cfg.model)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        from workers.loader import load_config
+        from workers.checkpoint import load_config
         mcfg = load_config(self.model_dir)
         limit = min(mcfg.max_position_embeddings, 8192)
         if cfg.max_model_len > mcfg.max_position_embeddings:

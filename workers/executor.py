@@ -228,7 +228,7 @@ class RayPipelineExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from workers.kv_cache import budget_bytes, bytes_per_block, kv_dtype
-        from workers.loader import load_config
+        from workers.checkpoint import load_config
         from workers.stage import PipelineStage
         from workers.step_delta import StepEncoder
 

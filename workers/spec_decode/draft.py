@@ -34,7 +34,8 @@ from workers.layers.attention import AttentionMetadata, PrefillChunk, block_inde
 from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
 from workers.layers.linear import pack_bf16_linears
 from workers.models.llama import use_native_ops
-from workers.loader import load_config, load_model
+from workers.checkpoint import load_config
+from workers.loader import load_model
 
 
 @dataclass
