@@ -67,7 +67,6 @@ import asyncio
 import json
 import os
 import resource
-import shlex
 import signal
 import subprocess
 import sys
@@ -76,6 +75,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from bench.markdown import add_output_args, print_saved_table, run_meta, write_json, write_markdown
 
 MARK_BEGIN, MARK_END = "<!-- bench:ablation begin -->", "<!-- bench:ablation end -->"
 
@@ -425,14 +426,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
-    """Replace the block between the ablation markers of ``path`` (or append one)."""
-    from bench.markdown import replace_block
-    replace_block(path, MARK_BEGIN, MARK_END, "\n".join([
-        f"Command: `{meta['command']}` ({meta['date']}, {meta['elapsed_s']:.0f} s; {meta['workload']})", "",
-        table(rows)]))
-
-
 def reference_answers(args, items: list[dict]) -> list[dict]:
     """The faithfulness reference's greedy answers (row 5's settings, dense, the table's dtype),
     computed here or loaded from / saved to ``--reference``."""
@@ -487,9 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-faithfulness", action="store_true", help="skip the faithfulness columns")
     p.add_argument("--reference", metavar="FILE",
                    help="faithfulness reference answers: loaded when FILE exists, else computed and written there")
-    p.add_argument("--output", metavar="FILE", help="write the rows as JSON here (e.g. docs/ablation.json)")
-    p.add_argument("--markdown", metavar="FILE", help="write the table into FILE between ablation markers")
-    p.add_argument("--table", metavar="JSON", help="print the table of a saved --output file and exit")
+    add_output_args(p, markers="ablation", aliases=("--output",))
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     return p
 
@@ -499,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
         return 0
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())["rows"]))
+    if print_saved_table(args, table):
         return 0
     from bench import faithfulness
 
@@ -527,8 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"; faithfulness: {len(items)} items ({args.faithfulness_questions} questions, every turn of "
                    f"{args.faithfulness_chats} chats) x {args.faithfulness_max_tokens} tokens, paired gate vs the "
                    f"{REFERENCE_ROW} row's settings"))
-    meta = {"command": "kvmesh bench ablation " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "workload": workload}
+    meta = run_meta("kvmesh bench ablation", argv, workload=workload)
     for index, row in selected:
         r = run_row(index, row, args)
         add_faithfulness(r, items, reference)
@@ -536,14 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         add_ratios(rows)
         print(table(rows[-1:]), file=sys.stderr, flush=True)
         meta["elapsed_s"] = time.time() - t_start
-        if args.output:                          # keep partial results if a later row breaks the run
-            Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_json(args.out, {"meta": meta, "rows": rows})    # keeps partial results if a later row breaks the run
     meta["elapsed_s"] = time.time() - t_start
     print(table(rows))
-    if args.output:
-        Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(args.out, {"meta": meta, "rows": rows})
     if args.markdown:
-        write_markdown(Path(args.markdown), rows, meta)
+        write_markdown(args.markdown, MARK_BEGIN, MARK_END, meta, table(rows))
     return 0
 
 

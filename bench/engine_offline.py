@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import policydesk
+from bench.markdown import add_output_args, print_saved_table, write_json
 
 OUTPUT_LENS = (16, 32, 64, 128, 256, 64)
 
@@ -139,8 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
-    ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved rows and exit")
+    add_output_args(ap)
     # child mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name"); ap.add_argument("--policy"); ap.add_argument("--dtype")
@@ -149,8 +147,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(run_one(args)))
         return 0
-    if args.table:
-        print(table([r for f in args.table for r in json.loads(Path(f).read_text())]))
+    if print_saved_table(args, table):
         return 0
     rows = []
     for name, policy, prefix, dtype in CONFIGS:
@@ -168,11 +165,9 @@ def main(argv=None) -> int:
             return 1
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        if args.out:                     # keep partial results if a later configuration fails
-            Path(args.out).write_text(json.dumps(rows, indent=2))
+        write_json(args.out, rows)       # keeps partial results if a later configuration fails
     print(table(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    write_json(args.out, rows)
     return 0
 
 

@@ -44,7 +44,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from bench import gate, policydesk, scoring
+import policydesk
+from bench import gate, scoring
+from bench.markdown import add_output_args
 
 NUM_QUESTIONS, NUM_CHATS = 96, 24      # the whole data set
 
@@ -361,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "reference: give the server's --model)")
     p.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight with --server (8)")
     p.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads here (0 = torch's default)")
-    p.add_argument("--output", metavar="FILE", help="write the JSON result here")
+    add_output_args(p, table=False, aliases=("--output",))
     add_engine_args(p)
     return p
 
@@ -407,8 +409,8 @@ def main(argv: list[str] | None = None) -> int:
               "reference_config": ref_kw, **evaluate(answers, items, ref_answers),
               "elapsed_s": time.perf_counter() - t0}
     print(summary(result))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
 

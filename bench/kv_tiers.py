@@ -39,6 +39,7 @@ import uuid
 import policydesk
 from bench.engine_offline import percentile
 from bench.machine import cpu_model
+from bench.markdown import add_output_args
 
 
 def conversations(n: int) -> list[dict]:
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-memory", default="2GiB")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--scenarios", default="evicted,other-replica")
-    p.add_argument("--out", help="write the results as JSON")
+    add_output_args(p, table=False)
     args = p.parse_args(argv)
     from kvmesh.hub import resolve_model
     from transformers import AutoTokenizer

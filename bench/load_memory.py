@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.markdown import add_output_args
+
 _REPO = Path(__file__).resolve().parents[1]
 
 
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code", type=Path, default=_REPO, help="kvmesh checkout whose loader is measured")
     ap.add_argument("--max-positions", type=int, default=8192, help="RoPE table size (tokens)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--json", type=Path, default=None, help="also write the runs to this JSON file")
+    add_output_args(ap, table=False, aliases=("--json",))
     ap.add_argument("--weight-format", default="none", help="none or a quantized format (cache built first)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
@@ -158,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
           f"| {_mb(last['disk_bytes'])} | {', '.join(f'{k}:{v}' for k, v in sorted(last['file_dtypes'].items()))} "
           f"| {_mb(last['baseline_rss'])} | {_mb(max(r['peak_rss'] for r in runs))} "
           f"| {max(r['ratio'] for r in runs):.3f} | {statistics.median(r['load_s'] for r in runs):.1f} |")
-    if a.json:
-        a.json.write_text(json.dumps(runs, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(runs, indent=1))
     return 0
 
 

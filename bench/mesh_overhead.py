@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from bench.markdown import add_output_args, write_json
 
 
 async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict:
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--executor", nargs="+", default=["local", "ray"])
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--out")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rows = [asyncio.run(measure(ex, args.reps, args.max_tokens, args.model)) for ex in args.executor]
@@ -94,8 +94,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['executor']} | {r['engine_ttft_p50_ms']} / {r['engine_itl_p50_ms']} | {r['mesh_ttft_p50_ms']} / "
               f"{r['mesh_itl_p50_ms']} | {r['ttft_overhead_ms']:+} | {r['itl_overhead_ms']:+} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    write_json(args.out, rows)
     return 0
 
 

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.markdown import add_output_args
+
 
 def _requests(n: int, context: int, penalties: bool, vocab: int, bm):
     import random
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1600)
     ap.add_argument("--steps", type=int, default=40, help="measured steps per penalty setting (after 3 warm-up)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import torch

@@ -34,6 +34,7 @@ import time
 import torch
 
 from bench.machine import cpu_model, read_bandwidth
+from bench.markdown import add_output_args
 
 
 def _prompts(tokenizer, n: int, context: int, shared: bool) -> list[list[int]]:
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shared-prefix", action="store_true", help="all rows on one policy (cascade attention)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="extra EngineConfig field, e.g. attention_backend=torch (repeatable)")
-    ap.add_argument("--out", help="write the results as JSON")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from kvmesh.config import EngineConfig

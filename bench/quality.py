@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import policydesk
+from bench.markdown import add_output_args
 from kvmesh.config import EngineConfig
 
 CHUNK = 64
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--reference-cache", metavar="FILE", help="load the reference log-probs from FILE if it "
                     "matches (model, dtype, tokens, chunk), else compute and save them there")
-    ap.add_argument("--out", help="write the rows as JSON here")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

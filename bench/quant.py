@@ -54,6 +54,7 @@ import time
 
 import policydesk
 from bench.ablation import peak_rss
+from bench.markdown import add_output_args
 
 DEFAULT_FORMATS = ["none:float32", "none:bfloat16", "int8", "int4", "fp8", "w8a8-int8"]
 
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quality", action="store_true",
                     help="print NLL / KL / top-1 agreement vs dense on held-out text instead of timing")
     ap.add_argument("--quality-text", default="", help="held-out text file (default: PolicyDesk reference answers)")
-    ap.add_argument("--out", help="write the rows as JSON here")
+    add_output_args(ap, table=False)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--format", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

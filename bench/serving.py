@@ -43,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 from bench.machine import cpu_model
+from bench.markdown import add_output_args
 from bench.serve import RequestRecord, StreamTimer, load_requests, run_benchmark, summarize
 
 SYSTEMS = ("kvmesh", "kvmesh-thread", "kvmesh-1thread", "inprocess", "vllm")
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--vllm-kv-cache-space", type=float, default=4, help="vLLM's KV cache, GiB (4)")
     p.add_argument("--server-timeout", type=float, default=600)
-    p.add_argument("--out", help="write the results as JSON")
+    add_output_args(p, table=False)
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     bad = set(systems) - set(SYSTEMS)

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import policydesk
 from bench.engine_offline import percentile, policydesk_conversations
+from bench.markdown import add_output_args
 
 CONFIGS = ("none", "ngram", "draft")
 SETUPS = {   # name: (target, draft, draft layers)
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", help="write the medians and every round's rows as JSON here")
+    add_output_args(ap, table=False)
     ap.add_argument("--table", metavar="JSON", help="print the table of a saved run and exit")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)

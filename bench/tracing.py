@@ -19,10 +19,10 @@ import statistics
 import sys
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 
+from bench.markdown import add_output_args, write_json
 from bench.mesh import _mesh_passes
 from bench.served import served
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     collector = CountingCollector()
     rows = []
@@ -88,8 +88,7 @@ def main(argv=None) -> int:
         print(f"| {t} | {len(spans)} | {med[t]:.1f} | {itl[t]:.1f} | {statistics.median(spans):.0f} |")
     print(f"\nthroughput with tracing on / off = {med['on'] / med['off']:.3f} "
           f"(overhead {100 * (1 - med['on'] / med['off']):.1f}%; target <= 5%)")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    write_json(args.out, rows)
     return 0
 
 
