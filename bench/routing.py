@@ -229,7 +229,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.loader import load_config
     from workers.registry import resolve_model

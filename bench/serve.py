@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 DATASETS = ("policydesk", "policydesk-chat", "random")
 BACKENDS = ("kvmesh", "openai-chat")

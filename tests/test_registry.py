@@ -15,7 +15,7 @@ import zipfile
 
 import pytest
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 from workers import registry
 from workers.registry import (DEFAULT_MODEL, KNOWN_MODELS, GGUFPart, ModelSpec, canonical_name,
                               is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)

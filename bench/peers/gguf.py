@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 # The registry's private steps are reused as they are, so the bytes and checks are the pull's own.
 from workers.registry import _download_wheels, _join_parts, _spec, _verify_gguf, kvmesh_home
 
