@@ -161,8 +161,8 @@ def row_settings(row: Row, args) -> tuple[dict, dict]:
 
 def check_settings(engine: dict, sched: dict) -> str | None:
     """None when EngineConfig and SchedulerConfig accept the settings, else the error."""
-    from kvmesh.config import EngineConfig, SchedulerConfig
-    from scheduler.request import EngineError
+    from kvmesh.core.config import EngineConfig, SchedulerConfig
+    from kvmesh.core.errors import EngineError
 
     try:
         EngineConfig(**engine)
@@ -177,7 +177,7 @@ def check_settings(engine: dict, sched: dict) -> str | None:
 def _env(engine: dict, sched: dict, extra: dict | None = None) -> dict:
     """The environment of the row's ``kvmesh serve``: every setting as KVMESH_* variables;
     the caller's other engine/scheduler variables removed; then ``extra``."""
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for cls in (EngineConfig, SchedulerConfig, GatewayConfig):
@@ -236,7 +236,7 @@ class _KVPoller:
 
 
 def _bytes_per_block(engine: dict) -> int:
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.checkpoint import load_config
     from kvmesh.hub import resolve_model

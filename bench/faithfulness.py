@@ -324,7 +324,7 @@ def _pct(x) -> str:
 def load_reference(path: Path, meta: dict, items: list[dict]) -> list[Answer] | None:
     """Cached reference answers from ``path`` (None when the file does not exist). Raises
     EngineError naming the field that does not match this run, or the missing items."""
-    from scheduler.request import EngineError
+    from kvmesh.core.errors import EngineError
 
     if not path.exists():
         return None
@@ -370,8 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from kvmesh.cli import engine_kwargs
-    from kvmesh.config import EngineConfig
-    from scheduler.request import EngineError
+    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.errors import EngineError
 
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:

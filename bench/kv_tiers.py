@@ -60,7 +60,7 @@ def encode(tok, messages: list[dict]) -> list[int]:
 
 def run_one(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
     """(output ids, TTFT seconds, cached prompt tokens) of one request run alone."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     rid = uuid.uuid4().hex
     req = engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -70,7 +70,7 @@ def run_one(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, 
 
 
 def make_engine(args, **kw):
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import LLMEngine
     cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                        max_model_len=4096, num_threads=args.threads, **kw)

@@ -70,7 +70,7 @@ def run_engine(args) -> list[dict]:
     import torch
     torch.set_num_threads(args.threads)
     from kvmesh.llm import AsyncLLM
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
 
     async def main():
         llm = AsyncLLM(args.model, num_threads=args.threads)

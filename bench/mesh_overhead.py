@@ -30,10 +30,10 @@ async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict
     import torch
 
     from gateway.server import serve_gateway
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
     from scheduler.engine import AsyncEngine, LLMEngine
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     from scheduler.service import serve_scheduler
 
     torch.set_num_threads(1)

@@ -42,7 +42,8 @@ from bench.markdown import add_output_args
 def _requests(n: int, context: int, penalties: bool, vocab: int, bm):
     import random
 
-    from scheduler.request import Request, SamplingParams
+    from kvmesh.core.sampling import SamplingParams
+    from scheduler.request import Request
     rng = random.Random(0)
     kw = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2) if penalties else {}
     reqs = []
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench.machine import cpu_model
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from workers.executor import InProcessExecutor, RayPipelineExecutor, ensure_ray
     from kvmesh.hub import resolve_model
 

@@ -72,7 +72,7 @@ def _phases(prof, steps: int) -> dict[str, float]:
 
 
 def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top: int, shared: bool) -> dict:
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i, ids in enumerate(_prompts(tokenizer, batch, context, shared)):
         engine.add_request(f"p{batch}-{i}", ids, params)
@@ -103,7 +103,7 @@ def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top:
 
 
 def profile_prefill(engine, tokenizer, tokens: int, top: int) -> dict:
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     ids = _prompts(tokenizer, 1, tokens, True)[0]
     ids = ids[::-1]                      # a prompt no earlier request cached
     engine.add_request("prefill", ids, SamplingParams(temperature=0.0, max_tokens=1))
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import LLMEngine
     from transformers import AutoTokenizer
     extra = {}

@@ -82,7 +82,7 @@ def prompts(llm, n: int) -> list[list[int]]:
 def _decode_rate(eng, reqs: list[tuple[str, list[int]]], max_tokens: int) -> tuple[float, list[int]]:
     """Add ``reqs``; once all have their first token, time the rest. Returns (tok/s, tokens of
     the first request)."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     for rid, ids in reqs:
         eng.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     handles = [eng.scheduler.requests[rid] for rid, _ in reqs]
@@ -101,7 +101,7 @@ def run_one(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
     from kvmesh import LLM
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     llm = LLM(args.model, dtype=args.dtype, weight_format=args.format, quant_group_size=args.group_size,
               enable_calibration=not args.no_calibration, kv_cache_memory=args.kv_cache_memory, max_model_len=4096,
               max_num_seqs=max(16, args.concurrency))
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(run_one(args)))
         return 0
-    from kvmesh.config import _parse_bytes
+    from kvmesh.core.config import _parse_bytes
     specs = [parse_format(s, args.dtype) for s in args.formats]
     if args.quality:
         print(quality(args, specs))

@@ -217,7 +217,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.checkpoint import load_config
     from kvmesh.hub import resolve_model

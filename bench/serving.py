@@ -72,7 +72,7 @@ async def _run(backend, target: str, loads: dict, args, model: str = "") -> dict
 
 def _inprocess_send(llm):
     """A ``send(request, sampling)`` for :func:`run_benchmark` over an in-process AsyncLLM."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
 
     async def send(req, sampling) -> RequestRecord:
         rec, timer = RequestRecord(id=req.id, session_id=req.session_id), StreamTimer()

@@ -66,7 +66,7 @@ def poor_guess_prompts(n: int, words: int = 200, seed: int = 0) -> list[str]:
 def run_workload(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str) -> dict:
     """Closed loop: keep ``concurrency`` requests in flight until all ``prompts`` finished.
     Returns the workload's measurements (see the module docstring)."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     engine.block_manager.reset_prefix_cache()     # every workload starts cold
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     pending = list(enumerate(prompts))
@@ -110,7 +110,7 @@ def run_child(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
     from kvmesh import LLM
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     target, draft, layers = SETUPS[args.setup]
     spec = {} if args.config == "none" else {"speculative_method": args.config,
                                              "num_speculative_tokens": args.k,

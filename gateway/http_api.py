@@ -44,7 +44,7 @@ import grpc
 from gateway import openai_protocol as oai
 from gateway.auth import CURRENT_TENANT, UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.stream import RequestPath, Status
-from scheduler.request import EngineError
+from kvmesh.core.errors import DependencyUnavailableError, EngineError
 
 log = logging.getLogger("kvmesh.gateway.http")
 
@@ -276,7 +276,7 @@ class HttpServer:
     (``https://`` with TLS)."""
 
     def __init__(self, server, task: asyncio.Task, host: str, port: int, tls: bool = False):
-        from kvmesh.serve import connect_address
+        from kvmesh.core.net import connect_address
         self.server, self.task, self.host, self.port = server, task, host, port
         self.address = connect_address(host, port)
         self.url = f"{'https' if tls else 'http'}://{self.address}/v1"
@@ -316,7 +316,7 @@ async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKe
     none); ``tls_cert_file``/``tls_key_file``: serve HTTPS only. Raises EngineError if the address
     cannot be bound or the TLS files do not load."""
     if tls_cert_file:
-        from kvmesh import tls
+        from kvmesh.core import tls
         tls.read_pem(tls_cert_file, "tls_cert_file")      # an error naming the setting, not uvicorn's
         tls.read_pem(tls_key_file, "tls_key_file")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -326,13 +326,13 @@ async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKe
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise EngineError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? choose another "
-                          "--http-port (0 = any free port)") from None
+        raise DependencyUnavailableError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? choose another "
+                                         "--http-port (0 = any free port)") from None
     server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="kvmesh-http")
     while not server.started:
         if task.done():
             sock.close()
-            raise EngineError(f"the HTTP API on {host}:{port} failed to start: {task.exception()!r}")
+            raise DependencyUnavailableError(f"the HTTP API on {host}:{port} failed to start: {task.exception()!r}")
         await asyncio.sleep(0.01)
     return HttpServer(server, task, host, sock.getsockname()[1], tls=bool(tls_cert_file))

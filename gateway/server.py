@@ -14,7 +14,7 @@ Rules a client sees:
   ``prompt_token_ids``, ``messages[1].role``, ``model``, ``sampling: temperature ...``,
   ``max_tokens``, ``timeout``, ``request_id``); a request whose bytes do not parse (e.g. a
   string field holding invalid UTF-8) too, naming the field where it can be found.
-* Limits (:class:`kvmesh.config.GatewayConfig`, checked before any tokenizing): stop strings
+* Limits (:class:`kvmesh.core.config.GatewayConfig`, checked before any tokenizing): stop strings
   (``max_stop_strings``, ``max_stop_chars`` in all), ``max_stop_token_ids``, ``max_id_length``
   (request and session ids), ``max_prompt_tokens`` and ``max_message_bytes``; over one →
   INVALID_ARGUMENT naming the field and the limit.
@@ -51,7 +51,7 @@ Rules a client sees:
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
   UNAVAILABLE too); a bug in the gateway is INTERNAL. The server keeps serving after any of them.
 
-Security (:mod:`gateway.auth`, :mod:`kvmesh.tls`): with API keys (``api_keys_file`` or
+Security (:mod:`gateway.auth`, :mod:`kvmesh.core.tls`): with API keys (``api_keys_file`` or
 ``KVMESH_API_KEYS``) an RPC without ``authorization: Bearer <key>`` of a current key ends
 UNAUTHENTICATED before its request is read (health and reflection stay open), an HTTP request
 401; the key's tenant labels the request's metrics and spans and partitions the prefix cache
@@ -82,10 +82,10 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import CURRENT_TENANT, ApiKeyInterceptor, ApiKeys
 from gateway.stream import RequestPath, Status, invalid
-from kvmesh import telemetry
-from kvmesh.config import GatewayConfig
+from kvmesh.core import telemetry
+from kvmesh.core.config import GatewayConfig
+from kvmesh.core.errors import DependencyUnavailableError, EngineError
 from kvmesh.v1 import llm_pb2, scheduler_pb2
-from scheduler.request import EngineError
 
 log = logging.getLogger("kvmesh.gateway")
 
@@ -292,10 +292,10 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
 
 class GatewayServer:
     """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is
-    its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off; ``http`` its
+    its Prometheus endpoint (:class:`kvmesh.core.metrics.MetricsServer`), None when off; ``http`` its
     OpenAI-compatible HTTP server (:class:`gateway.http_api.HttpServer`), None when off;
     ``api_keys`` its :class:`gateway.auth.ApiKeys` (None: no keys needed); ``health_server`` the
-    plaintext health-only port (:func:`kvmesh.tls.serve_health_port`), None when off."""
+    plaintext health-only port (:func:`kvmesh.core.tls.serve_health_port`), None when off."""
 
     def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int,
                  api_keys: ApiKeys | None = None):
@@ -365,9 +365,9 @@ async def _wait_for_scheduler(stub, cfg: GatewayConfig) -> scheduler_pb2.GetMode
         except grpc.aio.AioRpcError as e:
             last = f"{e.code().name}: {e.details()}"
             if e.code() not in (_Code.UNAVAILABLE, _Code.DEADLINE_EXCEEDED):
-                raise EngineError(f"scheduler at {cfg.scheduler_address} answered GetModelInfo with {last}") from None
+                raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} answered GetModelInfo with {last}") from None
         await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
-    raise EngineError(f"scheduler at {cfg.scheduler_address} unreachable after {cfg.connect_timeout:g} s: {last}")
+    raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} unreachable after {cfg.connect_timeout:g} s: {last}")
 
 
 async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
@@ -378,7 +378,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     the served model's tokenizer is loaded (``kvmesh.hub.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
     health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
-    (:mod:`kvmesh.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
+    (:mod:`kvmesh.core.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
     not -1 (:mod:`gateway.http_api`, bound with the gRPC port, answering 503 until SERVING). API
     keys and TLS (both ports), the health-only port: module docstring.
 
@@ -388,8 +388,8 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
             file cannot be read or parsed, or the TLS settings do not go together. The server is
             stopped.
     """
-    from kvmesh import tls
-    from kvmesh.llm import _load_tokenizer
+    from gateway.text import load_tokenizer
+    from kvmesh.core import tls
     from kvmesh.hub import resolve_model
 
     cfg.check_tls()
@@ -420,10 +420,10 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
         port = server.add_secure_port(addr, server_creds) if server_creds else server.add_insecure_port(addr)
     except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
         await channel.close()
-        raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
-                          "(0 = any free port)") from None
+        raise DependencyUnavailableError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
+                                         "(0 = any free port)") from None
     gw = GatewayServer(server, servicer, health_servicer, cfg.host, port, keys)
-    from kvmesh.metrics import start_metrics_server
+    from kvmesh.core.metrics import start_metrics_server
     try:
         gw.metrics = start_metrics_server(servicer.path.metrics.registry, cfg.host, cfg.metrics_port)
         gw.health_server = await tls.serve_health_port(health_servicer, cfg.host, cfg.health_port)
@@ -448,7 +448,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     await server.start()
     try:
         info = await _wait_for_scheduler(servicer.path.stub, cfg)
-        tokenizer = await asyncio.to_thread(lambda: _load_tokenizer(resolve_model(info.name)))
+        tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(info.name)))
     except BaseException:
         await gw.stop(0)
         raise

@@ -33,10 +33,12 @@ from opentelemetry import trace
 
 from gateway.auth import CURRENT_TENANT, cache_salt
 from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from kvmesh import telemetry
-from kvmesh.config import GatewayConfig
+from gateway.text import TextFront
+from kvmesh.core import telemetry
+from kvmesh.core.config import GatewayConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import EngineError, SamplingParams
 
 ROLES = ("system", "user", "assistant")
 _Code = grpc.StatusCode
@@ -112,18 +114,17 @@ class RequestPath:
         self.cfg, self.channel = cfg, channel
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         self.info: scheduler_pb2.GetModelInfoResponse | None = None
-        self.text = None                      # kvmesh.llm._TextFront with the model's tokenizer
+        self.text: TextFront | None = None    # the model's tokenizer front
         self.model_names: set[str] = set()
         self.live: dict[str, _Live] = {}
         self.serving = False
         self.tracer = telemetry.setup_tracing(telemetry.GATEWAY)    # no-op unless OTEL_TRACES_EXPORTER is set
-        from kvmesh.metrics import GatewayMetrics
+        from kvmesh.core.metrics import GatewayMetrics
         self.metrics = GatewayMetrics(self)
 
     def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
-        from kvmesh.llm import _TextFront
         from kvmesh.hub import canonical_name
-        text = _TextFront()
+        text = TextFront()
         text.tokenizer = tokenizer
         self.text, self.info = text, info
         self.model_names = {info.name} | ({canonical_name(info.name)} - {None})

@@ -10,7 +10,7 @@
     kvmesh demo                         the mesh in-process and a two-turn PolicyDesk chat through it,
                                         with TTFT, tokens/s, prefix-cache hits
 
-Settings are one dataclass per service in :mod:`kvmesh.config`; every field has a flag
+Settings are one dataclass per service in :mod:`kvmesh.core.config`; every field has a flag
 (:data:`ENGINE_FLAGS`, :data:`SCHEDULER_FLAGS`, :data:`GATEWAY_FLAGS`) and an environment variable
 (``KVMESH_<FIELD>``, ``KVMESH_SCHEDULER_<FIELD>``, ``KVMESH_GATEWAY_<FIELD>``; a flag wins). Bad
 arguments and :class:`EngineError` print ``kvmesh: error: <message>`` on stderr and exit 2; so
@@ -28,9 +28,9 @@ import os
 import sys
 import time
 
-from kvmesh.config import ATTENTION_BACKENDS, STAGE_PLACEMENTS, WEIGHT_FORMATS
-from scheduler.request import EngineError, SamplingParams
-from scheduler.router import ROUTING_POLICIES
+from kvmesh.core.config import ATTENTION_BACKENDS, ROUTING_POLICIES, STAGE_PLACEMENTS, WEIGHT_FORMATS
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.scheduler import POLICIES
 
 DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -40,7 +40,7 @@ DEMO_QUESTION = "travel-02"
 # ---- engine settings ---------------------------------------------------------------------------
 
 def _memory(v: str) -> float:
-    from kvmesh.config import _parse_bytes
+    from kvmesh.core.config import _parse_bytes
     try:
         n = _parse_bytes(v)
     except ValueError:
@@ -602,7 +602,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _service_configs(args: argparse.Namespace, **sched_overrides):
     """(EngineConfig, SchedulerConfig, GatewayConfig) from the flags and the environment."""
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
 
     return (EngineConfig.from_env(**engine_kwargs(args)),
             SchedulerConfig.from_env(**dict(scheduler_kwargs(args), **sched_overrides)),
@@ -635,7 +635,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from kvmesh import serve
-    from kvmesh.config import GatewayConfig
+    from kvmesh.core.config import GatewayConfig
 
     gw_cfg = GatewayConfig.from_env(**gateway_kwargs(args))
     return _run_services(serve.run_services(lambda mesh: serve.start_gateway(mesh, gw_cfg), grace=args.grace))

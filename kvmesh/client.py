@@ -102,7 +102,7 @@ class Client:
         self.rpc_timeout = rpc_timeout
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         if tls or tls_ca_file:
-            from kvmesh.tls import channel_credentials
+            from kvmesh.core.tls import channel_credentials
             creds = channel_credentials(tls_ca_file or "", prefix="client ")
             self.channel = grpc.secure_channel(address, creds, options=options or [])
         else:

@@ -40,10 +40,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvmesh.core.config import ROUTING_POLICIES
 from kvstore.hashing import hash_blocks
 from kvstore.index import IndexUnavailable
 
-ROUTING_POLICIES = ("prefix", "load", "round_robin", "random")
 SHARED_TIER_WEIGHT = 0.5    # a block loadable from the shared KV tier, against one in the replica's pool
 MAX_SESSIONS = 100_000      # session affinities kept (least recently routed dropped first)
 

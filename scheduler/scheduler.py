@@ -27,8 +27,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvmesh.core.errors import CapacityError, DuplicateRequestError, InvalidRequestError, SettingsError
 from scheduler.block_manager import BlockManager
-from scheduler.request import DuplicateRequestError, EngineError, FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus
 
 POLICIES = ("continuous", "static", "naive")
 
@@ -79,7 +80,7 @@ class Scheduler:
         num_speculative_tokens: the most proposals verified per request and step (k).
         speculative_adaptive: adapt each request's k to its acceptance (docs/spec_decode.md).
     Raises:
-        EngineError: unknown policy, or speculation under a policy other than ``continuous``.
+        SettingsError: unknown policy, or speculation under a policy other than ``continuous``.
     """
 
     def __init__(self, block_manager: BlockManager, *, policy: str = "continuous", max_num_seqs: int = 64,
@@ -87,10 +88,10 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, speculative_method: str = "",
                  num_speculative_tokens: int = 0, speculative_adaptive: bool = True):
         if policy not in POLICIES:
-            raise EngineError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+            raise SettingsError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
         if speculative_method and policy != "continuous":
-            raise EngineError(f"speculative_method {speculative_method!r} needs policy 'continuous' "
-                              f"(got {policy!r})")
+            raise SettingsError(f"speculative_method {speculative_method!r} needs policy 'continuous' "
+                                f"(got {policy!r})")
         self.speculative_method = speculative_method
         self.num_speculative_tokens = num_speculative_tokens if speculative_method else 0
         self.speculative_adaptive = speculative_adaptive
@@ -109,25 +110,26 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a request. Raises EngineError if it can never be served."""
+        """Queue a request. Raises InvalidRequestError if it can never fit ``max_model_len``,
+        CapacityError if this replica can never hold it (KV pool, unchunked prefill budget)."""
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"duplicate request id {req.request_id!r}")
         total = req.num_prompt_tokens + req.sampling_params.max_tokens
         if total > self.max_model_len:
-            raise EngineError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                              f"({req.sampling_params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
+            raise InvalidRequestError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                                      f"({req.sampling_params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
         if self.bm.blocks_needed(total) > self.bm.num_blocks:
-            raise EngineError(f"request needs {self.bm.blocks_needed(total)} KV blocks of {self.bm.block_size} tokens; "
-                              f"the whole pool has {self.bm.num_blocks} (raise --kv-cache-memory)")
+            raise CapacityError(f"request needs {self.bm.blocks_needed(total)} KV blocks of {self.bm.block_size} tokens; "
+                                f"the whole pool has {self.bm.num_blocks} (raise --kv-cache-memory)")
         if self.policy == "continuous" and not self.enable_chunked_prefill:
             # unchunked, a prompt (or, after a preemption, prompt + output so far) must be
             # prefilled in one step; a longer one would wait forever
             worst = total - 1
             if worst > self.max_num_batched_tokens:
-                raise EngineError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                                  f"({req.sampling_params.max_tokens}) may need a {worst}-token prefill, over "
-                                  f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked prefill "
-                                  f"disabled (enable chunked prefill or raise max_num_batched_tokens)")
+                raise CapacityError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                                    f"({req.sampling_params.max_tokens}) may need a {worst}-token prefill, over "
+                                    f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked prefill "
+                                    f"disabled (enable chunked prefill or raise max_num_batched_tokens)")
         req.spec_k = self.num_speculative_tokens
         self.requests[req.request_id] = req
         self.waiting.append(req)

@@ -36,12 +36,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import telemetry
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core import telemetry
+from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.errors import DependencyUnavailableError, DuplicateRequestError, EngineError
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
-from scheduler.request import DuplicateRequestError, EngineError, FinishReason, SamplingParams
+from scheduler.request import FinishReason
 from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
 
 log = logging.getLogger("kvmesh.scheduler")
@@ -232,7 +234,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.restarting: set[int] = set()           # replicas whose engine process is being restarted
         self.stopping = False
         self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
-        from kvmesh.metrics import SchedulerMetrics
+        from kvmesh.core.metrics import SchedulerMetrics
         self.metrics = SchedulerMetrics(engine_cfg.model, self)
 
     def start(self, engines: list) -> None:
@@ -400,13 +402,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 class SchedulerServer:
     """A running scheduler service. ``port`` is the bound port, ``address`` is ``host:port``;
-    ``metrics`` is its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off."""
+    ``metrics`` is its Prometheus endpoint (:class:`kvmesh.core.metrics.MetricsServer`), None when off."""
 
     def __init__(self, server: grpc.aio.Server, service: SchedulerService, health_servicer, host: str, port: int):
         self.server, self.service, self.health = server, service, health_servicer
         self.host, self.port, self.address = host, port, f"{host}:{port}"
         self.metrics = None
-        self.health_server = None           # the plaintext health-only port (kvmesh.tls), None when off
+        self.health_server = None           # the plaintext health-only port (kvmesh.core.tls), None when off
         self._load_task: asyncio.Task | None = None
         self._stopped = False
         self._tasks: set[asyncio.Task] = set()      # restarts, the watchdog
@@ -588,10 +590,10 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
     """Start the scheduler service on ``sched_cfg.host:port`` (port 0 = a free port) and begin
     loading the replicas in the background; health is NOT_SERVING until they have loaded
     (``await server.wait_ready()``). Prometheus metrics on ``sched_cfg.host:metrics_port`` when it
-    is not -1 (:mod:`kvmesh.metrics`). With ``tls_cert_file`` it listens with TLS only, with
-    ``tls_client_ca_file`` also requiring client certificates of that CA (:mod:`kvmesh.tls`).
+    is not -1 (:mod:`kvmesh.core.metrics`). With ``tls_cert_file`` it listens with TLS only, with
+    ``tls_client_ca_file`` also requiring client certificates of that CA (:mod:`kvmesh.core.tls`).
     Raises EngineError if an address cannot be bound or a TLS file cannot be read."""
-    from kvmesh import tls
+    from kvmesh.core import tls
     sched_cfg.check_tls()
     creds = (tls.server_credentials(sched_cfg.tls_cert_file, sched_cfg.tls_key_file, sched_cfg.tls_client_ca_file)
              if sched_cfg.tls_cert_file else None)
@@ -608,9 +610,9 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
         port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
     except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
         await server.stop(None)
-        raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
-                          "(0 = any free port)") from None
-    from kvmesh.metrics import start_metrics_server
+        raise DependencyUnavailableError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
+                                         "(0 = any free port)") from None
+    from kvmesh.core.metrics import start_metrics_server
     try:
         metrics = start_metrics_server(service.metrics.registry, sched_cfg.host, sched_cfg.metrics_port)
     except EngineError:

@@ -27,7 +27,7 @@ import os
 import pytest
 import torch
 
-from scheduler.request import SamplingParams
+from kvmesh.core.sampling import SamplingParams
 from workers.executor import Completed
 
 torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
@@ -130,7 +130,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 def make_engine(model, **kw):
     """An LLMEngine on ``model`` (name or directory). ``num_blocks`` sizes the KV pool."""
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import LLMEngine
     num_blocks = kw.pop("num_blocks", None)
     kw.setdefault("kv_cache_memory", 96 * 2**20)    # SmolLM2: 136 blocks of 16 tokens

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from bench import serve
 from bench.serve import BenchRequest, RequestRecord, StreamTimer
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 MODEL = "smollm2-135m-instruct"
 

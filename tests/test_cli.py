@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh import cli
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
 
 MODEL = "smollm2-135m-instruct"
 

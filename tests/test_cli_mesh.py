@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import cli
-from kvmesh.config import GatewayConfig, SchedulerConfig
+from kvmesh.core.config import GatewayConfig, SchedulerConfig
 
 MODEL = "smollm2-135m-instruct"
 KVMESH = Path(sys.executable).with_name("kvmesh")

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -826,11 +826,11 @@ DASHBOARD = DEPLOY / "grafana" / "kvmesh.json"
 
 @pytest.mark.parametrize("sub", sorted(METRICS_PORTS))
 def test_metrics_ports_agree(sub):
-    """Each service serves metrics on the deployments' port (kvmesh.config), the Kubernetes
+    """Each service serves metrics on the deployments' port (kvmesh.core.config), the Kubernetes
     containerPort/Service/annotations name it, and compose's Prometheus scrapes it."""
-    import kvmesh.config
+    import kvmesh.core.config
     cls, const = METRICS_PORTS[sub]
-    port = getattr(kvmesh.config, const)
+    port = getattr(kvmesh.core.config, const)
     for c in service_containers(sub):
         assert settings(c)[cls].metrics_port == port, c.where
         if c.where.startswith("compose"):
@@ -863,7 +863,7 @@ def _dashboard_exprs(panels) -> list[str]:
 def test_grafana_dashboard_uses_only_defined_metrics():
     import re
 
-    from kvmesh.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
+    from kvmesh.core.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
     defined = set()
     for name, kind in {**SCHEDULER_METRICS, **GATEWAY_METRICS}.items():
         defined |= {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}

@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
-from kvmesh.config import EngineConfig
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from workers.layers.sampler import make_generator
 from workers.spec_decode.draft import DraftInput, DraftProposer
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.config import EngineConfig
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 
 SMOL_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4     # layers x block x kv heads x head dim x fp32, K and V
 

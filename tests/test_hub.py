@@ -15,7 +15,7 @@ import zipfile
 
 import pytest
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 from kvmesh.hub import (DEFAULT_MODEL, FORMAT_VERSION, KNOWN_MODELS, MARKER, GGUFPart, ModelSpec, canonical_name,
                         is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)
 from kvmesh.hub import convert, download

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
 from scheduler.engine import LLMEngine
-from scheduler.request import EngineError
 from workers.loader import load_model
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.core.sampling import SamplingParams
 from kvstore.hashing import hash_blocks, seed_hash
 from kvstore.index import IndexUnavailable, MemoryIndex
 from scheduler.block_manager import BlockManager
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request
 from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router
 
 BS = 4
@@ -208,8 +209,8 @@ def test_router_hashes_match_the_block_managers_events(clock):
 
 
 def test_routing_settings(monkeypatch):
-    from kvmesh.config import SchedulerConfig, env_var
-    from scheduler.request import EngineError
+    from kvmesh.core.config import SchedulerConfig, env_var
+    from kvmesh.core.errors import EngineError
 
     monkeypatch.setenv("KVMESH_REDIS_URL", "redis://redis:6379/0")
     monkeypatch.setenv("KVMESH_SCHEDULER_REDIS_URL", "redis://ignored:6379/0")   # not this field's variable

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.scheduler import Scheduler
 
 BS = 4

@@ -14,10 +14,12 @@ import asyncio
 import pytest
 import torch
 
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
 from scheduler.engine import AsyncEngine, LLMEngine
-from scheduler.request import EngineError, FinishReason, Request, SamplingParams
+from scheduler.request import FinishReason, Request
 from scheduler.scheduler import Scheduler
 from workers.spec_decode.ngram import propose_ngram
 from workers.spec_decode.rejection import VerifyRow, verify
@@ -440,7 +442,7 @@ async def test_grpc_final_message_carries_acceptance(smollm2_dir, prose_ids, smo
     import grpc
 
     from gateway.server import serve_gateway
-    from kvmesh.config import GatewayConfig
+    from kvmesh.core.config import GatewayConfig
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
     from scheduler.service import serve_scheduler
     sched = await serve_scheduler(SchedulerConfig(executor="local", port=0),

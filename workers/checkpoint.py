@@ -7,7 +7,7 @@ tensor at a time (:class:`SafetensorsFile`: plain reads, no mmap, so file pages 
 in the process's RSS). Peak memory is the served weights plus the largest checkpoint tensor in
 its file dtype. transformers' model classes are never instantiated. Errors a user can fix
 (unknown architecture, missing or extra tensor, shape mismatch, no weights, a malformed weight
-file) raise :class:`scheduler.request.EngineError`.
+file) raise :class:`kvmesh.core.errors.SettingsError`.
 
 The quantized formats build on this module (:mod:`workers.quant.store` reads the dense model
 and its own checkpoints with it); :func:`workers.loader.load_model` chooses between the two.
@@ -22,31 +22,31 @@ from pathlib import Path
 
 import torch
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError, SettingsError
 from workers.models.llama import LlamaForCausalLM, ModelConfig
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
-    """Parse ``config.json``. Raises EngineError when missing or unsupported."""
+    """Parse ``config.json``. Raises SettingsError when missing or unsupported."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise EngineError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
+        raise SettingsError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
     try:
         return ModelConfig.from_hf(json.loads(path.read_text()))
     except (ValueError, KeyError) as e:
-        raise EngineError(f"{model_dir}: {e if isinstance(e, ValueError) else f'config.json lacks {e}'}") from None
+        raise SettingsError(f"{model_dir}: {e if isinstance(e, ValueError) else f'config.json lacks {e}'}") from None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The weight files of ``model_dir`` (from model.safetensors.index.json, else every *.safetensors),
-    sorted. Raises EngineError when there is none."""
+    sorted. Raises SettingsError when there is none."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [model_dir / n for n in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise EngineError(f"{model_dir}: no *.safetensors weight files")
+        raise SettingsError(f"{model_dir}: no *.safetensors weight files")
     return files
 
 
@@ -69,7 +69,7 @@ class SafetensorsFile:
     N bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"?}``,
     then the data; offsets are relative to the end of the header.
 
-    Use as a context manager. Raises EngineError (naming the file) for a file that is not
+    Use as a context manager. Raises SettingsError (naming the file) for a file that is not
     valid safetensors (bad header, unsupported dtype, offsets past the end of the file).
     """
 
@@ -102,7 +102,7 @@ class SafetensorsFile:
                 self._entries[name] = (dtype, shape, begin, end)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             self._fh.close()
-            raise EngineError(f"{self.path}: not a valid safetensors file ({e})") from None
+            raise SettingsError(f"{self.path}: not a valid safetensors file ({e})") from None
 
     def __enter__(self) -> "SafetensorsFile":
         return self
@@ -124,7 +124,7 @@ class SafetensorsFile:
     def get(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Read tensor ``name``, or its rows ``[start, stop)`` along dim 0, into a new CPU
         tensor of its stored dtype. Raises KeyError for an unknown name, ValueError for rows
-        out of range, EngineError when the file is cut short."""
+        out of range, SettingsError when the file is cut short."""
         dtype, shape, begin, end = self._entries[name]
         if start or stop is not None:
             rows = shape[0] if shape else 0
@@ -139,7 +139,7 @@ class SafetensorsFile:
         while done < len(view):
             got = self._fh.readinto(view[done:])
             if not got:
-                raise EngineError(f"{self.path}: file ends inside tensor {name!r}")
+                raise SettingsError(f"{self.path}: file ends inside tensor {name!r}")
             done += got
         return buf.view(dtype).reshape(shape)
 
@@ -154,10 +154,10 @@ def iter_tensors(files: list[Path]):
 
 
 def check_servable(model_dir: Path, cfg: ModelConfig, max_positions: int) -> None:
-    """Raises EngineError for a checkpoint the attention cannot serve at ``max_positions``."""
+    """Raises SettingsError for a checkpoint the attention cannot serve at ``max_positions``."""
     if cfg.sliding_window is not None and cfg.sliding_window < max_positions:
-        raise EngineError(f"{model_dir}: sliding-window attention ({cfg.sliding_window} tokens) is not supported; "
-                          f"use max_model_len <= {cfg.sliding_window}")
+        raise SettingsError(f"{model_dir}: sliding-window attention ({cfg.sliding_window} tokens) is not supported; "
+                            f"use max_model_len <= {cfg.sliding_window}")
 
 
 def load_dense(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device, max_positions: int,
@@ -165,13 +165,13 @@ def load_dense(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     """Build the dense model (or a pipeline stage of it) from the checkpoint ``model_dir`` and load
     its weights; the arguments are :func:`workers.loader.load_model`'s. Peak RSS growth while
     loading is about the served weight bytes plus the largest checkpoint tensor in its file
-    dtype. Raises EngineError: unsupported architecture, missing/unexpected tensor, shape
+    dtype. Raises SettingsError: unsupported architecture, missing/unexpected tensor, shape
     mismatch, malformed weight file, ``num_layers`` out of range."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     if num_layers is not None:
         if not 1 <= num_layers <= cfg.num_layers:
-            raise EngineError(f"{model_dir}: cannot keep {num_layers} of its {cfg.num_layers} decoder layers")
+            raise SettingsError(f"{model_dir}: cannot keep {num_layers} of its {cfg.num_layers} decoder layers")
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
     check_servable(model_dir, cfg, max_positions)
     with torch.device("meta"):           # no storage: the weights are allocated once, below
@@ -186,6 +186,6 @@ def load_dense(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     except EngineError:
         raise
     except ValueError as e:
-        raise EngineError(f"{model_dir}: {e}") from None
+        raise SettingsError(f"{model_dir}: {e}") from None
     model.finalize(dtype)
     return model.to(device).eval()

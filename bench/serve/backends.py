@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from bench.serve.metrics import RequestRecord, StreamTimer
 from bench.serve.workload import BenchRequest
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 BACKENDS = ("kvmesh", "openai-chat")
 

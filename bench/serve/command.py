@@ -20,7 +20,7 @@ from bench.serve.load import run_benchmark
 from bench.serve.metrics import RequestRecord, parse_goodput, report, summarize
 from bench.serve.plots import plot_sweep, plot_ttft
 from bench.serve.workload import DATASETS, load_requests, load_workload, save_workload
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 
 def _rate(v: str) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 from bench.serve.backends import SendFn, open_backend
 from bench.serve.metrics import RequestRecord
 from bench.serve.workload import BenchRequest
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 
 def arrival_times(n: int, request_rate: float, burstiness: float = 1.0,

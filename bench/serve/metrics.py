@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 METRICS = ("ttft", "tpot", "itl", "e2el")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 DATASETS = ("policydesk", "policydesk-chat", "random")
 

@@ -22,7 +22,7 @@ import pathlib
 import sys
 
 from kvmesh.hub.manifest import ModelSpec
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 _FLOAT_GGML = ("F64", "F32", "F16")   # GGML types bfloat16 cannot hold exactly (BF16 can)
 

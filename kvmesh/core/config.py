@@ -12,8 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from scheduler.request import EngineError
-from scheduler.router import ROUTING_POLICIES
+from kvmesh.core.errors import SettingsError
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +39,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 EXECUTORS = ("auto", "local", "ray")
+ROUTING_POLICIES = ("prefix", "load", "round_robin", "random")   # scheduler.router implements them
 STAGE_PLACEMENTS = ("pack", "spread", "strict-spread")
 
 
@@ -80,7 +80,7 @@ def env_var(cls, field: str, prefix: str | None = None) -> str:
 
 def _coerce_strings(obj) -> None:
     """Environment variables arrive as strings: convert int/float/bool fields.
-    Raises EngineError naming the field when a value does not parse."""
+    Raises SettingsError naming the field when a value does not parse."""
     for f in fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, str) and f.type in ("int", "bool", "float"):
@@ -92,7 +92,7 @@ def _coerce_strings(obj) -> None:
                 else:
                     v = int(v) if f.type == "int" else float(v)
             except ValueError:
-                raise EngineError(f"{f.name}: expected {f.type}, got {v!r}") from None
+                raise SettingsError(f"{f.name}: expected {f.type}, got {v!r}") from None
             setattr(obj, f.name, v)
 
 
@@ -101,9 +101,9 @@ def _check_tls(obj) -> None:
     Checked when the service starts (``check_tls``), not on construction: the settings of one
     service may come from several sources, each naming one file."""
     if bool(obj.tls_cert_file) != bool(obj.tls_key_file):
-        raise EngineError("tls_cert_file and tls_key_file go together (the certificate chain and its private key)")
+        raise SettingsError("tls_cert_file and tls_key_file go together (the certificate chain and its private key)")
     if getattr(obj, "tls_client_ca_file", "") and not obj.tls_cert_file:
-        raise EngineError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        raise SettingsError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
 
 
 # The metrics ports deployments use (deploy/: compose, Kubernetes, prometheus.yml); the services'
@@ -122,8 +122,8 @@ def _metrics_port_off(obj, name: str = "metrics_port") -> None:
 
 def _check_metrics_port(obj, name: str = "metrics_port") -> None:
     if not -1 <= getattr(obj, name) <= 65535:
-        raise EngineError(f"{name} must be a port in [0, 65535], 0 = any free port, -1 = off; "
-                          f"got {getattr(obj, name)}")
+        raise SettingsError(f"{name} must be a port in [0, 65535], 0 = any free port, -1 = off; "
+                            f"got {getattr(obj, name)}")
 
 
 @dataclass
@@ -226,44 +226,44 @@ class EngineConfig:
         if isinstance(self.kv_offload_host_memory, str):
             self.kv_offload_host_memory = _parse_bytes(self.kv_offload_host_memory)
         if self.kv_offload_host_memory < 0:
-            raise EngineError(f"kv_offload_host_memory must be >= 0 bytes, got {self.kv_offload_host_memory}")
+            raise SettingsError(f"kv_offload_host_memory must be >= 0 bytes, got {self.kv_offload_host_memory}")
         if self.kv_offload_redis_url and not self.kv_offload_redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise EngineError(f"kv_offload_redis_url must be redis://host:port/db (or rediss://, unix://), "
-                              f"got {self.kv_offload_redis_url!r}")
+            raise SettingsError(f"kv_offload_redis_url must be redis://host:port/db (or rediss://, unix://), "
+                                f"got {self.kv_offload_redis_url!r}")
         if self.kv_offload_redis_ttl < 0:
-            raise EngineError(f"kv_offload_redis_ttl must be >= 0 seconds, got {self.kv_offload_redis_ttl}")
+            raise SettingsError(f"kv_offload_redis_ttl must be >= 0 seconds, got {self.kv_offload_redis_ttl}")
         if self.kv_offload and self.speculative_method == "draft":
-            raise EngineError("KV offload (kv_offload_host_memory, kv_offload_redis_url) does not keep a draft "
-                              "model's KV: use it without speculative_method 'draft'")
+            raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) does not keep a draft "
+                                "model's KV: use it without speculative_method 'draft'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise EngineError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
+            raise SettingsError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise EngineError(f"block_size must be a power of two, got {self.block_size}")
+            raise SettingsError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise EngineError("max_num_seqs and max_num_batched_tokens must be >= 1")
+            raise SettingsError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.policy == "naive":
             self.enable_prefix_caching = False
         if self.weight_format not in WEIGHT_FORMATS:
-            raise EngineError(f"unknown weight_format {self.weight_format!r}; choose one of {WEIGHT_FORMATS}")
+            raise SettingsError(f"unknown weight_format {self.weight_format!r}; choose one of {WEIGHT_FORMATS}")
         if self.quant_group_size not in (32, 64, 128):
-            raise EngineError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
+            raise SettingsError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
         if self.speculative_method not in SPECULATIVE_METHODS:
-            raise EngineError(f"unknown speculative_method {self.speculative_method!r}; "
-                              f"choose one of {SPECULATIVE_METHODS} ('' = off)")
+            raise SettingsError(f"unknown speculative_method {self.speculative_method!r}; "
+                                f"choose one of {SPECULATIVE_METHODS} ('' = off)")
         if self.speculative_method and self.policy != "continuous":
-            raise EngineError(f"speculative_method {self.speculative_method!r} needs policy 'continuous' "
-                              f"(got {self.policy!r})")
+            raise SettingsError(f"speculative_method {self.speculative_method!r} needs policy 'continuous' "
+                                f"(got {self.policy!r})")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 16:
-            raise EngineError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+            raise SettingsError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.speculative_method == "draft" and not self.draft_model:
-            raise EngineError("speculative_method 'draft' needs draft_model (--draft-model)")
+            raise SettingsError("speculative_method 'draft' needs draft_model (--draft-model)")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise EngineError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
+            raise SettingsError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.draft_num_layers < 0 or self.draft_max_model_len < 0:
-            raise EngineError("draft_num_layers and draft_max_model_len must be >= 0")
+            raise SettingsError("draft_num_layers and draft_max_model_len must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise EngineError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+            raise SettingsError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
 
     @property
     def kv_offload(self) -> bool:
@@ -334,7 +334,7 @@ class SchedulerConfig:
             -1 (or empty, ``off``) = off, 0 = any free port. Deployments use
             :data:`SCHEDULER_METRICS_PORT`.
         tls_cert_file, tls_key_file: PEM certificate chain and private key: the service listens
-            with TLS only (:mod:`kvmesh.tls`); empty = plaintext.
+            with TLS only (:mod:`kvmesh.core.tls`); empty = plaintext.
         tls_client_ca_file: PEM CA certificate(s): every client (the gateways) must present a
             certificate it signed (mutual TLS); needs ``tls_cert_file``.
         health_port: a plaintext gRPC port serving only ``grpc.health.v1`` (probes that cannot
@@ -381,36 +381,36 @@ class SchedulerConfig:
         _coerce_strings(self)
         _check_metrics_port(self)
         if self.replicas < 1:
-            raise EngineError(f"replicas must be >= 1, got {self.replicas}")
+            raise SettingsError(f"replicas must be >= 1, got {self.replicas}")
         if self.pp < 1:
-            raise EngineError(f"pp must be >= 1, got {self.pp}")
+            raise SettingsError(f"pp must be >= 1, got {self.pp}")
         if self.executor not in EXECUTORS:
-            raise EngineError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+            raise SettingsError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         if self.executor == "local" and self.pp != 1:
-            raise EngineError("the local executor runs the whole model in one process: use --pp 1 or --executor ray")
+            raise SettingsError("the local executor runs the whole model in one process: use --pp 1 or --executor ray")
         if self.stage_num_cpus < 0:
-            raise EngineError(f"stage_num_cpus must be >= 0, got {self.stage_num_cpus}")
+            raise SettingsError(f"stage_num_cpus must be >= 0, got {self.stage_num_cpus}")
         if self.stage_placement not in STAGE_PLACEMENTS:
-            raise EngineError(f"stage_placement must be one of {', '.join(STAGE_PLACEMENTS)}, got {self.stage_placement!r}")
+            raise SettingsError(f"stage_placement must be one of {', '.join(STAGE_PLACEMENTS)}, got {self.stage_placement!r}")
         if self.restart_wait < 0 or self.step_timeout < 0:
-            raise EngineError("restart_wait and step_timeout must be >= 0 (seconds)")
+            raise SettingsError("restart_wait and step_timeout must be >= 0 (seconds)")
         if self.max_queued_requests < 1:
-            raise EngineError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+            raise SettingsError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.routing not in ROUTING_POLICIES:
-            raise EngineError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+            raise SettingsError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise EngineError(f"redis_url must be redis://host:port/db (or rediss://, unix://), got {self.redis_url!r}")
+            raise SettingsError(f"redis_url must be redis://host:port/db (or rediss://, unix://), got {self.redis_url!r}")
         if self.index_timeout <= 0 or self.provisional_ttl < 0:
-            raise EngineError("index_timeout must be > 0 and provisional_ttl >= 0 (seconds)")
+            raise SettingsError("index_timeout must be > 0 and provisional_ttl >= 0 (seconds)")
         if self.prefix_weight < 0 or self.load_weight < 0:
-            raise EngineError("prefix_weight and load_weight must be >= 0")
+            raise SettingsError("prefix_weight and load_weight must be >= 0")
         if "/" in self.scheduler_id:
-            raise EngineError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
+            raise SettingsError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
         _check_metrics_port(self, "health_port")
         self.layer_split()
 
     def check_tls(self) -> None:
-        """Raise EngineError naming the settings when the TLS files do not go together
+        """Raise SettingsError naming the settings when the TLS files do not go together
         (certificate and key; a client CA only with them). :func:`scheduler.service.serve_scheduler`
         calls it."""
         _check_tls(self)
@@ -440,9 +440,9 @@ class SchedulerConfig:
         try:
             split = [int(x) for x in self.pp_layers.split(",")]
         except ValueError:
-            raise EngineError(f"pp_layers must be comma-separated integers, got {self.pp_layers!r}") from None
+            raise SettingsError(f"pp_layers must be comma-separated integers, got {self.pp_layers!r}") from None
         if len(split) != self.pp or min(split) < 1:
-            raise EngineError(f"pp_layers needs {self.pp} positive layer counts, got {self.pp_layers!r}")
+            raise SettingsError(f"pp_layers needs {self.pp} positive layer counts, got {self.pp_layers!r}")
         return split
 
     def replace(self, **kw) -> "SchedulerConfig":
@@ -531,29 +531,29 @@ class GatewayConfig:
         _check_metrics_port(self)
         _check_metrics_port(self, "http_port")
         if self.max_tokens_cap < 1 or not 1 <= self.default_max_tokens:
-            raise EngineError("max_tokens_cap and default_max_tokens must be >= 1")
+            raise SettingsError("max_tokens_cap and default_max_tokens must be >= 1")
         if not 0 < self.default_timeout <= self.max_timeout:
-            raise EngineError(f"default_timeout must be in (0, max_timeout={self.max_timeout}], "
-                              f"got {self.default_timeout}")
+            raise SettingsError(f"default_timeout must be in (0, max_timeout={self.max_timeout}], "
+                                f"got {self.default_timeout}")
         for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_prompt_tokens"):
             if getattr(self, name) < 0:
-                raise EngineError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_id_length < 1 or not 1024 <= self.max_message_bytes <= 2**30:
-            raise EngineError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
-                              f"{self.max_id_length} and {self.max_message_bytes}")
+            raise SettingsError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
+                                f"{self.max_id_length} and {self.max_message_bytes}")
         _check_metrics_port(self, "health_port")
 
     def check_tls(self) -> None:
-        """Raise EngineError naming the settings when the TLS files do not go together: the
+        """Raise SettingsError naming the settings when the TLS files do not go together: the
         listener's certificate and key; the client certificate and key to the scheduler, and
         those and ``scheduler_tls_server_name`` only with ``scheduler_tls_ca_file``.
         :func:`gateway.server.serve_gateway` calls it."""
         _check_tls(self)
         if bool(self.scheduler_tls_client_cert_file) != bool(self.scheduler_tls_client_key_file):
-            raise EngineError("scheduler_tls_client_cert_file and scheduler_tls_client_key_file go together")
+            raise SettingsError("scheduler_tls_client_cert_file and scheduler_tls_client_key_file go together")
         if (self.scheduler_tls_client_cert_file or self.scheduler_tls_server_name) and not self.scheduler_tls_ca_file:
-            raise EngineError("scheduler_tls_client_cert_file and scheduler_tls_server_name need "
-                              "scheduler_tls_ca_file (TLS to the scheduler)")
+            raise SettingsError("scheduler_tls_client_cert_file and scheduler_tls_server_name need "
+                                "scheduler_tls_ca_file (TLS to the scheduler)")
 
     def replace(self, **kw) -> "GatewayConfig":
         return dataclasses.replace(self, **kw)
