@@ -76,6 +76,7 @@ from pathlib import Path
 
 import psutil
 
+from bench import command
 from bench.markdown import add_output_args, print_saved_table, run_meta, write_json, write_markdown
 
 MARK_BEGIN, MARK_END = "<!-- bench:ablation begin -->", "<!-- bench:ablation end -->"
@@ -445,13 +446,25 @@ def reference_answers(args, items: list[dict]) -> list[dict]:
     return answers
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvmesh bench ablation", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.split("\n\n")[0] + "\n\nRows:\n" + "\n".join(
-            f"  {i:2d} {r.key:15s} {r.name} -> {r.symptom}" for i, r in enumerate(ROWS, 1))
-        + "\n\nEach row runs in a fresh process with its own `kvmesh serve` (executor local); see "
-          "docs/benchmarks.md.")
+def description() -> str:
+    """The command's description: what it measures and its rows."""
+    return (__doc__.split("\n\n")[0] + "\n\nRows:\n"
+            + "\n".join(f"  {i:2d} {r.key:15s} {r.name} -> {r.symptom}" for i, r in enumerate(ROWS, 1))
+            + "\n\nEach row runs in a fresh process with its own `kvmesh serve` (executor local); see "
+              "docs/benchmarks.md.")
+
+
+def add_parser(subparsers, help: str) -> argparse.ArgumentParser:
+    """``kvmesh bench ablation`` (:mod:`bench.command`)."""
+    return command.add_parser(subparsers, "ablation", help, description(), add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.ablation``: the same as ``kvmesh bench ablation``."""
+    return command.main("kvmesh bench ablation", description(), add_arguments, run, argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model of every row (smollm2-135m-instruct)")
     p.add_argument("--dtype", default="auto", help="weights/activations dtype of every row (auto)")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run, by index or key (default: all; "
@@ -482,11 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="faithfulness reference answers: loaded when FILE exists, else computed and written there")
     add_output_args(p, markers="ablation", aliases=("--output",))
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Run the rows (or one row, in a row's child process), print and write the table."""
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
         return 0
@@ -517,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"; faithfulness: {len(items)} items ({args.faithfulness_questions} questions, every turn of "
                    f"{args.faithfulness_chats} chats) x {args.faithfulness_max_tokens} tokens, paired gate vs the "
                    f"{REFERENCE_ROW} row's settings"))
-    meta = run_meta("kvmesh bench ablation", argv, workload=workload)
+    meta = run_meta(args.command_line, workload=workload)
     for index, row in selected:
         r = run_row(index, row, args)
         add_faithfulness(r, items, reference)

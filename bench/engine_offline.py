@@ -28,6 +28,7 @@ import sys
 import time
 
 import policydesk
+from bench import command
 from bench.markdown import add_output_args, print_saved_table, write_json
 
 OUTPUT_LENS = (16, 32, 64, 128, 256, 64)
@@ -127,8 +128,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_parser(subparsers, help: str) -> argparse.ArgumentParser:
+    """``kvmesh bench engine`` (:mod:`bench.command`)."""
+    return command.add_parser(subparsers, "engine", help, __doc__.split("\n\n")[0], add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.engine_offline``: the same as ``kvmesh bench engine``."""
+    return command.main("python -m bench.engine_offline", __doc__.split("\n\n")[0], add_arguments, run, argv)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--naive-requests", type=int, default=2)
@@ -143,7 +153,10 @@ def main(argv=None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name"); ap.add_argument("--policy"); ap.add_argument("--dtype")
     ap.add_argument("--prefix", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Each configuration in a child process (or, with ``--child``, one of them here); the table."""
     if args.child:
         print(json.dumps(run_one(args)))
         return 0

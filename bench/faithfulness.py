@@ -45,8 +45,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import policydesk
-from bench import gate, scoring
+from bench import command, gate, scoring
 from bench.markdown import add_output_args
+from kvmesh.core.flags import add_engine_args, engine_kwargs
 
 NUM_QUESTIONS, NUM_CHATS = 96, 24      # the whole data set
 
@@ -339,17 +340,25 @@ def load_reference(path: Path, meta: dict, items: list[dict]) -> list[Answer] | 
     return [by_id[q["id"]] for q in items]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvmesh.cli import add_engine_args
+DESCRIPTION = ("Answer the PolicyDesk set (all questions and every turn of all chats, by default) greedily "
+               "with a configuration (engine flags, or a served mesh with --server) and with the "
+               "unoptimised reference (dense weights and KV cache in --reference-dtype, no speculative "
+               "decoding, continuous batching); print key-fact accuracy per group and policy with 95% "
+               "intervals, agreement, grounding, and the paired quality gate (McNemar exact test and "
+               "the accuracy difference's interval: PASS, FAIL or NO EVIDENCE). See docs/benchmarks.md.")
 
-    p = argparse.ArgumentParser(
-        prog="kvmesh eval faithfulness",
-        description="Answer the PolicyDesk set (all questions and every turn of all chats, by default) greedily "
-                    "with a configuration (engine flags, or a served mesh with --server) and with the "
-                    "unoptimised reference (dense weights and KV cache in --reference-dtype, no speculative "
-                    "decoding, continuous batching); print key-fact accuracy per group and policy with 95% "
-                    "intervals, agreement, grounding, and the paired quality gate (McNemar exact test and "
-                    "the accuracy difference's interval: PASS, FAIL or NO EVIDENCE). See docs/benchmarks.md.")
+
+def add_parser(subparsers, help: str) -> argparse.ArgumentParser:
+    """``kvmesh eval faithfulness`` (:mod:`bench.command`)."""
+    return command.add_parser(subparsers, "faithfulness", help, DESCRIPTION, add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.faithfulness``: the same as ``kvmesh eval faithfulness``."""
+    return command.main("kvmesh eval faithfulness", DESCRIPTION, add_arguments, run, argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-questions", type=int, default=NUM_QUESTIONS, metavar="N",
                    help=f"single questions, policies in rotation, every 6th unanswerable ({NUM_QUESTIONS} = all; 0 = none)")
     p.add_argument("--num-chats", type=int, default=NUM_CHATS, metavar="N",
@@ -365,15 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads here (0 = torch's default)")
     add_output_args(p, table=False, aliases=("--output",))
     add_engine_args(p)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from kvmesh.cli import engine_kwargs
+def run(args: argparse.Namespace) -> int:
+    """Answer the set with the reference and the configuration under test; print the summary."""
     from kvmesh.core.config import EngineConfig
     from kvmesh.core.errors import EngineError
 
-    args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
         raise EngineError(f"max_tokens must be >= 1, got {args.max_tokens}")
     if args.concurrency < 1:

@@ -59,11 +59,16 @@ def print_saved_table(args: argparse.Namespace, table) -> bool:
     return True
 
 
-def run_meta(prog: str, argv: Sequence[str] | None, **extra) -> dict:
-    """``{"command": "<prog> <args>", "date": "YYYY-MM-DD", **extra}`` for a run's ``--out`` and
-    ``--markdown`` (``argv`` None = this process's arguments)."""
-    return {"command": f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}".strip(),
-            "date": time.strftime("%Y-%m-%d"), **extra}
+def command_line(prog: str, argv: Sequence[str] | None) -> str:
+    """``"<prog> <args>"``, shell-quoted (``argv`` None = this process's arguments)."""
+    return f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}".strip()
+
+
+def run_meta(command: str, **extra) -> dict:
+    """``{"command": command, "date": "YYYY-MM-DD", **extra}`` for a run's ``--out`` and
+    ``--markdown`` (``command``: :func:`command_line`, or ``args.command_line`` of a command run
+    through :mod:`bench.command`)."""
+    return {"command": command, "date": time.strftime("%Y-%m-%d"), **extra}
 
 
 def write_markdown(path: str | Path, begin: str, end: str, meta: dict, *body: str) -> None:

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from bench.markdown import add_output_args, print_saved_table, run_meta, write_json, write_markdown
+from bench.markdown import add_output_args, command_line, print_saved_table, run_meta, write_json, write_markdown
 
 MARK_BEGIN, MARK_END = "<!-- bench:model-choice begin -->", "<!-- bench:model-choice end -->"
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
-    meta = run_meta("python -m bench.model_choice", argv, cpu=cpu_model(),
+    meta = run_meta(command_line("python -m bench.model_choice", argv), cpu=cpu_model(),
                     workload=f"{args.num_questions} questions + every turn of {args.num_chats} chats, greedy, "
                              f"<= {args.max_tokens} tokens; {args.dtype}, {args.threads} threads")
     rows = []

@@ -43,7 +43,7 @@ import time
 
 import policydesk
 from bench.engine_offline import percentile
-from bench.markdown import add_output_args, run_meta, saved_rows, write_json, write_markdown
+from bench.markdown import add_output_args, command_line, run_meta, saved_rows, write_json, write_markdown
 from bench.served import served
 
 MARK_BEGIN, MARK_END = "<!-- bench:routing begin -->", "<!-- bench:routing end -->"
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     if not args.no_reference:
         rows.append(run_config("reference", "load", 1, ref_blocks, per_block, args.threads * args.replicas,
                                tok, chats, args))
-    meta = run_meta("python -m bench.routing", argv, elapsed_s=time.time() - t_start, workload=workload,
+    meta = run_meta(command_line("python -m bench.routing", argv), elapsed_s=time.time() - t_start, workload=workload,
                     working_set_tokens=ws)
     print(table(rows) + "\n\n" + targets(rows))
     write_json(args.out, {"meta": meta, "rows": rows})

@@ -588,6 +588,7 @@ def test_containers_run_the_image_the_dockerfile_builds():
 
 def test_container_commands_are_kvmesh_commands():
     from kvmesh import cli
+    from kvmesh.core import flags
 
     parser = cli.build_parser()
     (sub_action,) = [a for a in parser._actions if a.dest == "command"]
@@ -602,13 +603,8 @@ def test_container_commands_are_kvmesh_commands():
         except SystemExit:
             pytest.fail(f"{c.where}: `{shlex.join(c.argv)}` does not parse with kvmesh.cli.build_parser()")
         # A flag default that is not None would beat the container's KVMESH_* variable.
-        given = {}
-        for cls, helper in ((EngineConfig, "engine_kwargs"), (SchedulerConfig, "scheduler_kwargs"),
-                            (GatewayConfig, "gateway_kwargs")):
-            try:
-                given[cls] = getattr(cli, helper)(args)
-            except AttributeError:      # no such helper, or this subcommand has no such settings
-                pass
+        given = {EngineConfig: flags.engine_kwargs(args), SchedulerConfig: flags.scheduler_kwargs(args),
+                 GatewayConfig: flags.gateway_kwargs(args)}
         for var in c.env:
             hit = config_field(var)
             if hit and hit[0] in given and hit[1] in given[hit[0]]:
@@ -626,7 +622,7 @@ def test_dockerfile_pulls_the_model_with_the_cli():
     argv = shlex.split(DF.substitute(pulls[0]))
     i = argv.index("kvmesh")
     args = cli.build_parser().parse_args(argv[i + 1:])
-    assert args.func is cli.cmd_models_pull and args.names == [DF.args["MODEL"]]
+    assert args.func is cli.models.cmd_pull and args.names == [DF.args["MODEL"]]
     pull_at = DF.index("RUN", lambda r: "kvmesh models pull" in r)
     # the cache is the runtime user's, and where the services look (KVMESH_HOME set before the pull)
     assert DF.index("USER") < pull_at and DF.index("ENV", lambda r: "KVMESH_HOME=" in r) < pull_at

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import cli
+from kvmesh.core import flags
 from kvmesh.core.config import GatewayConfig, SchedulerConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
@@ -234,9 +235,9 @@ def test_metrics_port_settings(monkeypatch):
     with pytest.raises(EngineError, match="metrics_port"):
         GatewayConfig(metrics_port=70000)
     args = cli.build_parser().parse_args(["serve", "--metrics-port", "0", "--scheduler-metrics-port", "9461"])
-    assert cli.gateway_kwargs(args)["metrics_port"] == 0 and cli.scheduler_kwargs(args)["metrics_port"] == 9461
+    assert flags.gateway_kwargs(args)["metrics_port"] == 0 and flags.scheduler_kwargs(args)["metrics_port"] == 9461
     args = cli.build_parser().parse_args(["scheduler", "--metrics-port", "off"])
-    assert cli.scheduler_kwargs(args)["metrics_port"] == -1
+    assert flags.scheduler_kwargs(args)["metrics_port"] == -1
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["gateway", "--metrics-port", "x"])
 

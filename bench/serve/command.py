@@ -14,13 +14,17 @@ import time
 from pathlib import Path
 
 import bench.serve
+from bench import command
 from bench.markdown import add_output_args
 from bench.serve.backends import BACKENDS
 from bench.serve.load import run_benchmark
 from bench.serve.metrics import RequestRecord, parse_goodput, report, summarize
 from bench.serve.plots import plot_sweep, plot_ttft
 from bench.serve.workload import DATASETS, load_requests, load_workload, save_workload
+from kvmesh.core.config import EngineConfig, SchedulerConfig
 from kvmesh.core.errors import EngineError
+from kvmesh.core.flags import (add_engine_args, add_scheduler_args, given_flags, scheduler_rename,
+                               settings_argv)
 
 
 def _rate(v: str) -> float:
@@ -47,11 +51,17 @@ def _percentiles(v: str) -> list[float]:
     return ps
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvmesh.cli import add_engine_args, add_scheduler_args
+def add_parser(subparsers, help: str) -> argparse.ArgumentParser:
+    """``kvmesh bench serve`` (:mod:`bench.command`)."""
+    return command.add_parser(subparsers, "serve", help, bench.serve.__doc__.split("\n\n")[0], add_arguments, run)
 
-    p = argparse.ArgumentParser(prog="kvmesh bench serve", description=bench.serve.__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.serve``: the same as ``kvmesh bench serve``."""
+    return command.main("kvmesh bench serve", bench.serve.__doc__.split("\n\n")[0], add_arguments, run, argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default="kvmesh",
                    help="kvmesh: the gRPC gateway; openai-chat: streaming /v1/chat/completions (vLLM, llama.cpp)")
@@ -98,33 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_scheduler_args(p, listen=None)
     add_engine_args(p)
-    return p
 
 
 def _mesh_argv(args: argparse.Namespace) -> list[str]:
     """``kvmesh serve`` arguments of the engine and scheduler flags given (free loopback ports)."""
-    from kvmesh.cli import ENGINE_FLAGS, SCHEDULER_FLAGS
-
     argv = ["serve", "--host", "127.0.0.1", "--port", "0", "--scheduler-port", "0", "--grace", "1"]
     if args.backend == "openai-chat":           # the mesh's own OpenAI-compatible HTTP API
         argv += ["--http-port", "0"]
-    for rows, dest in ((ENGINE_FLAGS, "{}"), (SCHEDULER_FLAGS, "scheduler_{}")):
-        for flag, fld, kw in rows:
-            v = getattr(args, dest.format(fld), None)
-            if v is None:
-                continue
-            argv += [flag] if kw.get("action") == "store_const" else [flag, str(v)]
-    return argv
+    return (argv + settings_argv(args, EngineConfig)
+            + settings_argv(args, SchedulerConfig, "scheduler_", rename=scheduler_rename(None)))
 
 
 @contextlib.contextmanager
 def _target(args: argparse.Namespace):
     """The address or base URL to benchmark; starts a mesh (``kvmesh serve``) when there is no
     --address (kvmesh) or --base-url (openai-chat: the mesh's own HTTP API, ``--http-port``)."""
-    from kvmesh.cli import ENGINE_FLAGS, SCHEDULER_FLAGS
-
-    local = [f for f, fld, _ in ENGINE_FLAGS if fld != "model" and getattr(args, fld) is not None]
-    local += [f for f, fld, _ in SCHEDULER_FLAGS if getattr(args, f"scheduler_{fld}", None) is not None]
+    local = given_flags(args, EngineConfig, skip=("model",)) + given_flags(args, SchedulerConfig, "scheduler_")
     given = args.base_url if args.backend == "openai-chat" else args.address
     if given and local:
         raise EngineError(f"{', '.join(local)}: engine/scheduler settings start a mesh; not with "
@@ -151,9 +150,8 @@ def _record_json(r: RequestRecord, texts: bool) -> dict:
     return d
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     """``kvmesh bench serve``; returns the exit code (2 for bad arguments, 1 when the server fails)."""
-    args = build_parser().parse_args(argv)
     try:
         return _main(args)
     except EngineError as e:
@@ -231,6 +229,3 @@ def _jsonable(v):
         return v
     return str(v)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
