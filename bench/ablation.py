@@ -494,15 +494,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", metavar="FILE",
                    help="faithfulness reference answers: loaded when FILE exists, else computed and written there")
     add_output_args(p, markers="ablation", aliases=("--output",))
-    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    command.add_child_arg(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the rows (or one row, in a row's child process), print and write the table."""
-    if args.child:
-        print(json.dumps(run_child(json.loads(args.child))))
-        return 0
-    if print_saved_table(args, table):
+    if command.answered_child(args, run_child) or print_saved_table(args, table):
         return 0
     from bench import faithfulness
 

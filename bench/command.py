@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 
@@ -26,6 +27,21 @@ def add_parser(subparsers, name: str, help: str, description: str, add_arguments
     add_arguments(p)
     p.set_defaults(func=run)
     return p
+
+
+def add_child_arg(p: argparse.ArgumentParser) -> None:
+    """``--child SPEC`` (hidden): the benchmark runs one row, described by the JSON ``SPEC``, in a
+    fresh child process of its own (``python -m bench.MODULE --child SPEC``)."""
+    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+
+
+def answered_child(args: argparse.Namespace, run_child: Callable[[dict], dict]) -> bool:
+    """In a row's child process (``--child SPEC``): print ``run_child(spec)`` as one JSON line for
+    the parent and return True (the command then exits 0); otherwise False."""
+    if not args.child:
+        return False
+    print(json.dumps(run_child(json.loads(args.child))))
+    return True
 
 
 def main(prog: str, description: str, add_arguments: AddArguments, run: Run, argv: list[str] | None) -> int:

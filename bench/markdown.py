@@ -18,7 +18,7 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
@@ -81,6 +81,13 @@ def write_markdown(path: str | Path, begin: str, end: str, meta: dict, *body: st
     cpu = f", {meta['cpu']}" if meta.get("cpu") else ""
     head = f"Command: `{meta['command']}` ({meta['date']}{cpu}, {took}; {meta['workload']})"
     replace_block(Path(path), begin, end, "\n\n".join([head, *body]))
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    """A markdown table: ``header``, the separator line, then one line per row (cells with str())."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def replace_block(path: Path, begin: str, end: str, body: str) -> None:

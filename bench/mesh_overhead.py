@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from bench.markdown import add_output_args, write_json
+from bench.markdown import add_output_args, md_table, write_json
 
 
 async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict:
@@ -89,11 +89,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rows = [asyncio.run(measure(ex, args.reps, args.max_tokens, args.model)) for ex in args.executor]
-    print("| executor | in-process TTFT / ITL p50 ms | mesh TTFT / ITL p50 ms | paired TTFT overhead ms | paired ITL overhead ms |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['executor']} | {r['engine_ttft_p50_ms']} / {r['engine_itl_p50_ms']} | {r['mesh_ttft_p50_ms']} / "
-              f"{r['mesh_itl_p50_ms']} | {r['ttft_overhead_ms']:+} | {r['itl_overhead_ms']:+} |")
+    print(md_table(("executor", "in-process TTFT / ITL p50 ms", "mesh TTFT / ITL p50 ms", "paired TTFT overhead ms",
+                    "paired ITL overhead ms"),
+                   [(r["executor"], f"{r['engine_ttft_p50_ms']} / {r['engine_itl_p50_ms']}",
+                     f"{r['mesh_ttft_p50_ms']} / {r['mesh_itl_p50_ms']}", f"{r['ttft_overhead_ms']:+}",
+                     f"{r['itl_overhead_ms']:+}") for r in rows]))
     write_json(args.out, rows)
     return 0
 

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 
+from bench import command
 from bench.markdown import add_output_args, command_line, print_saved_table, run_meta, write_json, write_markdown
 
 MARK_BEGIN, MARK_END = "<!-- bench:model-choice begin -->", "<!-- bench:model-choice end -->"
@@ -164,16 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-chats", type=int, default=24, metavar="N", help="chats, every turn scored (24 = all)")
     p.add_argument("--max-tokens", type=int, default=96, metavar="N", help="answer length limit (96)")
     add_output_args(p, markers="model-choice", aliases=("--output",))
-    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    command.add_child_arg(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.child:
-        print(json.dumps(run_child(json.loads(args.child))))
-        return 0
-    if print_saved_table(args, table):
+    if command.answered_child(args, run_child) or print_saved_table(args, table):
         return 0
     from bench import faithfulness
     from bench.machine import cpu_model

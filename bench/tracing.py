@@ -22,7 +22,7 @@ from concurrent import futures
 
 import grpc
 
-from bench.markdown import add_output_args, write_json
+from bench.markdown import add_output_args, md_table, write_json
 from bench.mesh import _mesh_passes
 from bench.served import served
 
@@ -81,11 +81,10 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     med = {t: statistics.median(r["output_tok_s"] for r in rows if r["system"] == f"tracing {t}") for t in ("off", "on")}
     itl = {t: statistics.median(r["itl_p50_ms"] for r in rows if r["system"] == f"tracing {t}") for t in ("off", "on")}
-    print("| tracing | runs | output tok/s (median) | ITL p50 ms (median) | spans exported per run |")
-    print("|---|---|---|---|---|")
-    for t in ("off", "on"):
-        spans = [r["spans_exported"] for r in rows if r["system"] == f"tracing {t}"]
-        print(f"| {t} | {len(spans)} | {med[t]:.1f} | {itl[t]:.1f} | {statistics.median(spans):.0f} |")
+    spans = {t: [r["spans_exported"] for r in rows if r["system"] == f"tracing {t}"] for t in ("off", "on")}
+    print(md_table(("tracing", "runs", "output tok/s (median)", "ITL p50 ms (median)", "spans exported per run"),
+                   [(t, len(spans[t]), f"{med[t]:.1f}", f"{itl[t]:.1f}", f"{statistics.median(spans[t]):.0f}")
+                    for t in ("off", "on")]))
     print(f"\nthroughput with tracing on / off = {med['on'] / med['off']:.3f} "
           f"(overhead {100 * (1 - med['on'] / med['off']):.1f}%; target <= 5%)")
     write_json(args.out, rows)
