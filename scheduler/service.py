@@ -37,66 +37,41 @@ import grpc
 
 from kvmesh.core import telemetry
 from kvmesh.core.config import EngineConfig, SchedulerConfig
-from kvmesh.core.grpc_server import GrpcServer, open_server
-from kvmesh.core.status import abort
 from kvmesh.core.errors import (CapacityError, DependencyUnavailableError, DuplicateRequestError, EngineError,
                                 InvalidRequestError)
+from kvmesh.core.grpc_server import GrpcServer, open_server
+from kvmesh.core.proto import finish_reason_to_proto, sampling_params_from_proto, timings_to_proto, usage_to_proto
 from kvmesh.core.sampling import SamplingParams
+from kvmesh.core.status import abort
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
 from scheduler.engine import AsyncEngine, EngineOutput, LLMEngine
-from scheduler.request import FinishReason
 from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router, RouterStats
 
 log = logging.getLogger("kvmesh.scheduler")
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
-_FINISH = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-           FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
 MAX_CACHE_SALT = 256      # characters of SubmitRequest.cache_salt
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
-
-
-def sampling_params_from_proto(msg: common_pb2.SamplingParams, *, default_max_tokens: int = 16) -> SamplingParams:
-    """Engine sampling parameters from the proto message. Unset optional fields take the
-    engine's defaults; unset ``max_tokens`` takes ``default_max_tokens`` (tokens).
-    Raises EngineError naming the first bad field."""
-    kw = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    kw.setdefault("max_tokens", default_max_tokens)
-    return SamplingParams(min_tokens=msg.min_tokens, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
-                          ignore_eos=msg.ignore_eos, **kw)
 
 
 def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitResponse:
-    """One stream message. The last (``finished``) carries reason, usage and timings (seconds;
-    0 where an event never happened, e.g. the ttft of a request aborted before its first token).
-    Earlier ones carry the usage known so far where it is not zero: ``cached_prompt_tokens`` on
-    the first with tokens, the speculative counts (cumulative) on each of a speculating request."""
+    """One stream message. The last (``finished``) carries reason, usage and timings
+    (:mod:`kvmesh.core.proto`). Earlier ones carry the usage known so far where it is not zero:
+    ``cached_prompt_tokens`` on the first with tokens, the speculative counts (cumulative) on each
+    of a speculating request."""
     msg = scheduler_pb2.SubmitResponse(
         request_id=rid, token_ids=o.new_token_ids, replica=replica,
         logprobs=[common_pb2.TokenLogprobs(logprobs=lp) for lp in o.new_logprobs])
     if o.finished:
-        end = o.finished_time or time.monotonic()
-        first_tok = o.first_token_time
         msg.finished = True
-        msg.finish_reason = _FINISH.get(o.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+        msg.finish_reason = finish_reason_to_proto(o.finish_reason)
         msg.stop_reason = "" if o.stop_reason is None else str(o.stop_reason)
-        msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_output_tokens,
-                                            cached_prompt_tokens=o.num_cached_tokens,
-                                            spec_num_drafts=o.num_drafts, spec_num_draft_tokens=o.num_draft_tokens,
-                                            spec_num_accepted_tokens=o.num_accepted_tokens))
-        msg.timings.CopyFrom(common_pb2.Timings(
-            queue_time=(o.first_scheduled_time or end) - o.arrival_time,
-            ttft=first_tok - o.arrival_time if first_tok else 0.0,
-            decode_time=end - first_tok if first_tok else 0.0,
-            e2e_latency=end - o.arrival_time))
+        msg.usage.CopyFrom(usage_to_proto(o))
+        msg.timings.CopyFrom(timings_to_proto(o))
     elif o.num_drafts or (o.num_cached_tokens and o.num_output_tokens == len(o.new_token_ids)):
         # what is known so far, for a caller that ends the request itself (the gateway on a
         # stop string): cached prompt tokens once (first tokens), speculation counts as they grow
-        msg.usage.CopyFrom(common_pb2.Usage(cached_prompt_tokens=o.num_cached_tokens, spec_num_drafts=o.num_drafts,
-                                            spec_num_draft_tokens=o.num_draft_tokens,
-                                            spec_num_accepted_tokens=o.num_accepted_tokens))
+        msg.usage.CopyFrom(usage_to_proto(o, final=False))
     return msg
 
 
