@@ -49,7 +49,12 @@ Rules a client sees:
 * Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
   ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
-  UNAVAILABLE too); a bug in the gateway is INTERNAL. The server keeps serving after any of them.
+  UNAVAILABLE too); an error the gateway raises itself answers the status of its class
+  (:mod:`kvmesh.core.status`: a bad request INVALID_ARGUMENT, a dependency down UNAVAILABLE); a
+  bug in the gateway is INTERNAL. The server keeps serving after any of them. At start, a
+  scheduler that cannot be reached, a port in use or a model download that fails is a
+  :class:`~kvmesh.core.errors.DependencyUnavailableError`; an unknown model or a bad keys or TLS
+  file a :class:`~kvmesh.core.errors.SettingsError`.
 
 Security (:mod:`gateway.auth`, :mod:`kvmesh.core.tls`): with API keys (``api_keys_file`` or
 ``KVMESH_API_KEYS``) an RPC without ``authorization: Bearer <key>`` of a current key ends
@@ -83,7 +88,7 @@ from gateway.stream import RequestPath, Status, invalid
 from kvmesh.core import telemetry
 from kvmesh.core.config import GatewayConfig
 from kvmesh.core.errors import DependencyUnavailableError, EngineError
-from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, GrpcServer, open_server
+from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, GrpcServer, Service, open_server
 from kvmesh.core.status import grpc_code
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
@@ -290,7 +295,7 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-class GatewayServer:
+class GatewayServer(Service):
     """A running gateway on the gRPC scaffold ``rpc`` (:class:`kvmesh.core.grpc_server.GrpcServer`).
     ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is its Prometheus endpoint
     (:class:`kvmesh.core.metrics.MetricsServer`), None when off; ``http`` its OpenAI-compatible HTTP
@@ -299,20 +304,12 @@ class GatewayServer:
     health-only port, None when off."""
 
     def __init__(self, rpc: GrpcServer, servicer: LLMServicer, api_keys: ApiKeys | None = None):
-        self.rpc, self.servicer, self.path = rpc, servicer, servicer.path
-        self.host, self.port, self.address = rpc.host, rpc.port, rpc.address
+        super().__init__(rpc)
+        self.servicer, self.path = servicer, servicer.path
         self.api_keys = api_keys
         self.http = None
         self._watch_task: asyncio.Task | None = None
         self._stopped = False
-
-    @property
-    def metrics(self):
-        return self.rpc.metrics
-
-    @property
-    def health_server(self):
-        return self.rpc.health_server
 
     async def _set_serving(self, serving: bool) -> None:
         self.path.serving = serving
@@ -329,9 +326,6 @@ class GatewayServer:
             elif state in (C.TRANSIENT_FAILURE, C.SHUTDOWN):
                 await self._set_serving(False)
             await channel.wait_for_state_change(state)
-
-    async def wait_for_termination(self) -> None:
-        await self.rpc.server.wait_for_termination()
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Go NOT_SERVING, refuse new RPCs, give in-flight streams ``grace`` seconds (None = wait

@@ -14,10 +14,11 @@ A request's ``cache_salt`` goes into its block hashes (:mod:`kvstore.hashing`): 
 its replica's block manager hash its prompt under it, so it shares cached blocks only with
 requests of the same salt (per-tenant isolation; the gateway sets the salt).
 
-Errors are gRPC statuses: INVALID_ARGUMENT (a request the engine cannot serve: bad sampling
-value, empty or too long prompt, token id outside the vocabulary, cache_salt over 256 characters), ALREADY_EXISTS (request id
-in flight), RESOURCE_EXHAUSTED (the chosen replica's waiting queue is full), UNAVAILABLE
-(loading, shutting down, or no healthy replica). Cancelling a ``Submit`` call aborts its
+Errors are gRPC statuses, by the class of the error (:mod:`kvmesh.core.status`): INVALID_ARGUMENT
+(a bad request: bad sampling value, empty or too long prompt, token id outside the vocabulary,
+cache_salt over 256 characters), ALREADY_EXISTS (request id in flight), RESOURCE_EXHAUSTED (the
+chosen replica's waiting queue is full, or its KV pool can never hold the request), UNAVAILABLE
+(loading, shutting down, no healthy replica, or the replica's engine failed). Cancelling a ``Submit`` call aborts its
 request and frees its KV blocks.
 """
 
@@ -39,7 +40,7 @@ from kvmesh.core import telemetry
 from kvmesh.core.config import EngineConfig, SchedulerConfig
 from kvmesh.core.errors import (CapacityError, DependencyUnavailableError, DuplicateRequestError, EngineError,
                                 InvalidRequestError)
-from kvmesh.core.grpc_server import GrpcServer, open_server
+from kvmesh.core.grpc_server import GrpcServer, Service, open_server
 from kvmesh.core.proto import finish_reason_to_proto, sampling_params_from_proto, timings_to_proto, usage_to_proto
 from kvmesh.core.sampling import SamplingParams
 from kvmesh.core.status import abort
@@ -374,27 +375,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return sum(replica.aengine.abort(rid) for rid, replica in list(self.requests.items()))
 
 
-class SchedulerServer:
+class SchedulerServer(Service):
     """A running scheduler service on the gRPC scaffold ``rpc``
     (:class:`kvmesh.core.grpc_server.GrpcServer`). ``port`` is the bound port, ``address`` is
     ``host:port``; ``metrics`` is its Prometheus endpoint (:class:`kvmesh.core.metrics.MetricsServer`),
     None when off; ``health_server`` the plaintext health-only port, None when off."""
 
     def __init__(self, rpc: GrpcServer, service: SchedulerService):
-        self.rpc, self.service = rpc, service
-        self.host, self.port, self.address = rpc.host, rpc.port, rpc.address
+        super().__init__(rpc)
+        self.service = service
         self._load_task: asyncio.Task | None = None
         self._stopped = False
         self._tasks: set[asyncio.Task] = set()      # restarts, the watchdog
         self._engine_sched_cfg = service.sched_cfg   # what engine processes get (Ray address resolved)
-
-    @property
-    def metrics(self):
-        return self.rpc.metrics
-
-    @property
-    def health_server(self):
-        return self.rpc.health_server
 
     async def _load(self) -> None:
         sc, ec = self.service.sched_cfg, self.service.engine_cfg
@@ -529,9 +522,6 @@ class SchedulerServer:
         """Wait until every replica has loaded. Raises what loading raised (EngineError: bad
         model or settings)."""
         await asyncio.shield(self._load_task)
-
-    async def wait_for_termination(self) -> None:
-        await self.rpc.server.wait_for_termination()
 
     async def stop(self, grace: float = 5.0) -> None:
         """Go NOT_SERVING, abort in-flight requests, stop the server (handlers get ``grace``

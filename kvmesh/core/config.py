@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from kvmesh.core.errors import SettingsError
 
@@ -62,14 +62,27 @@ def _parse_bytes(v: str | float | int) -> float:
     return float(s)
 
 
-def _from_env(cls, prefix: str, overrides: dict):
-    kw = {}
-    for f in fields(cls):
-        env = os.environ.get(env_var(cls, f.name, prefix))
-        if env is not None:
-            kw[f.name] = env
-    kw.update({k: v for k, v in overrides.items() if v is not None})
-    return cls(**kw)
+class Settings:
+    """What the settings classes share: ``ENV_PREFIX`` (of their environment variables),
+    :meth:`from_env` and :meth:`replace`."""
+
+    ENV_PREFIX = "KVMESH_"
+
+    @classmethod
+    def from_env(cls, **overrides) -> Self:
+        """Defaults, then the ``<ENV_PREFIX><FIELD>`` variables (:func:`env_var`), then
+        ``overrides`` (None values ignored). Raises SettingsError naming a bad field."""
+        kw = {}
+        for f in fields(cls):
+            env = os.environ.get(env_var(cls, f.name))
+            if env is not None:
+                kw[f.name] = env
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def replace(self, **kw) -> Self:
+        """A copy with ``kw`` changed, checked again."""
+        return dataclasses.replace(self, **kw)
 
 
 def env_var(cls, field: str, prefix: str | None = None) -> str:
@@ -127,7 +140,7 @@ def _check_metrics_port(obj, name: str = "metrics_port") -> None:
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(Settings):
     """Settings of one engine replica.
 
     Attributes:
@@ -212,13 +225,6 @@ class EngineConfig:
     kv_offload_redis_ttl: float = 3600.0
     kv_offload_prefix: str = "kvmesh"
 
-    ENV_PREFIX = "KVMESH_"
-
-    @classmethod
-    def from_env(cls, **overrides) -> "EngineConfig":
-        """Defaults, then ``KVMESH_*`` variables, then ``overrides`` (None values ignored)."""
-        return _from_env(cls, cls.ENV_PREFIX, overrides)
-
     def __post_init__(self) -> None:
         _coerce_strings(self)
         if isinstance(self.kv_cache_memory, str):
@@ -283,12 +289,9 @@ class EngineConfig:
             return torch.float32
         return getattr(torch, DTYPES[self.dtype])
 
-    def replace(self, **kw) -> "EngineConfig":
-        return dataclasses.replace(self, **kw)
-
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(Settings):
     """Settings of the scheduler service (``kvmesh scheduler``). Environment: ``KVMESH_SCHEDULER_<FIELD>``.
     The engine settings of its replicas are an :class:`EngineConfig` (``KVMESH_<FIELD>``).
 
@@ -372,10 +375,6 @@ class SchedulerConfig:
     ENV_PREFIX = "KVMESH_SCHEDULER_"
     ENV_OVERRIDES = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
 
-    @classmethod
-    def from_env(cls, **overrides) -> "SchedulerConfig":
-        return _from_env(cls, cls.ENV_PREFIX, overrides)
-
     def __post_init__(self) -> None:
         _metrics_port_off(self)
         _coerce_strings(self)
@@ -445,12 +444,9 @@ class SchedulerConfig:
             raise SettingsError(f"pp_layers needs {self.pp} positive layer counts, got {self.pp_layers!r}")
         return split
 
-    def replace(self, **kw) -> "SchedulerConfig":
-        return dataclasses.replace(self, **kw)
-
 
 @dataclass
-class GatewayConfig:
+class GatewayConfig(Settings):
     """Settings of the public gateway (``kvmesh gateway``). Environment: ``KVMESH_GATEWAY_<FIELD>``.
 
     Attributes:
@@ -520,10 +516,6 @@ class GatewayConfig:
 
     ENV_PREFIX = "KVMESH_GATEWAY_"
 
-    @classmethod
-    def from_env(cls, **overrides) -> "GatewayConfig":
-        return _from_env(cls, cls.ENV_PREFIX, overrides)
-
     def __post_init__(self) -> None:
         _metrics_port_off(self)
         _metrics_port_off(self, "http_port")
@@ -554,6 +546,3 @@ class GatewayConfig:
         if (self.scheduler_tls_client_cert_file or self.scheduler_tls_server_name) and not self.scheduler_tls_ca_file:
             raise SettingsError("scheduler_tls_client_cert_file and scheduler_tls_server_name need "
                                 "scheduler_tls_ca_file (TLS to the scheduler)")
-
-    def replace(self, **kw) -> "GatewayConfig":
-        return dataclasses.replace(self, **kw)

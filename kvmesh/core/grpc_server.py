@@ -98,6 +98,26 @@ class GrpcServer:
             self.metrics = None
 
 
+class Service:
+    """Base of a running service on the scaffold ``rpc``: where it listens (``host``, ``port``,
+    ``address``), its ``metrics`` endpoint and ``health_server`` (None when off)."""
+
+    def __init__(self, rpc: GrpcServer):
+        self.rpc = rpc
+        self.host, self.port, self.address = rpc.host, rpc.port, rpc.address
+
+    @property
+    def metrics(self) -> MetricsServer | None:
+        return self.rpc.metrics
+
+    @property
+    def health_server(self) -> grpc.aio.Server | None:
+        return self.rpc.health_server
+
+    async def wait_for_termination(self) -> None:
+        await self.rpc.server.wait_for_termination()
+
+
 async def open_server(service_name: str, host: str, port: int, add_servicers: Callable[[grpc.aio.Server], None], *,
                       credentials: grpc.ServerCredentials | None = None, options: Iterable[tuple] = (),
                       interceptors: Iterable = (), metrics_registry=None, metrics_port: int = -1,
