@@ -318,8 +318,8 @@ async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKe
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise DependencyUnavailableError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? choose another "
-                                         "--http-port (0 = any free port)") from None
+        raise DependencyUnavailableError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? "
+                                         "choose another --http-port (0 = any free port)") from None
     server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="kvmesh-http")
     while not server.started:

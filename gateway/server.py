@@ -358,9 +358,11 @@ async def _wait_for_scheduler(stub, cfg: GatewayConfig) -> scheduler_pb2.GetMode
         except grpc.aio.AioRpcError as e:
             last = f"{e.code().name}: {e.details()}"
             if e.code() not in (_Code.UNAVAILABLE, _Code.DEADLINE_EXCEEDED):
-                raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} answered GetModelInfo with {last}") from None
+                raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} answered GetModelInfo "
+                                                 f"with {last}") from None
         await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
-    raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} unreachable after {cfg.connect_timeout:g} s: {last}")
+    raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} unreachable after "
+                                     f"{cfg.connect_timeout:g} s: {last}")
 
 
 async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
