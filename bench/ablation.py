@@ -194,7 +194,7 @@ async def _warm_up(address: str, n: int) -> None:
     """``n`` short requests at once (first-call allocations on each replica), not measured."""
     import grpc
 
-    from kvmesh.client import sampling
+    from kvmesh.core.proto import sampling_params_to_proto as sampling
     from kvmesh.v1 import llm_pb2, llm_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as ch:

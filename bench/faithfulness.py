@@ -198,7 +198,9 @@ async def answer_via_gateway(address: str, items: list[dict], max_tokens: int, c
     ``concurrency`` requests in flight. Raises grpc.RpcError when a call fails."""
     import grpc
 
-    from kvmesh.client import chat_messages, finish_reason_name, sampling
+    from kvmesh.client import chat_messages
+    from kvmesh.core.proto import finish_reason_name
+    from kvmesh.core.proto import sampling_params_to_proto as sampling
     from kvmesh.v1 import llm_pb2, llm_pb2_grpc
 
     sem = asyncio.Semaphore(concurrency)

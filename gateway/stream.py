@@ -37,6 +37,7 @@ from gateway.text import TextFront
 from kvmesh.core import telemetry
 from kvmesh.core.config import GatewayConfig
 from kvmesh.core.errors import EngineError
+from kvmesh.core.proto import finish_reason_name, sampling_params_from_proto
 from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -213,7 +214,6 @@ class RequestPath:
         """Apply the max_tokens rules (gateway.server's docstring) and validate. Returns the
         message to forward (max_tokens set, stop strings removed: they are the gateway's) and the
         engine params (with the stop strings)."""
-        from scheduler.service import sampling_params_from_proto
         limit = self.info.max_model_len
         room = limit - n_prompt             # >= 1: check_prompt_len
         fwd = common_pb2.SamplingParams()
@@ -397,7 +397,7 @@ def _span_finished(span, out: llm_pb2.GenerateResponse, replica: int | None) -> 
     """The request span's attributes from the final message."""
     if not span.is_recording():
         return
-    reason = common_pb2.FinishReason.Name(out.finish_reason).removeprefix("FINISH_REASON_").lower()
+    reason = finish_reason_name(out)
     span.set_attributes({"gen_ai.response.finish_reasons": [reason], "kvmesh.finish_reason": reason,
                          "gen_ai.usage.input_tokens": out.usage.prompt_tokens,
                          "gen_ai.usage.output_tokens": out.usage.completion_tokens,

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from kvmesh.core.config import EngineConfig
-from kvmesh.core.errors import DependencyUnavailableError, DuplicateRequestError, EngineError, InvalidRequestError, SettingsError
+from kvmesh.core.errors import DependencyUnavailableError, DuplicateRequestError, InvalidRequestError, SettingsError
 from kvmesh.core.sampling import SamplingParams
 from kvstore.events import KVEventSink
 from kvstore.hashing import seed_hash

@@ -262,7 +262,8 @@ def test_chat_reset_and_errors_keep_the_session(served):
 
 
 def test_client(served):
-    from kvmesh.client import Client, collect, finish_reason_name
+    from kvmesh.client import Client, collect
+    from kvmesh.core.proto import finish_reason_name
 
     with Client(served.address()) as c:
         c.wait_ready(timeout=10)

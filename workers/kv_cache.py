@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from kvmesh.core.errors import EngineError, SettingsError
+from kvmesh.core.errors import SettingsError
 
 KV_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,

@@ -33,7 +33,7 @@ def stream_responses(out, responses):
 
 def response_summary(final) -> str:
     """:func:`summary` of a final GenerateResponse: its usage and the scheduler's timings."""
-    from kvmesh.client import finish_reason_name
+    from kvmesh.core.proto import finish_reason_name
 
     u, t = final.usage, final.timings
     n_out = u.completion_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, Self
 
 from kvmesh.core.errors import SettingsError
 
@@ -76,18 +76,15 @@ def setting(default, help: str, *, metavar: str | None = None, choices: tuple | 
 
 
 class Settings:
-    """What every settings class shares: reading the environment and copying with changes.
-    A subclass is a dataclass of :func:`setting` fields with ``ENV_PREFIX`` (``KVMESH_``,
-    ``KVMESH_SCHEDULER_`` ...) and optionally ``ENV_OVERRIDES`` (:func:`env_var`)."""
+    """What the settings classes share: ``ENV_PREFIX`` (of their environment variables),
+    :meth:`from_env` and :meth:`replace`."""
 
-    ENV_PREFIX: ClassVar[str] = "KVMESH_"
-    ENV_OVERRIDES: ClassVar[dict[str, str]] = {}
+    ENV_PREFIX = "KVMESH_"
 
     @classmethod
     def from_env(cls, **overrides) -> Self:
         """Defaults, then the ``<ENV_PREFIX><FIELD>`` variables (:func:`env_var`), then
-        ``overrides`` (None values ignored). Raises SettingsError naming a field whose value
-        does not parse or is out of range."""
+        ``overrides`` (None values ignored). Raises SettingsError naming a bad field."""
         kw = {}
         for f in fields(cls):
             env = os.environ.get(env_var(cls, f.name))
@@ -97,14 +94,14 @@ class Settings:
         return cls(**kw)
 
     def replace(self, **kw) -> Self:
-        """A copy with the fields ``kw`` changed (checked again)."""
+        """A copy with ``kw`` changed, checked again."""
         return dataclasses.replace(self, **kw)
 
 
-def env_var(cls, field: str) -> str:
+def env_var(cls, field: str, prefix: str | None = None) -> str:
     """The environment variable of a settings field: ``<ENV_PREFIX><FIELD>``, unless the class
     names another one in ``ENV_OVERRIDES`` (e.g. ``KVMESH_REDIS_URL``)."""
-    return cls.ENV_OVERRIDES.get(field) or f"{cls.ENV_PREFIX}{field.upper()}"
+    return getattr(cls, "ENV_OVERRIDES", {}).get(field) or f"{prefix or cls.ENV_PREFIX}{field.upper()}"
 
 
 def _coerce_strings(obj) -> None:
@@ -256,8 +253,6 @@ class EngineConfig(Settings):
     kv_offload_redis_ttl: float = setting(3600.0, "lifetime of a block in the Redis tier in seconds (0 = none)",
                                           metavar="S")
     kv_offload_prefix: str = setting("kvmesh", "key prefix in the Redis tier", metavar="PREFIX")
-
-    ENV_PREFIX: ClassVar[str] = "KVMESH_"
 
     def __post_init__(self) -> None:
         _coerce_strings(self)
@@ -422,8 +417,8 @@ class SchedulerConfig(Settings):
     health_port: int = setting(-1, "plaintext gRPC health-only port for probes that cannot speak TLS (0 = any "
                                "free port)", kind="optional_port")
 
-    ENV_PREFIX: ClassVar[str] = "KVMESH_SCHEDULER_"
-    ENV_OVERRIDES: ClassVar[dict[str, str]] = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
+    ENV_PREFIX = "KVMESH_SCHEDULER_"
+    ENV_OVERRIDES = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
 
     def __post_init__(self) -> None:
         _metrics_port_off(self)
@@ -573,7 +568,7 @@ class GatewayConfig(Settings):
     health_port: int = setting(-1, "plaintext gRPC health-only port for probes that cannot speak TLS (0 = any "
                                "free port)", kind="optional_port")
 
-    ENV_PREFIX: ClassVar[str] = "KVMESH_GATEWAY_"
+    ENV_PREFIX = "KVMESH_GATEWAY_"
 
     def __post_init__(self) -> None:
         _metrics_port_off(self)

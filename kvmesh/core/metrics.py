@@ -55,7 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvmesh.core.errors import DependencyUnavailableError
 from kvmesh.core.net import connect_address
 
-log = logging.getLogger("kvmesh.core.metrics")
+log = logging.getLogger("kvmesh.metrics")
 
 PREFIX = "kvmesh:"
 # vLLM's buckets (seconds)

@@ -38,3 +38,9 @@ def http_status(code: grpc.StatusCode) -> tuple[int, str, str | None]:
     """``(HTTP status, OpenAI error type, OpenAI error code)`` of a gRPC status code (500
     ``server_error`` for one without its own)."""
     return _HTTP.get(code, INTERNAL_HTTP)
+
+
+async def abort(context: grpc.aio.ServicerContext, e: BaseException, prefix: str = "") -> None:
+    """End the RPC of ``context`` with ``e``'s status (:func:`grpc_code`) and message (after
+    ``prefix``). Raises, as ``context.abort`` does: nothing after it runs."""
+    await context.abort(grpc_code(e), f"{prefix}{e}")

@@ -14,14 +14,14 @@
 
 Files are read once, at start; every error names the setting and the file. Probes that cannot
 speak TLS (Kubernetes' ``grpc:`` probes) ask a plaintext health-only port (``--health-port``,
-:func:`serve_health_port`).
+:mod:`kvmesh.core.grpc_server`).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from kvmesh.core.errors import DependencyUnavailableError, SettingsError
+from kvmesh.core.errors import SettingsError
 
 
 def read_pem(path: str, setting: str) -> bytes:
@@ -67,23 +67,3 @@ def server_name_option(server_name: str) -> list[tuple[str, str]]:
     """Channel options that check the server's certificate for ``server_name`` instead of the
     dialled host (none when ""): e.g. the scheduler's Kubernetes service name while dialling an IP."""
     return [("grpc.ssl_target_name_override", server_name)] if server_name else []
-
-
-async def serve_health_port(health_servicer, host: str, port: int):
-    """A plaintext gRPC server on ``host:port`` with only ``grpc.health.v1`` (``health_servicer``,
-    the TLS service's own, so both answer alike), for probes that cannot speak TLS (Kubernetes'
-    ``grpc:`` probes). None when ``port`` is -1 (off). Returns the started ``grpc.aio.Server``
-    (its bound port in ``.health_port``). Raises DependencyUnavailableError if the port cannot be bound."""
-    from grpc_health.v1 import health_pb2_grpc
-    if port < 0:
-        return None
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        server.health_port = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as e:
-        await server.stop(None)
-        raise DependencyUnavailableError(f"cannot listen on {host}:{port} for health checks ({e}): is the port in use? "
-                                         "(0 = any free port, -1 = off)") from None
-    await server.start()
-    return server

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.core.config import EngineConfig
-from kvmesh.core.errors import EngineError, SettingsError
+from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.checkpoint import load_config
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
