@@ -35,6 +35,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``kvmesh demo``: the mesh on free loopback ports, the two turns, then the mesh stops."""
     import grpc
 
     import policydesk

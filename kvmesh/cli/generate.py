@@ -57,6 +57,7 @@ def summary(ro) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``kvmesh generate``: exit code 0; bad flags raise SettingsError (exit 2)."""
     params = sampling_params(args)          # bad values fail before the model loads
     if args.system is not None and not args.chat:
         raise SettingsError("--system needs --chat")

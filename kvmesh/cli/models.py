@@ -21,6 +21,7 @@ def register(sub) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """``kvmesh models list``: every known model, pulled or not, and where."""
     from kvmesh.hub import DEFAULT_MODEL, KNOWN_MODELS, is_pulled, kvmesh_home, model_dir
 
     print(f"models live in {kvmesh_home() / 'models'} (KVMESH_HOME)")
@@ -36,5 +37,6 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    """``kvmesh models pull NAME...`` (:func:`kvmesh.hub.pull_cli`); a pulled model is a no-op."""
     from kvmesh.hub import pull_cli
     return pull_cli(args.names, progress=not args.quiet, force=args.force)

@@ -55,6 +55,8 @@ def service_configs(args: argparse.Namespace, **sched_overrides):
 
 
 def run_services(coro) -> int:
+    """Run the services' coroutine to its end; an OSError or RuntimeError (e.g. a port in use)
+    prints ``kvmesh: error: ...`` and gives exit code 1."""
     try:
         return asyncio.run(coro)
     except (OSError, RuntimeError) as e:       # e.g. a port in use
@@ -63,6 +65,7 @@ def run_services(coro) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``kvmesh serve``: the scheduler service and the gateway in this process."""
     from kvmesh import serve
 
     engine_cfg, sched_cfg, gw_cfg = service_configs(args)
@@ -71,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    """``kvmesh scheduler``: the scheduler service alone."""
     from kvmesh import serve
 
     engine_cfg, sched_cfg, _ = service_configs(args)
@@ -79,6 +83,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    """``kvmesh gateway``: the gateway alone, in front of ``--scheduler-address``."""
     from kvmesh import serve
 
     gw_cfg = GatewayConfig.from_env(**gateway_kwargs(args))
