@@ -276,8 +276,6 @@ class EngineConfig(Settings):
             raise SettingsError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise SettingsError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.policy not in POLICIES:
-            raise SettingsError(f"unknown policy {self.policy!r}; choose one of {POLICIES}")
         if self.policy == "naive":
             self.enable_prefix_caching = False
         if self.weight_format not in WEIGHT_FORMATS:
