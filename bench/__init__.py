@@ -1,1 +1,1 @@
-"""Benchmarks and their data sets (``bench/data/``): PolicyDesk and the load tools built on it."""
+"""Benchmarks: the load tools built on the PolicyDesk data set (the :mod:`policydesk` package)."""

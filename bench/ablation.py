@@ -67,7 +67,6 @@ import asyncio
 import json
 import os
 import resource
-import shlex
 import signal
 import subprocess
 import sys
@@ -76,6 +75,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from bench import command
+from bench.markdown import add_output_args, print_saved_table, run_meta, write_json, write_markdown
 
 MARK_BEGIN, MARK_END = "<!-- bench:ablation begin -->", "<!-- bench:ablation end -->"
 
@@ -160,8 +162,8 @@ def row_settings(row: Row, args) -> tuple[dict, dict]:
 
 def check_settings(engine: dict, sched: dict) -> str | None:
     """None when EngineConfig and SchedulerConfig accept the settings, else the error."""
-    from kvmesh.config import EngineConfig, SchedulerConfig
-    from scheduler.request import EngineError
+    from kvmesh.core.config import EngineConfig, SchedulerConfig
+    from kvmesh.core.errors import EngineError
 
     try:
         EngineConfig(**engine)
@@ -176,7 +178,7 @@ def check_settings(engine: dict, sched: dict) -> str | None:
 def _env(engine: dict, sched: dict, extra: dict | None = None) -> dict:
     """The environment of the row's ``kvmesh serve``: every setting as KVMESH_* variables;
     the caller's other engine/scheduler variables removed; then ``extra``."""
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for cls in (EngineConfig, SchedulerConfig, GatewayConfig):
@@ -192,7 +194,7 @@ async def _warm_up(address: str, n: int) -> None:
     """``n`` short requests at once (first-call allocations on each replica), not measured."""
     import grpc
 
-    from kvmesh.client import sampling
+    from kvmesh.core.proto import sampling_params_to_proto as sampling
     from kvmesh.v1 import llm_pb2, llm_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as ch:
@@ -235,10 +237,10 @@ class _KVPoller:
 
 
 def _bytes_per_block(engine: dict) -> int:
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
-    from workers.loader import load_config
-    from workers.registry import resolve_model
+    from workers.checkpoint import load_config
+    from kvmesh.hub import resolve_model
 
     cfg = EngineConfig(**engine)
     m = load_config(resolve_model(cfg.model))
@@ -425,14 +427,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
-    """Replace the block between the ablation markers of ``path`` (or append one)."""
-    from bench.markdown import replace_block
-    replace_block(path, MARK_BEGIN, MARK_END, "\n".join([
-        f"Command: `{meta['command']}` ({meta['date']}, {meta['elapsed_s']:.0f} s; {meta['workload']})", "",
-        table(rows)]))
-
-
 def reference_answers(args, items: list[dict]) -> list[dict]:
     """The faithfulness reference's greedy answers (row 5's settings, dense, the table's dtype),
     computed here or loaded from / saved to ``--reference``."""
@@ -452,13 +446,25 @@ def reference_answers(args, items: list[dict]) -> list[dict]:
     return answers
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvmesh bench ablation", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.split("\n\n")[0] + "\n\nRows:\n" + "\n".join(
-            f"  {i:2d} {r.key:15s} {r.name} -> {r.symptom}" for i, r in enumerate(ROWS, 1))
-        + "\n\nEach row runs in a fresh process with its own `kvmesh serve` (executor local); see "
-          "docs/benchmarks.md.")
+def description() -> str:
+    """The command's description: what it measures and its rows."""
+    return (__doc__.split("\n\n")[0] + "\n\nRows:\n"
+            + "\n".join(f"  {i:2d} {r.key:15s} {r.name} -> {r.symptom}" for i, r in enumerate(ROWS, 1))
+            + "\n\nEach row runs in a fresh process with its own `kvmesh serve` (executor local); see "
+              "docs/benchmarks.md.")
+
+
+def add_parser(subparsers, help: str) -> argparse.ArgumentParser:
+    """``kvmesh bench ablation`` (:mod:`bench.command`)."""
+    return command.add_parser(subparsers, "ablation", help, description(), add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.ablation``: the same as ``kvmesh bench ablation``."""
+    return command.main("kvmesh bench ablation", description(), add_arguments, run, argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model of every row (smollm2-135m-instruct)")
     p.add_argument("--dtype", default="auto", help="weights/activations dtype of every row (auto)")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run, by index or key (default: all; "
@@ -487,20 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-faithfulness", action="store_true", help="skip the faithfulness columns")
     p.add_argument("--reference", metavar="FILE",
                    help="faithfulness reference answers: loaded when FILE exists, else computed and written there")
-    p.add_argument("--output", metavar="FILE", help="write the rows as JSON here (e.g. docs/ablation.json)")
-    p.add_argument("--markdown", metavar="FILE", help="write the table into FILE between ablation markers")
-    p.add_argument("--table", metavar="JSON", help="print the table of a saved --output file and exit")
-    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
-    return p
+    add_output_args(p, markers="ablation", aliases=("--output",))
+    command.add_child_arg(p)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.child:
-        print(json.dumps(run_child(json.loads(args.child))))
-        return 0
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())["rows"]))
+def run(args: argparse.Namespace) -> int:
+    """Run the rows (or one row, in a row's child process), print and write the table."""
+    if command.answered_child(args, run_child) or print_saved_table(args, table):
         return 0
     from bench import faithfulness
 
@@ -527,8 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"; faithfulness: {len(items)} items ({args.faithfulness_questions} questions, every turn of "
                    f"{args.faithfulness_chats} chats) x {args.faithfulness_max_tokens} tokens, paired gate vs the "
                    f"{REFERENCE_ROW} row's settings"))
-    meta = {"command": "kvmesh bench ablation " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "workload": workload}
+    meta = run_meta(args.command_line, workload=workload)
     for index, row in selected:
         r = run_row(index, row, args)
         add_faithfulness(r, items, reference)
@@ -536,14 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         add_ratios(rows)
         print(table(rows[-1:]), file=sys.stderr, flush=True)
         meta["elapsed_s"] = time.time() - t_start
-        if args.output:                          # keep partial results if a later row breaks the run
-            Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_json(args.out, {"meta": meta, "rows": rows})    # keeps partial results if a later row breaks the run
     meta["elapsed_s"] = time.time() - t_start
     print(table(rows))
-    if args.output:
-        Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(args.out, {"meta": meta, "rows": rows})
     if args.markdown:
-        write_markdown(Path(args.markdown), rows, meta)
+        write_markdown(args.markdown, MARK_BEGIN, MARK_END, meta, table(rows))
     return 0
 
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from bench import policydesk
+import policydesk
+from bench import command
+from bench.markdown import add_output_args, print_saved_table, write_json
 
 OUTPUT_LENS = (16, 32, 64, 128, 256, 64)
 
@@ -48,7 +48,7 @@ CONFIGS = [
 
 def policydesk_conversations(n: int) -> list[list[dict]]:
     """``n`` single-turn PolicyDesk chats: policies in rotation, each with its own questions
-    (prompt layout of :mod:`bench.policydesk`)."""
+    (prompt layout of :mod:`policydesk`)."""
     by_policy: dict[str, list[str]] = {}
     for q in policydesk.questions():
         by_policy.setdefault(q["policy"], []).append(q["question"])
@@ -96,7 +96,7 @@ def run_one(args) -> dict:
     # batch-1 decode: one request alone (a prompt of this workload), time per token after the first
     llm.engine.block_manager.reset_prefix_cache()
     n1 = 32 if args.policy == "naive" else 128
-    from scheduler.request import SamplingParams as SP
+    from kvmesh.core.sampling import SamplingParams as SP
     eng = llm.engine
     eng.add_request("b1", prompts[0], SP(temperature=0, max_tokens=n1, ignore_eos=True))
     while eng.scheduler.requests["b1"].num_output_tokens == 0:
@@ -128,8 +128,17 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_parser(subparsers, help: str) -> argparse.ArgumentParser:
+    """``kvmesh bench engine`` (:mod:`bench.command`)."""
+    return command.add_parser(subparsers, "engine", help, __doc__.split("\n\n")[0], add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.engine_offline``: the same as ``kvmesh bench engine``."""
+    return command.main("python -m bench.engine_offline", __doc__.split("\n\n")[0], add_arguments, run, argv)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--naive-requests", type=int, default=2)
@@ -139,18 +148,19 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
-    ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved rows and exit")
+    add_output_args(ap)
     # child mode
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name"); ap.add_argument("--policy"); ap.add_argument("--dtype")
     ap.add_argument("--prefix", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Each configuration in a child process (or, with ``--child``, one of them here); the table."""
     if args.child:
         print(json.dumps(run_one(args)))
         return 0
-    if args.table:
-        print(table([r for f in args.table for r in json.loads(Path(f).read_text())]))
+    if print_saved_table(args, table):
         return 0
     rows = []
     for name, policy, prefix, dtype in CONFIGS:
@@ -168,11 +178,9 @@ def main(argv=None) -> int:
             return 1
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        if args.out:                     # keep partial results if a later configuration fails
-            Path(args.out).write_text(json.dumps(rows, indent=2))
+        write_json(args.out, rows)       # keeps partial results if a later configuration fails
     print(table(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    write_json(args.out, rows)
     return 0
 
 

@@ -7,7 +7,7 @@ both, and judges the configuration with the paired gate of :mod:`bench.gate`.
 
 The set (:func:`select_items`): by default the **whole** data set, every single-turn question
 (96) and every turn of every multi-turn chat (24 chats, 116 turns): 212 scored items. Prompt
-layout (bench/data/policydesk/README.md), through the model's chat template: system prompt +
+layout (policydesk/data/README.md), through the model's chat template: system prompt +
 the policy text as the system message; a question is one user message; chat turn ``k`` is the
 chat's first ``k`` user messages, each earlier one followed by **the configuration's own
 reply** to it as an assistant message (so a chat is answered turn by turn, and a configuration
@@ -44,7 +44,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from bench import gate, policydesk, scoring
+import policydesk
+from bench import command, gate, scoring
+from bench.markdown import add_output_args
+from kvmesh.core.flags import add_engine_args, engine_kwargs
 
 NUM_QUESTIONS, NUM_CHATS = 96, 24      # the whole data set
 
@@ -195,7 +198,9 @@ async def answer_via_gateway(address: str, items: list[dict], max_tokens: int, c
     ``concurrency`` requests in flight. Raises grpc.RpcError when a call fails."""
     import grpc
 
-    from kvmesh.client import chat_messages, finish_reason_name, sampling
+    from kvmesh.client import chat_messages
+    from kvmesh.core.proto import finish_reason_name
+    from kvmesh.core.proto import sampling_params_to_proto as sampling
     from kvmesh.v1 import llm_pb2, llm_pb2_grpc
 
     sem = asyncio.Semaphore(concurrency)
@@ -322,7 +327,7 @@ def _pct(x) -> str:
 def load_reference(path: Path, meta: dict, items: list[dict]) -> list[Answer] | None:
     """Cached reference answers from ``path`` (None when the file does not exist). Raises
     EngineError naming the field that does not match this run, or the missing items."""
-    from scheduler.request import EngineError
+    from kvmesh.core.errors import EngineError
 
     if not path.exists():
         return None
@@ -337,17 +342,25 @@ def load_reference(path: Path, meta: dict, items: list[dict]) -> list[Answer] | 
     return [by_id[q["id"]] for q in items]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvmesh.cli import add_engine_args
+DESCRIPTION = ("Answer the PolicyDesk set (all questions and every turn of all chats, by default) greedily "
+               "with a configuration (engine flags, or a served mesh with --server) and with the "
+               "unoptimised reference (dense weights and KV cache in --reference-dtype, no speculative "
+               "decoding, continuous batching); print key-fact accuracy per group and policy with 95% "
+               "intervals, agreement, grounding, and the paired quality gate (McNemar exact test and "
+               "the accuracy difference's interval: PASS, FAIL or NO EVIDENCE). See docs/benchmarks.md.")
 
-    p = argparse.ArgumentParser(
-        prog="kvmesh eval faithfulness",
-        description="Answer the PolicyDesk set (all questions and every turn of all chats, by default) greedily "
-                    "with a configuration (engine flags, or a served mesh with --server) and with the "
-                    "unoptimised reference (dense weights and KV cache in --reference-dtype, no speculative "
-                    "decoding, continuous batching); print key-fact accuracy per group and policy with 95% "
-                    "intervals, agreement, grounding, and the paired quality gate (McNemar exact test and "
-                    "the accuracy difference's interval: PASS, FAIL or NO EVIDENCE). See docs/benchmarks.md.")
+
+def add_parser(subparsers, help: str) -> argparse.ArgumentParser:
+    """``kvmesh eval faithfulness`` (:mod:`bench.command`)."""
+    return command.add_parser(subparsers, "faithfulness", help, DESCRIPTION, add_arguments, run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.faithfulness``: the same as ``kvmesh eval faithfulness``."""
+    return command.main("kvmesh eval faithfulness", DESCRIPTION, add_arguments, run, argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-questions", type=int, default=NUM_QUESTIONS, metavar="N",
                    help=f"single questions, policies in rotation, every 6th unanswerable ({NUM_QUESTIONS} = all; 0 = none)")
     p.add_argument("--num-chats", type=int, default=NUM_CHATS, metavar="N",
@@ -361,17 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "reference: give the server's --model)")
     p.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight with --server (8)")
     p.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads here (0 = torch's default)")
-    p.add_argument("--output", metavar="FILE", help="write the JSON result here")
+    add_output_args(p, table=False, aliases=("--output",))
     add_engine_args(p)
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from kvmesh.cli import engine_kwargs
-    from kvmesh.config import EngineConfig
-    from scheduler.request import EngineError
+def run(args: argparse.Namespace) -> int:
+    """Answer the set with the reference and the configuration under test; print the summary."""
+    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.errors import EngineError
 
-    args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
         raise EngineError(f"max_tokens must be >= 1, got {args.max_tokens}")
     if args.concurrency < 1:
@@ -407,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
               "reference_config": ref_kw, **evaluate(answers, items, ref_answers),
               "elapsed_s": time.perf_counter() - t0}
     print(summary(result))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
 

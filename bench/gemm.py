@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from bench.machine import cpu_model, read_bandwidth
 
+from bench.markdown import add_output_args
 from workers.kernels import gemm
 
 CHAINS = {
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: CPU time of the calling thread, immune to preemption on a "
                          "shared machine; only with --threads 1")
-    ap.add_argument("--json", help="also write the rows here")
+    add_output_args(ap, table=False, aliases=("--json",))
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="min: the best pass, an estimate of an idle machine when others "
                          "preempt the threads")
@@ -156,8 +157,8 @@ def main(argv=None) -> int:
     rows = []
     for name in args.models:
         rows += bench_chain(name, args.m, args.runs, args.max_seconds, args.columns)
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump({"cpu": cpu_model(), "threads": torch.get_num_threads(), "isa": gemm.isa(),
                        "read_gb_s": bw, "clock": args.clock, "stat": args.stat, "rows": rows}, f, indent=1)
     return 0

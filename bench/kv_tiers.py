@@ -1,7 +1,7 @@
 """KV tiers benchmark: a returning PolicyDesk chat whose KV blocks left the pool, with and
 without the tiers below it (kvstore/tiers.py).
 
-Workload: ``--chats`` chats of ``bench/data/policydesk/chats.jsonl`` (different policies first).
+Workload: ``--chats`` chats of ``policydesk/data/chats.jsonl`` (different policies first).
 Turn 1 (the policy's system message + the first question, ~1.5-1.7k tokens through the chat
 template) runs; its answer (greedy, ``--max-tokens``, EOS ignored) joins the conversation; then
 turn 2 (the whole conversation + the second question) runs, and its time to first token
@@ -36,9 +36,10 @@ import sys
 import time
 import uuid
 
-from bench import policydesk
+import policydesk
 from bench.engine_offline import percentile
 from bench.machine import cpu_model
+from bench.markdown import add_output_args
 
 
 def conversations(n: int) -> list[dict]:
@@ -59,7 +60,7 @@ def encode(tok, messages: list[dict]) -> list[int]:
 
 def run_one(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, int]:
     """(output ids, TTFT seconds, cached prompt tokens) of one request run alone."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     rid = uuid.uuid4().hex
     req = engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -69,7 +70,7 @@ def run_one(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, 
 
 
 def make_engine(args, **kw):
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import LLMEngine
     cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                        max_model_len=4096, num_threads=args.threads, **kw)
@@ -165,9 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--host-memory", default="2GiB")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--scenarios", default="evicted,other-replica")
-    p.add_argument("--out", help="write the results as JSON")
+    add_output_args(p, table=False)
     args = p.parse_args(argv)
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     chats = conversations(args.chats)

@@ -6,7 +6,7 @@
 
 For every run a new Python process imports kvmesh's loader (from ``--code``, default this
 checkout: pass another checkout to measure its loader on the same machine), resolves the model
-(``workers.registry.resolve_model`` without pulling; ``$KVMESH_HOME`` as usual), and records
+(``kvmesh.hub.resolve_model`` without pulling; ``$KVMESH_HOME`` as usual), and records
 the following. With a quantized ``--weight-format`` a first process builds the quantized
 checkpoint cache (``ensure_quantized``, int4 group 128, calibration on, default data) unmeasured,
 so that the runs measure loading it.
@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.markdown import add_output_args
+
 _REPO = Path(__file__).resolve().parents[1]
 
 
@@ -67,12 +69,13 @@ def measure_once(model: str, dtype: str, device: str, max_positions: int, thread
     import torch
 
     import workers
-    from workers.loader import _safetensors_files, load_model, weight_bytes
-    from workers.registry import resolve_model
+    from workers.checkpoint import safetensors_files
+    from workers.loader import load_model, weight_bytes
+    from kvmesh.hub import resolve_model
 
     torch.set_num_threads(threads)
     model_dir = resolve_model(model, pull_if_missing=False)
-    files = _safetensors_files(Path(model_dir))
+    files = safetensors_files(Path(model_dir))
     from safetensors import safe_open
     dtypes: dict[str, int] = {}
     for f in files:                     # header only; closed before measuring
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code", type=Path, default=_REPO, help="kvmesh checkout whose loader is measured")
     ap.add_argument("--max-positions", type=int, default=8192, help="RoPE table size (tokens)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--json", type=Path, default=None, help="also write the runs to this JSON file")
+    add_output_args(ap, table=False, aliases=("--json",))
     ap.add_argument("--weight-format", default="none", help="none or a quantized format (cache built first)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
         if a.prepare:
             from workers.quant.store import ensure_quantized
-            from workers.registry import resolve_model
+            from kvmesh.hub import resolve_model
             ensure_quantized(resolve_model(a.model, pull_if_missing=False), a.weight_format)
             return 0
         print(json.dumps(measure_once(a.model, a.dtype, a.device, a.max_positions, a.threads, a.weight_format)))
@@ -157,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
           f"| {_mb(last['disk_bytes'])} | {', '.join(f'{k}:{v}' for k, v in sorted(last['file_dtypes'].items()))} "
           f"| {_mb(last['baseline_rss'])} | {_mb(max(r['peak_rss'] for r in runs))} "
           f"| {max(r['ratio'] for r in runs):.3f} | {statistics.median(r['load_s'] for r in runs):.1f} |")
-    if a.json:
-        a.json.write_text(json.dumps(runs, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(runs, indent=1))
     return 0
 
 

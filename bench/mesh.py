@@ -27,9 +27,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench.engine_offline import percentile, policydesk_conversations
+from bench.markdown import add_output_args, print_saved_table, write_json
 from bench.served import served
 
 
@@ -70,7 +70,7 @@ def run_engine(args) -> list[dict]:
     import torch
     torch.set_num_threads(args.threads)
     from kvmesh.llm import AsyncLLM
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
 
     async def main():
         llm = AsyncLLM(args.model, num_threads=args.threads)
@@ -159,15 +159,13 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--pp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--threads", type=int, default=2, help="torch threads per replica (split among its stages)")
-    ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved rows and exit")
+    add_output_args(ap)
     ap.add_argument("--child-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_engine:
         print(json.dumps(run_engine(args)))
         return 0
-    if args.table:
-        print(table([r for f in args.table for r in json.loads(Path(f).read_text())]))
+    if print_saved_table(args, table):
         return 0
     rows = []
     cmd = [sys.executable, "-m", "bench.mesh", "--child-engine", "--model", args.model, "--requests",
@@ -182,11 +180,9 @@ def main(argv=None) -> int:
     for pp in args.pp:
         print(f"running mesh pp={pp} ...", file=sys.stderr, flush=True)
         rows += run_mesh(args, pp)
-        if args.out:
-            Path(args.out).write_text(json.dumps(rows, indent=2))
+        write_json(args.out, rows)
     print(table(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    write_json(args.out, rows)
     return 0
 
 

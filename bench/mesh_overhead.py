@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from bench.markdown import add_output_args, md_table, write_json
 
 
 async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict:
@@ -30,11 +30,11 @@ async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict
     import torch
 
     from gateway.server import serve_gateway
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
+    from kvmesh.core.sampling import SamplingParams
     from scheduler.async_engine import AsyncEngine
     from scheduler.engine import LLMEngine
-    from scheduler.request import SamplingParams
     from scheduler.service import serve_scheduler
 
     torch.set_num_threads(1)
@@ -86,17 +86,16 @@ def main(argv=None) -> int:
     ap.add_argument("--executor", nargs="+", default=["local", "ray"])
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--out")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     rows = [asyncio.run(measure(ex, args.reps, args.max_tokens, args.model)) for ex in args.executor]
-    print("| executor | in-process TTFT / ITL p50 ms | mesh TTFT / ITL p50 ms | paired TTFT overhead ms | paired ITL overhead ms |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['executor']} | {r['engine_ttft_p50_ms']} / {r['engine_itl_p50_ms']} | {r['mesh_ttft_p50_ms']} / "
-              f"{r['mesh_itl_p50_ms']} | {r['ttft_overhead_ms']:+} | {r['itl_overhead_ms']:+} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    print(md_table(("executor", "in-process TTFT / ITL p50 ms", "mesh TTFT / ITL p50 ms", "paired TTFT overhead ms",
+                    "paired ITL overhead ms"),
+                   [(r["executor"], f"{r['engine_ttft_p50_ms']} / {r['engine_itl_p50_ms']}",
+                     f"{r['mesh_ttft_p50_ms']} / {r['mesh_itl_p50_ms']}", f"{r['ttft_overhead_ms']:+}",
+                     f"{r['itl_overhead_ms']:+}") for r in rows]))
+    write_json(args.out, rows)
     return 0
 
 

@@ -31,15 +31,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from bench import command
+from bench.markdown import add_output_args, command_line, print_saved_table, run_meta, write_json, write_markdown
 
 MARK_BEGIN, MARK_END = "<!-- bench:model-choice begin -->", "<!-- bench:model-choice end -->"
 
-# (model, weight format): the known models (workers/registry.py) in the formats worth serving.
+# (model, weight format): the known models (kvmesh/hub/models.json) in the formats worth serving.
 CONFIGS: list[tuple[str, str]] = [
     ("smollm2-135m-instruct", "none"),
     ("qwen2.5-coder-0.5b-instruct", "none"), ("qwen2.5-coder-0.5b-instruct", "int8"),
@@ -71,7 +72,8 @@ def run_child(spec: dict) -> dict:
     """Measure one configuration in this process (see the module docstring)."""
     import torch
 
-    from bench import faithfulness, policydesk
+    import policydesk
+    from bench import faithfulness
     from kvmesh import LLM, SamplingParams
 
     torch.set_num_threads(spec["threads"])
@@ -151,14 +153,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
-    """Replace the block between the model-choice markers of ``path`` (or append one)."""
-    from bench.markdown import replace_block
-    replace_block(path, MARK_BEGIN, MARK_END, "\n".join([
-        f"Command: `{meta['command']}` ({meta['date']}, {meta['cpu']}, {meta['elapsed_s'] / 60:.0f} min; "
-        f"{meta['workload']})", "", table(rows)]))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.model_choice", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description=__doc__.split("\n\n")[0])
@@ -170,20 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-questions", type=int, default=96, metavar="N", help="single questions (96 = all)")
     p.add_argument("--num-chats", type=int, default=24, metavar="N", help="chats, every turn scored (24 = all)")
     p.add_argument("--max-tokens", type=int, default=96, metavar="N", help="answer length limit (96)")
-    p.add_argument("--output", metavar="FILE", help="write the rows as JSON here")
-    p.add_argument("--markdown", metavar="FILE", help="write the table into FILE between model-choice markers")
-    p.add_argument("--table", metavar="JSON", help="print the table of a saved --output file and exit")
-    p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    add_output_args(p, markers="model-choice", aliases=("--output",))
+    command.add_child_arg(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.child:
-        print(json.dumps(run_child(json.loads(args.child))))
-        return 0
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())["rows"]))
+    if command.answered_child(args, run_child) or print_saved_table(args, table):
         return 0
     from bench import faithfulness
     from bench.machine import cpu_model
@@ -195,21 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
-    meta = {"command": "python -m bench.model_choice " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(),
-            "workload": f"{args.num_questions} questions + every turn of {args.num_chats} chats, greedy, "
-                        f"<= {args.max_tokens} tokens; {args.dtype}, {args.threads} threads"}
+    meta = run_meta(command_line("python -m bench.model_choice", argv), cpu=cpu_model(),
+                    workload=f"{args.num_questions} questions + every turn of {args.num_chats} chats, greedy, "
+                             f"<= {args.max_tokens} tokens; {args.dtype}, {args.threads} threads")
     rows = []
     for model, fmt in configs:
         rows.append(run_config(model, fmt, args))
         add_gates(rows)
         print(table(rows[-1:]), file=sys.stderr, flush=True)
         meta["elapsed_s"] = time.time() - t0
-        if args.output:
-            Path(args.output).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_json(args.out, {"meta": meta, "rows": rows})
     print(table(rows))
     if args.markdown:
-        write_markdown(Path(args.markdown), rows, meta)
+        write_markdown(args.markdown, MARK_BEGIN, MARK_END, meta, table(rows))
     return 0
 
 

@@ -36,11 +36,14 @@ import sys
 import time
 from pathlib import Path
 
+from bench.markdown import add_output_args
+
 
 def _requests(n: int, context: int, penalties: bool, vocab: int, bm):
     import random
 
-    from scheduler.request import Request, SamplingParams
+    from kvmesh.core.sampling import SamplingParams
+    from scheduler.request import Request
     rng = random.Random(0)
     kw = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2) if penalties else {}
     reqs = []
@@ -142,15 +145,15 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1600)
     ap.add_argument("--steps", type=int, default=40, help="measured steps per penalty setting (after 3 warm-up)")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import torch
 
     from bench.machine import cpu_model
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from workers.executor import InProcessExecutor, RayPipelineExecutor, ensure_ray
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
 
     torch.set_num_threads(1)
     model_dir = str(resolve_model(args.model))

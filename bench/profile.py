@@ -34,11 +34,12 @@ import time
 import torch
 
 from bench.machine import cpu_model, read_bandwidth
+from bench.markdown import add_output_args
 
 
 def _prompts(tokenizer, n: int, context: int, shared: bool) -> list[list[int]]:
     """``n`` PolicyDesk prompts cut or padded (by repeating the policy) to ``context`` tokens."""
-    from bench import policydesk
+    import policydesk
     names = sorted({q["policy"] for q in policydesk.questions()})
     out = []
     for i in range(n):
@@ -71,7 +72,7 @@ def _phases(prof, steps: int) -> dict[str, float]:
 
 
 def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top: int, shared: bool) -> dict:
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i, ids in enumerate(_prompts(tokenizer, batch, context, shared)):
         engine.add_request(f"p{batch}-{i}", ids, params)
@@ -102,7 +103,7 @@ def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top:
 
 
 def profile_prefill(engine, tokenizer, tokens: int, top: int) -> dict:
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     ids = _prompts(tokenizer, 1, tokens, True)[0]
     ids = ids[::-1]                      # a prompt no earlier request cached
     engine.add_request("prefill", ids, SamplingParams(temperature=0.0, max_tokens=1))
@@ -162,10 +163,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shared-prefix", action="store_true", help="all rows on one policy (cascade attention)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="extra EngineConfig field, e.g. attention_backend=torch (repeatable)")
-    ap.add_argument("--out", help="write the results as JSON")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import LLMEngine
     from transformers import AutoTokenizer
     extra = {}

@@ -3,7 +3,7 @@ PolicyDesk policy texts and the KL divergence of its next-token distributions fr
 reference configuration's (by default the same model, dense weights, KV in the model dtype).
 
 Each text goes through the engine's own serving path: a :class:`workers.model_runner.ModelRunner`
-built from the :class:`kvmesh.config.EngineConfig` (its weight format, its KV cache dtype), fed
+built from the :class:`kvmesh.core.config.EngineConfig` (its weight format, its KV cache dtype), fed
 in chunks of ``chunk`` tokens (default 64) that attend to the earlier chunks through the paged
 KV cache (prefill with context: the chunk's K/V is written to the cache and read back, quantized
 if the cache is), or token by token (``chunk=1``: the decode path, blocks filled one token at a
@@ -32,20 +32,16 @@ from pathlib import Path
 
 import torch
 
-from bench import policydesk
-from kvmesh.config import EngineConfig
+import policydesk
+from bench.markdown import add_output_args
+from kvmesh.core.config import EngineConfig
 
 CHUNK = 64
 
 
-def policy_texts() -> list[str]:
-    """The PolicyDesk policy documents (``bench/data/policydesk/policies/*.md``), by name."""
-    return [p.read_text(encoding="utf-8") for p in sorted((policydesk.DATA_DIR / "policies").glob("*.md"))]
-
-
 def _resolved(cfg: EngineConfig):
-    from workers.loader import load_config
-    from workers.registry import resolve_model
+    from workers.checkpoint import load_config
+    from kvmesh.hub import resolve_model
     model_dir = resolve_model(cfg.model)
     m = load_config(model_dir)
     return cfg.replace(max_model_len=cfg.max_model_len or min(m.max_position_embeddings, 8192)), model_dir
@@ -153,12 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--reference-cache", metavar="FILE", help="load the reference log-probs from FILE if it "
                     "matches (model, dtype, tokens, chunk), else compute and save them there")
-    ap.add_argument("--out", help="write the rows as JSON here")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     base = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)
-    texts = policy_texts()
+    texts = policydesk.policy_texts()
     token_ids = tokenize(base, texts, args.max_tokens)
     key = {"model": args.model, "dtype": str(base.torch_dtype), "tokens": token_ids, "chunk": args.chunk}
     reference = None

@@ -52,8 +52,9 @@ import subprocess
 import sys
 import time
 
-from bench import policydesk
+import policydesk
 from bench.ablation import peak_rss
+from bench.markdown import add_output_args
 
 DEFAULT_FORMATS = ["none:float32", "none:bfloat16", "int8", "int4", "fp8", "w8a8-int8"]
 
@@ -81,7 +82,7 @@ def prompts(llm, n: int) -> list[list[int]]:
 def _decode_rate(eng, reqs: list[tuple[str, list[int]]], max_tokens: int) -> tuple[float, list[int]]:
     """Add ``reqs``; once all have their first token, time the rest. Returns (tok/s, tokens of
     the first request)."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     for rid, ids in reqs:
         eng.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     handles = [eng.scheduler.requests[rid] for rid, _ in reqs]
@@ -100,7 +101,7 @@ def run_one(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
     from kvmesh import LLM
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     llm = LLM(args.model, dtype=args.dtype, weight_format=args.format, quant_group_size=args.group_size,
               enable_calibration=not args.no_calibration, kv_cache_memory=args.kv_cache_memory, max_model_len=4096,
               max_num_seqs=max(16, args.concurrency))
@@ -148,7 +149,7 @@ def quality(args, specs: list[tuple[str, str]]) -> str:
     from workers.kv_cache import allocate_kv_cache
     from workers.layers.attention import AttentionMetadata, PrefillChunk
     from workers.loader import load_model
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     model_dir = resolve_model(args.model)
     ids = quality_text_ids(model_dir, args.quality_text)
     n, nb = len(ids), -(-len(ids) // 16)
@@ -217,14 +218,13 @@ def table(rows: list[dict], dense_fp32_bytes: int | None) -> str:
 def _prepare(args, fmt: str) -> int:
     """Build the quantized checkpoint (parent, uncapped) and return its weight bytes on disk
     (dense: 4 bytes x parameters of the checkpoint, plus a tied lm_head's copy)."""
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     model_dir = resolve_model(args.model)
     if fmt == "none":
         from safetensors import safe_open
-        from workers.loader import _safetensors_files
-        from workers.loader import load_config
+        from workers.checkpoint import load_config, safetensors_files
         n = 0
-        for f in _safetensors_files(model_dir):
+        for f in safetensors_files(model_dir):
             with safe_open(str(f), framework="pt") as sf:
                 n += sum(_numel(sf.get_slice(k).get_shape()) for k in sf.keys())
         cfg = load_config(model_dir)
@@ -260,14 +260,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quality", action="store_true",
                     help="print NLL / KL / top-1 agreement vs dense on held-out text instead of timing")
     ap.add_argument("--quality-text", default="", help="held-out text file (default: PolicyDesk reference answers)")
-    ap.add_argument("--out", help="write the rows as JSON here")
+    add_output_args(ap, table=False)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--format", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(run_one(args)))
         return 0
-    from kvmesh.config import _parse_bytes
+    from kvmesh.core.config import _parse_bytes
     specs = [parse_format(s, args.dtype) for s in args.formats]
     if args.quality:
         print(quality(args, specs))

@@ -2,7 +2,7 @@
 service, routed by ``prefix`` / ``round_robin`` / ``random`` / ``load``, plus a reference: one
 replica whose KV pool holds everything (its prefix-cache hit rate is the ceiling).
 
-Workload: ``--sessions`` chats of ``bench/data/policydesk/chats.jsonl`` (policies in rotation,
+Workload: ``--sessions`` chats of ``policydesk/data/chats.jsonl`` (policies in rotation,
 over the first ``--policies`` policies), started in a seeded random order (so that arrival
 order does not line up with the policies: round robin would split them evenly by accident),
 session k at ``k x --stagger`` seconds (default 0: all at t=0), each sending ``--turns`` turns
@@ -35,17 +35,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
-import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from bench import policydesk
+import policydesk
 from bench.engine_offline import percentile
+from bench.markdown import add_output_args, command_line, run_meta, saved_rows, write_json, write_markdown
 from bench.served import served
 
 MARK_BEGIN, MARK_END = "<!-- bench:routing begin -->", "<!-- bench:routing end -->"
@@ -192,14 +190,6 @@ def targets(rows: list[dict]) -> str:
     return "\n".join(f"- {line}" for line in out)
 
 
-def write_markdown(path: Path, rows: list[dict], meta: dict) -> None:
-    """Replace the block between the bench markers of ``path`` with the table and the command."""
-    from bench.markdown import replace_block
-    replace_block(path, MARK_BEGIN, MARK_END, "\n".join([
-        f"Command: `{meta['command']}` ({meta['date']}, {meta['elapsed_s']:.0f} s; {meta['workload']})", "",
-        table(rows), "", targets(rows)]))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -218,21 +208,19 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-fraction", type=float, default=0.6, help="each replica's KV pool / working set")
     ap.add_argument("--reference-fraction", type=float, default=1.5, help="the reference's KV pool / working set")
     ap.add_argument("--redis-url", default="", help="prefix routing through this Redis (default: in-process index)")
-    ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--md", help="write the table and the command into this markdown file (between markers)")
-    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved rows and exit")
+    add_output_args(ap, markers="routing")
     args = ap.parse_args(argv)
     if args.table:
-        rows = [r for f in args.table for r in json.loads(Path(f).read_text())["rows"]]
+        rows = saved_rows(args.table)
         print(table(rows) + "\n\n" + targets(rows))
         return 0
 
     from transformers import AutoTokenizer
 
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
-    from workers.loader import load_config
-    from workers.registry import resolve_model
+    from workers.checkpoint import load_config
+    from kvmesh.hub import resolve_model
 
     t_start = time.time()
     model_dir = resolve_model(args.model)
@@ -257,14 +245,12 @@ def main(argv=None) -> int:
     if not args.no_reference:
         rows.append(run_config("reference", "load", 1, ref_blocks, per_block, args.threads * args.replicas,
                                tok, chats, args))
-    meta = {"command": "python -m bench.routing " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "date": time.strftime("%Y-%m-%d"), "elapsed_s": time.time() - t_start, "workload": workload,
-            "working_set_tokens": ws}
+    meta = run_meta(command_line("python -m bench.routing", argv), elapsed_s=time.time() - t_start, workload=workload,
+                    working_set_tokens=ws)
     print(table(rows) + "\n\n" + targets(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if args.md:
-        write_markdown(Path(args.md), rows, meta)
+    write_json(args.out, {"meta": meta, "rows": rows})
+    if args.markdown:
+        write_markdown(args.markdown, MARK_BEGIN, MARK_END, meta, table(rows), targets(rows))
     return 0
 
 

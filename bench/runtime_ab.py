@@ -42,7 +42,7 @@ CLOCK = time.perf_counter     # --cpu-time: time.process_time
 
 def _ttft(engine, tokenizer, rounds: int) -> dict:
     from bench.profile import _prompts
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     runner = engine.executor.runner
     base = _prompts(tokenizer, 1, 1500, True)[0][::-1]
     res = {"sdpa": [], "kernel": []}
@@ -61,7 +61,7 @@ def _ttft(engine, tokenizer, rounds: int) -> dict:
 
 def _decode(engine, tokenizer, batch: int, rounds: int) -> dict:
     from bench.profile import _prompts
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     runner = engine.executor.runner
     for i, ids in enumerate(_prompts(tokenizer, batch, 1600, False)):
         engine.add_request(f"dec{i}", ids, SamplingParams(temperature=0.0, max_tokens=4 * rounds + 8, ignore_eos=True))
@@ -86,11 +86,11 @@ def _offline(model: str, rounds: int) -> dict:
     from bench.peers import runner_common as rc
     from bench.peers.compare import write_workload
     from kvmesh.llm import LLM
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     import tempfile
     from pathlib import Path
 
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     with tempfile.TemporaryDirectory() as tmp:
         _, prompts = write_workload(Path(resolve_model(model)), 48, [16, 32, 64, 128, 256, 64], Path(tmp))
         rows = rc.load_prompts(str(prompts))
@@ -125,10 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         CLOCK = time.process_time
     from transformers import AutoTokenizer
 
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import LLMEngine
     from workers import kernels
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_num_seqs=max(64, args.batch),
                                     num_threads=args.threads))
     runner = engine.executor.runner

@@ -43,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 from bench.machine import cpu_model
+from bench.markdown import add_output_args
 from bench.serve import RequestRecord, StreamTimer, load_requests, run_benchmark, summarize
 
 SYSTEMS = ("kvmesh", "kvmesh-thread", "kvmesh-1thread", "inprocess", "vllm")
@@ -71,7 +72,7 @@ async def _run(backend, target: str, loads: dict, args, model: str = "") -> dict
 
 def _inprocess_send(llm):
     """A ``send(request, sampling)`` for :func:`run_benchmark` over an in-process AsyncLLM."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
 
     async def send(req, sampling) -> RequestRecord:
         rec, timer = RequestRecord(id=req.id, session_id=req.session_id), StreamTimer()
@@ -113,7 +114,7 @@ def _kvmesh(loads: dict, args, extra: list[str]) -> dict:
 
 def _vllm(loads: dict, args, workdir: Path) -> dict:
     from bench.peers.compare import free_port, http_server, peer_python
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
 
     py = peer_python("vllm")
     if not py.exists():
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--vllm-kv-cache-space", type=float, default=4, help="vLLM's KV cache, GiB (4)")
     p.add_argument("--server-timeout", type=float, default=600)
-    p.add_argument("--out", help="write the results as JSON")
+    add_output_args(p, table=False)
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     bad = set(systems) - set(SYSTEMS)

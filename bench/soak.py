@@ -46,6 +46,7 @@ import sys
 import time
 
 from bench.machine import cpu_model
+from bench.markdown import add_output_args
 
 # kind: (weight, expected outcomes); an outcome is "OK:<finish reason>" or a gRPC status name
 KINDS = {
@@ -73,7 +74,7 @@ class Soak:
     """The request mix against one gateway (``stub``: ``LLMServiceStub`` on a grpc.aio channel)."""
 
     def __init__(self, stub, seed: int):
-        from bench import policydesk
+        import policydesk
         self.stub = stub
         self.rng = random.Random(seed + 1)
         self.questions = policydesk.questions()
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", help="a running gateway (host:port) instead of starting kvmesh serve")
     p.add_argument("--scheduler-address", help="its scheduler (host:port), with --address")
     p.add_argument("--serve-args", default="", help="extra arguments of kvmesh serve (one string)")
-    p.add_argument("--out", help="write the result as JSON")
+    add_output_args(p, table=False)
     args = p.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1:
         p.error("--requests and --concurrency must be >= 1")

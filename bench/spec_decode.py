@@ -3,7 +3,7 @@
 
 Workloads (every request greedy, stops at EOS or ``--max-tokens``):
 
-- ``policydesk``: PolicyDesk questions in the prompt layout of :mod:`bench.policydesk` (system
+- ``policydesk``: PolicyDesk questions in the prompt layout of :mod:`policydesk` (system
   message = system prompt + one policy text, then the question, through the chat template);
   answers quote the policy, so proposals are often right. Run closed-loop at each
   ``--concurrency`` (1: one request at a time; 8: eight in flight, the next one added as soon as
@@ -44,8 +44,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench import policydesk
+import policydesk
 from bench.engine_offline import percentile, policydesk_conversations
+from bench.markdown import add_output_args
 
 CONFIGS = ("none", "ngram", "draft")
 SETUPS = {   # name: (target, draft, draft layers)
@@ -65,7 +66,7 @@ def poor_guess_prompts(n: int, words: int = 200, seed: int = 0) -> list[str]:
 def run_workload(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str) -> dict:
     """Closed loop: keep ``concurrency`` requests in flight until all ``prompts`` finished.
     Returns the workload's measurements (see the module docstring)."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     engine.block_manager.reset_prefix_cache()     # every workload starts cold
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     pending = list(enumerate(prompts))
@@ -109,7 +110,7 @@ def run_child(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
     from kvmesh import LLM
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     target, draft, layers = SETUPS[args.setup]
     spec = {} if args.config == "none" else {"speculative_method": args.config,
                                              "num_speculative_tokens": args.k,
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", help="write the medians and every round's rows as JSON here")
+    add_output_args(ap, table=False)
     ap.add_argument("--table", metavar="JSON", help="print the table of a saved run and exit")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)

@@ -38,6 +38,7 @@ import sys
 import time
 
 from bench.machine import cpu_model
+from bench.markdown import add_output_args
 
 UNRELATED = "The history of the printing press begins"
 LOAD = "Once upon a time, in a quiet mountain village, a baker named Clara"
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-token-ids", type=int, default=1024)
     p.add_argument("--stop-token-base", type=int, default=40000, help="first stop token id (never sampled)")
     p.add_argument("--settle", type=float, default=1.0, help="seconds the load runs before the timed request")
-    p.add_argument("--out", default="")
+    add_output_args(p, table=False)
     args = p.parse_args(argv)
     if args.address:
         result = asyncio.run(run(args.address, args))

@@ -19,10 +19,10 @@ import statistics
 import sys
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 
+from bench.markdown import add_output_args, md_table, write_json
 from bench.mesh import _mesh_passes
 from bench.served import served
 
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out")
+    add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     collector = CountingCollector()
     rows = []
@@ -81,15 +81,13 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     med = {t: statistics.median(r["output_tok_s"] for r in rows if r["system"] == f"tracing {t}") for t in ("off", "on")}
     itl = {t: statistics.median(r["itl_p50_ms"] for r in rows if r["system"] == f"tracing {t}") for t in ("off", "on")}
-    print("| tracing | runs | output tok/s (median) | ITL p50 ms (median) | spans exported per run |")
-    print("|---|---|---|---|---|")
-    for t in ("off", "on"):
-        spans = [r["spans_exported"] for r in rows if r["system"] == f"tracing {t}"]
-        print(f"| {t} | {len(spans)} | {med[t]:.1f} | {itl[t]:.1f} | {statistics.median(spans):.0f} |")
+    spans = {t: [r["spans_exported"] for r in rows if r["system"] == f"tracing {t}"] for t in ("off", "on")}
+    print(md_table(("tracing", "runs", "output tok/s (median)", "ITL p50 ms (median)", "spans exported per run"),
+                   [(t, len(spans[t]), f"{med[t]:.1f}", f"{itl[t]:.1f}", f"{statistics.median(spans[t]):.0f}")
+                    for t in ("off", "on")]))
     print(f"\nthroughput with tracing on / off = {med['on'] / med['off']:.3f} "
           f"(overhead {100 * (1 - med['on'] / med['off']):.1f}%; target <= 5%)")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2))
+    write_json(args.out, rows)
     return 0
 
 

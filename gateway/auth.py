@@ -1,6 +1,6 @@
 """API keys and tenants of the public gateway: who a caller is, for gRPC and HTTP alike.
 
-Keys come from ``--api-keys-file FILE`` (:attr:`kvmesh.config.GatewayConfig.api_keys_file`), one
+Keys come from ``--api-keys-file FILE`` (:attr:`kvmesh.core.config.GatewayConfig.api_keys_file`), one
 ``TENANT:KEY`` per line (blank lines and ``#`` comments ignored), and/or the environment variable
 ``KVMESH_API_KEYS`` (the same entries, separated by commas or newlines). A tenant may hold several
 keys (rotation); a key names one tenant. With neither source the gateway is open and every
@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError, SettingsError
 
 log = logging.getLogger("kvmesh.gateway")
 
@@ -74,14 +74,14 @@ def parse_entries(text: str, source: str, *, separators: str = "\n") -> list[tup
         tenant, key = tenant.strip(), key.strip()
         where = f"{source}, entry {n}"
         if not sep:
-            raise EngineError(f"{where}: expected TENANT:KEY")
+            raise SettingsError(f"{where}: expected TENANT:KEY")
         if not TENANT_PATTERN.fullmatch(tenant):
-            raise EngineError(f"{where}: tenant {tenant!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
+            raise SettingsError(f"{where}: tenant {tenant!r} must match [A-Za-z0-9][A-Za-z0-9._-]{{0,63}}")
         if not key or any(c.isspace() for c in key):
-            raise EngineError(f"{where}: the key of tenant {tenant!r} is empty or holds whitespace")
+            raise SettingsError(f"{where}: the key of tenant {tenant!r} is empty or holds whitespace")
         d = _digest(key)
         if d in seen:
-            raise EngineError(f"{where}: a key is listed twice (each key names one tenant)")
+            raise SettingsError(f"{where}: a key is listed twice (each key names one tenant)")
         seen.add(d)
         entries.append((tenant, d))
     return entries
@@ -136,7 +136,7 @@ class ApiKeys:
             with open(self.path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise EngineError(f"api_keys_file: cannot read {self.path}: {e}") from None
+            raise SettingsError(f"api_keys_file: cannot read {self.path}: {e}") from None
         return (st.st_mtime_ns, st.st_size, st.st_ino), parse_entries(text, self.path)
 
     def reload(self) -> bool:

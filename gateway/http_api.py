@@ -44,20 +44,12 @@ import grpc
 from gateway import openai_protocol as oai
 from gateway.auth import CURRENT_TENANT, UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.stream import RequestPath, Status
-from scheduler.request import EngineError
+from kvmesh.core.errors import DependencyUnavailableError, EngineError
+from kvmesh.core.status import INTERNAL_HTTP, grpc_code, http_status
 
 log = logging.getLogger("kvmesh.gateway.http")
 
 _Code = grpc.StatusCode
-# gRPC status → (HTTP status, OpenAI error type, code)
-_HTTP = {_Code.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-         _Code.ALREADY_EXISTS: (409, "invalid_request_error", "request_id_in_use"),
-         _Code.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-         _Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-         _Code.UNAVAILABLE: (503, "service_unavailable_error", "service_unavailable"),
-         _Code.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
-         _Code.CANCELLED: (503, "service_unavailable_error", "cancelled")}
-_INTERNAL = (500, "server_error", "internal_error")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
 
@@ -71,7 +63,7 @@ def status_error(e: Status) -> tuple[int, dict]:
     param = e.param
     if param == "model" and "unknown model" in e.message:
         return 404, error_body(e.message, "invalid_request_error", "model", "model_not_found")
-    http, type_, code = _HTTP.get(e.code, _INTERNAL)
+    http, type_, code = http_status(e.code)
     return http, error_body(e.message, type_, "prompt" if param == "prompt_token_ids" else param, code)
 
 
@@ -160,9 +152,9 @@ class CompletionsEndpoint:
         except Status as e:
             state["code"] = e.code.name
             await self._error(send, state, *status_error(e))
-        except EngineError as e:
-            state["code"] = "INVALID_ARGUMENT"
-            await self._error(send, state, 400, error_body(str(e), "invalid_request_error"))
+        except EngineError as e:            # its class says whose fault (kvmesh.core.status)
+            state["code"] = grpc_code(e).name
+            await self._error(send, state, *status_error(Status(grpc_code(e), str(e))))
         except asyncio.CancelledError:
             state["code"] = "CANCELLED"
             raise
@@ -172,7 +164,7 @@ class CompletionsEndpoint:
             state["code"] = "INTERNAL"
             log.exception("%s failed", self.method)
             await self._error(send, state, 500, error_body(f"internal error in the gateway: {type(e).__name__}: {e}",
-                                                           *_INTERNAL[1:]))
+                                                           *INTERNAL_HTTP[1:]))
         finally:
             self.path.metrics.request_done(self.method, state["code"], tenant)
 
@@ -201,7 +193,7 @@ class CompletionsEndpoint:
             try:
                 prompt_ids = await path.prompt_ids(request)
             except EngineError as e:        # an empty prompt, no chat template
-                raise Status(_Code.INVALID_ARGUMENT, f"{'messages' if self.chat else 'prompt'}: {e}") from None
+                raise Status(grpc_code(e), f"{'messages' if self.chat else 'prompt'}: {e}") from None
             prepared = await path.prepare(request, prompt_ids)
             responder = oai.Responder(opts, prepared.request_id, path.text.tokenizer)
             headers = [(b"x-request-id", prepared.request_id.encode()),
@@ -250,7 +242,7 @@ def build_app(path: RequestPath, keys: ApiKeys | None = None):
         if tenant_of(keys, request.scope) is None:
             return JSONResponse(_UNAUTHORIZED[1], 401, headers={"www-authenticate": "Bearer"})
         if path.info is None:
-            return JSONResponse(error_body("the gateway is starting", *_HTTP[_Code.UNAVAILABLE][1:]), 503)
+            return JSONResponse(error_body("the gateway is starting", *http_status(_Code.UNAVAILABLE)[1:]), 503)
         return JSONResponse({"object": "list", "data": [{
             "id": path.info.name, "object": "model", "created": started, "owned_by": "kvmesh",
             "max_model_len": path.info.max_model_len}]})
@@ -276,7 +268,7 @@ class HttpServer:
     (``https://`` with TLS)."""
 
     def __init__(self, server, task: asyncio.Task, host: str, port: int, tls: bool = False):
-        from kvmesh.serve import connect_address
+        from kvmesh.core.net import connect_address
         self.server, self.task, self.host, self.port = server, task, host, port
         self.address = connect_address(host, port)
         self.url = f"{'https' if tls else 'http'}://{self.address}/v1"
@@ -316,7 +308,7 @@ async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKe
     none); ``tls_cert_file``/``tls_key_file``: serve HTTPS only. Raises EngineError if the address
     cannot be bound or the TLS files do not load."""
     if tls_cert_file:
-        from kvmesh import tls
+        from kvmesh.core import tls
         tls.read_pem(tls_cert_file, "tls_cert_file")      # an error naming the setting, not uvicorn's
         tls.read_pem(tls_key_file, "tls_key_file")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -326,13 +318,13 @@ async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKe
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise EngineError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? choose another "
-                          "--http-port (0 = any free port)") from None
+        raise DependencyUnavailableError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? "
+                                         "choose another --http-port (0 = any free port)") from None
     server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="kvmesh-http")
     while not server.started:
         if task.done():
             sock.close()
-            raise EngineError(f"the HTTP API on {host}:{port} failed to start: {task.exception()!r}")
+            raise DependencyUnavailableError(f"the HTTP API on {host}:{port} failed to start: {task.exception()!r}")
         await asyncio.sleep(0.01)
     return HttpServer(server, task, host, sock.getsockname()[1], tls=bool(tls_cert_file))

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.stream import invalid
+from kvmesh.core.proto import finish_reason_name
 from kvmesh.v1 import common_pb2, llm_pb2
 
 _UINT32, _UINT64 = 2**32 - 1, 2**64 - 1
@@ -36,8 +37,6 @@ _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_
                 "suffix", "prediction", "audio", "modalities")
 _HARMLESS = {"tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
              "modalities": (["text"],), "suffix": ("",)}     # the defaults of fields kvmesh does not do
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
 
 
 @dataclass
@@ -232,7 +231,8 @@ def usage_json(u: common_pb2.Usage) -> dict:
 
 
 def finish_reason(out: llm_pb2.GenerateResponse) -> str | None:
-    return _FINISH.get(out.finish_reason) if out.finished else None
+    name = finish_reason_name(out)
+    return name if out.finished and name != "unspecified" else None
 
 
 class Responder:

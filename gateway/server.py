@@ -14,7 +14,7 @@ Rules a client sees:
   ``prompt_token_ids``, ``messages[1].role``, ``model``, ``sampling: temperature ...``,
   ``max_tokens``, ``timeout``, ``request_id``); a request whose bytes do not parse (e.g. a
   string field holding invalid UTF-8) too, naming the field where it can be found.
-* Limits (:class:`kvmesh.config.GatewayConfig`, checked before any tokenizing): stop strings
+* Limits (:class:`kvmesh.core.config.GatewayConfig`, checked before any tokenizing): stop strings
   (``max_stop_strings``, ``max_stop_chars`` in all), ``max_stop_token_ids``, ``max_id_length``
   (request and session ids), ``max_prompt_tokens`` and ``max_message_bytes``; over one →
   INVALID_ARGUMENT naming the field and the limit.
@@ -49,9 +49,14 @@ Rules a client sees:
 * Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
   ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
-  UNAVAILABLE too); a bug in the gateway is INTERNAL. The server keeps serving after any of them.
+  UNAVAILABLE too); an error the gateway raises itself answers the status of its class
+  (:mod:`kvmesh.core.status`: a bad request INVALID_ARGUMENT, a dependency down UNAVAILABLE); a
+  bug in the gateway is INTERNAL. The server keeps serving after any of them. At start, a
+  scheduler that cannot be reached, a port in use or a model download that fails is a
+  :class:`~kvmesh.core.errors.DependencyUnavailableError`; an unknown model or a bad keys or TLS
+  file a :class:`~kvmesh.core.errors.SettingsError`.
 
-Security (:mod:`gateway.auth`, :mod:`kvmesh.tls`): with API keys (``api_keys_file`` or
+Security (:mod:`gateway.auth`, :mod:`kvmesh.core.tls`): with API keys (``api_keys_file`` or
 ``KVMESH_API_KEYS``) an RPC without ``authorization: Bearer <key>`` of a current key ends
 UNAUTHENTICATED before its request is read (health and reflection stay open), an HTTP request
 401; the key's tenant labels the request's metrics and spans and partitions the prefix cache
@@ -77,20 +82,19 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import CURRENT_TENANT, ApiKeyInterceptor, ApiKeys
 from gateway.stream import RequestPath, Status, invalid
-from kvmesh import telemetry
-from kvmesh.config import GatewayConfig
+from kvmesh.core import telemetry
+from kvmesh.core.config import GatewayConfig
+from kvmesh.core.errors import DependencyUnavailableError, EngineError
+from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, GrpcServer, Service, open_server
+from kvmesh.core.status import grpc_code
 from kvmesh.v1 import llm_pb2, scheduler_pb2
-from scheduler.request import EngineError
 
 log = logging.getLogger("kvmesh.gateway")
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
-_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 _Code = grpc.StatusCode
 # Reconnect quickly to a restarted scheduler (grpc's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 5000)]
@@ -178,7 +182,8 @@ def _lenient(cls, max_bytes: int):
 
 def _rpc(method):
     """Map what an RPC method raises to a status: Status as is (a DEADLINE_EXCEEDED one with its
-    usage in the trailing metadata ``kvmesh-usage-bin``), EngineError → INVALID_ARGUMENT, any
+    usage in the trailing metadata ``kvmesh-usage-bin``), EngineError → its class's status
+    (:func:`kvmesh.core.status.grpc_code`: InvalidRequestError INVALID_ARGUMENT ...), any
     other exception → INTERNAL (logged). Also rejects unparsable requests and RPCs that arrive
     before the gateway is ready."""
 
@@ -196,9 +201,9 @@ def _rpc(method):
                 context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + (
                     ("kvmesh-usage-bin", e.usage.SerializeToString()),))
             await context.abort(e.code, e.message)
-        except EngineError as e:
-            code = "INVALID_ARGUMENT"
-            await context.abort(_Code.INVALID_ARGUMENT, str(e))
+        except EngineError as e:           # its class says whose fault: kvmesh.core.status
+            code = grpc_code(e).name
+            await context.abort(grpc_code(e), str(e))
         except grpc.aio.AbortError:
             code = getattr(context.code(), "name", "UNKNOWN")
             raise
@@ -290,44 +295,37 @@ def _add_servicer(servicer: LLMServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-class GatewayServer:
-    """A running gateway. ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is
-    its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off; ``http`` its
-    OpenAI-compatible HTTP server (:class:`gateway.http_api.HttpServer`), None when off;
-    ``api_keys`` its :class:`gateway.auth.ApiKeys` (None: no keys needed); ``health_server`` the
-    plaintext health-only port (:func:`kvmesh.tls.serve_health_port`), None when off."""
+class GatewayServer(Service):
+    """A running gateway on the gRPC scaffold ``rpc`` (:class:`kvmesh.core.grpc_server.GrpcServer`).
+    ``port`` is the bound port, ``address`` is ``host:port``; ``metrics`` is its Prometheus endpoint
+    (:class:`kvmesh.core.metrics.MetricsServer`), None when off; ``http`` its OpenAI-compatible HTTP
+    server (:class:`gateway.http_api.HttpServer`), None when off; ``api_keys`` its
+    :class:`gateway.auth.ApiKeys` (None: no keys needed); ``health_server`` the plaintext
+    health-only port, None when off."""
 
-    def __init__(self, server: grpc.aio.Server, servicer: LLMServicer, health_servicer, host: str, port: int,
-                 api_keys: ApiKeys | None = None):
-        self.server, self.servicer, self.health = server, servicer, health_servicer
-        self.path = servicer.path
-        self.host, self.port, self.address = host, port, f"{host}:{port}"
+    def __init__(self, rpc: GrpcServer, servicer: LLMServicer, api_keys: ApiKeys | None = None):
+        super().__init__(rpc)
+        self.servicer, self.path = servicer, servicer.path
         self.api_keys = api_keys
-        self.metrics = None
         self.http = None
-        self.health_server = None
         self._watch_task: asyncio.Task | None = None
         self._stopped = False
 
-    async def _set_health(self, status) -> None:
-        self.path.serving = status == _SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+    async def _set_serving(self, serving: bool) -> None:
+        self.path.serving = serving
+        await self.rpc.set_serving(serving)
 
     async def _watch_scheduler(self) -> None:
         """Keep a connection to the scheduler and mirror it in health: NOT_SERVING while the
         channel is failing, SERVING again once it is ready."""
-        channel, C = self.servicer.path.channel, grpc.ChannelConnectivity
+        channel, C = self.path.channel, grpc.ChannelConnectivity
         while True:
             state = channel.get_state(try_to_connect=True)
             if state == C.READY:
-                await self._set_health(_SERVING)
+                await self._set_serving(True)
             elif state in (C.TRANSIENT_FAILURE, C.SHUTDOWN):
-                await self._set_health(_NOT_SERVING)
+                await self._set_serving(False)
             await channel.wait_for_state_change(state)
-
-    async def wait_for_termination(self) -> None:
-        await self.server.wait_for_termination()
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Go NOT_SERVING, refuse new RPCs, give in-flight streams ``grace`` seconds (None = wait
@@ -337,20 +335,15 @@ class GatewayServer:
             return
         self._stopped = True
         self.path.serving = False
-        await self.health.enter_graceful_shutdown()
+        await self.rpc.enter_graceful_shutdown()
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        stops = [self.server.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
-        await asyncio.gather(*stops)
-        if self.health_server is not None:
-            await self.health_server.stop(None)
-        self.servicer.path.cancel_all()
-        await self.servicer.path.channel.close()
-        await asyncio.to_thread(telemetry.shutdown_tracing, telemetry.GATEWAY)   # exports the last spans
-        if self.metrics is not None:
-            await asyncio.to_thread(self.metrics.stop)
+        await self.rpc.stop(grace, alongside=[self.http.stop(grace)] if self.http is not None else [])
+        self.path.cancel_all()
+        await self.path.channel.close()
+        await self.rpc.close(tracing=[telemetry.GATEWAY])      # exports the last spans
 
 
 async def _wait_for_scheduler(stub, cfg: GatewayConfig) -> scheduler_pb2.GetModelInfoResponse:
@@ -365,9 +358,11 @@ async def _wait_for_scheduler(stub, cfg: GatewayConfig) -> scheduler_pb2.GetMode
         except grpc.aio.AioRpcError as e:
             last = f"{e.code().name}: {e.details()}"
             if e.code() not in (_Code.UNAVAILABLE, _Code.DEADLINE_EXCEEDED):
-                raise EngineError(f"scheduler at {cfg.scheduler_address} answered GetModelInfo with {last}") from None
+                raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} answered GetModelInfo "
+                                                 f"with {last}") from None
         await asyncio.sleep(min(0.25, max(0.0, deadline - loop.time())))
-    raise EngineError(f"scheduler at {cfg.scheduler_address} unreachable after {cfg.connect_timeout:g} s: {last}")
+    raise DependencyUnavailableError(f"scheduler at {cfg.scheduler_address} unreachable after "
+                                     f"{cfg.connect_timeout:g} s: {last}")
 
 
 async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
@@ -375,22 +370,23 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
 
     The port is bound first (health NOT_SERVING, RPCs UNAVAILABLE meanwhile); then the scheduler
     at ``cfg.scheduler_address`` is awaited (GetModelInfo, up to ``cfg.connect_timeout`` seconds),
-    the served model's tokenizer is loaded (``workers.registry.resolve_model`` of the scheduler's
+    the served model's tokenizer is loaded (``kvmesh.hub.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
     health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
-    (:mod:`kvmesh.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
+    (:mod:`kvmesh.core.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
     not -1 (:mod:`gateway.http_api`, bound with the gRPC port, answering 503 until SERVING). API
     keys and TLS (both ports), the health-only port: module docstring.
 
     Raises:
-        EngineError: an address cannot be bound; the scheduler is unreachable within
-            ``connect_timeout``; the model's tokenizer cannot be found; a keys file or a TLS
-            file cannot be read or parsed, or the TLS settings do not go together. The server is
-            stopped.
+        DependencyUnavailableError: an address cannot be bound; the scheduler is unreachable
+            within ``connect_timeout``; the model's files cannot be downloaded.
+        SettingsError: the scheduler's model is not a known name nor a directory here; a keys
+            file or a TLS file cannot be read or parsed, or the TLS settings do not go together.
+        The server is stopped in every case.
     """
-    from kvmesh import tls
-    from kvmesh.llm import _load_tokenizer
-    from workers.registry import resolve_model
+    from gateway.text import load_tokenizer
+    from kvmesh.core import tls
+    from kvmesh.hub import resolve_model
 
     cfg.check_tls()
     keys = ApiKeys.load(cfg.api_keys_file)
@@ -404,56 +400,38 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     servicer = LLMServicer(RequestPath(cfg, channel))
     interceptors = []
     if keys is not None:
-        interceptors.append(ApiKeyInterceptor(keys, (health.SERVICE_NAME, reflection.SERVICE_NAME),
+        interceptors.append(ApiKeyInterceptor(keys, SCAFFOLD_SERVICES,
                                               on_denied=servicer.path.metrics.denied))
-    # so_reuseport=0: a second server on a port in use fails instead of sharing it. Requests up
-    # to twice max_message_bytes reach the deserializer, which names the limit (INVALID_ARGUMENT).
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                      ("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)],
-                             interceptors=interceptors)
-    _add_servicer(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    addr = f"{cfg.host}:{cfg.port}"
     try:
-        port = server.add_secure_port(addr, server_creds) if server_creds else server.add_insecure_port(addr)
-    except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
+        # requests up to twice max_message_bytes reach the deserializer, which names the limit
+        # (INVALID_ARGUMENT)
+        rpc = await open_server(SERVICE_NAME, cfg.host, cfg.port, functools.partial(_add_servicer, servicer),
+                                credentials=server_creds, interceptors=interceptors,
+                                options=[("grpc.max_receive_message_length", 2 * cfg.max_message_bytes)],
+                                metrics_registry=servicer.path.metrics.registry, metrics_port=cfg.metrics_port,
+                                health_port=cfg.health_port)
+    except BaseException:
         await channel.close()
-        raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
-                          "(0 = any free port)") from None
-    gw = GatewayServer(server, servicer, health_servicer, cfg.host, port, keys)
-    from kvmesh.metrics import start_metrics_server
-    try:
-        gw.metrics = start_metrics_server(servicer.path.metrics.registry, cfg.host, cfg.metrics_port)
-        gw.health_server = await tls.serve_health_port(health_servicer, cfg.host, cfg.health_port)
-    except EngineError:
-        await channel.close()
-        if gw.metrics is not None:
-            await asyncio.to_thread(gw.metrics.stop)
         raise
+    gw = GatewayServer(rpc, servicer, keys)
     if cfg.http_port != -1:
         from gateway.http_api import start_http
         try:
             gw.http = await start_http(gw.path, cfg.host, cfg.http_port, api_keys=keys,
                                        tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file)
-        except EngineError:
+        except BaseException:
             await channel.close()
-            if gw.metrics is not None:
-                await asyncio.to_thread(gw.metrics.stop)
-            if gw.health_server is not None:
-                await gw.health_server.stop(None)
+            await rpc.abandon()
             raise
-    await gw._set_health(_NOT_SERVING)
-    await server.start()
+    await rpc.start()
     try:
         info = await _wait_for_scheduler(servicer.path.stub, cfg)
-        tokenizer = await asyncio.to_thread(lambda: _load_tokenizer(resolve_model(info.name)))
+        tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(info.name)))
     except BaseException:
         await gw.stop(0)
         raise
     servicer.path.set_model(info, tokenizer)
-    await gw._set_health(_SERVING)
+    await gw._set_serving(True)
     gw._watch_task = asyncio.create_task(gw._watch_scheduler())
     log.info("gateway serving %s on %s (scheduler %s)%s%s", info.name, gw.address, cfg.scheduler_address,
              ", TLS" if server_creds else "", f", API keys of {len(keys.tenants)} tenant(s)" if keys else "")

@@ -33,10 +33,13 @@ from opentelemetry import trace
 
 from gateway.auth import CURRENT_TENANT, cache_salt
 from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from kvmesh import telemetry
-from kvmesh.config import GatewayConfig
+from gateway.text import TextFront
+from kvmesh.core import telemetry
+from kvmesh.core.config import GatewayConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.proto import finish_reason_name, sampling_params_from_proto
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import EngineError, SamplingParams
 
 ROLES = ("system", "user", "assistant")
 _Code = grpc.StatusCode
@@ -112,18 +115,17 @@ class RequestPath:
         self.cfg, self.channel = cfg, channel
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         self.info: scheduler_pb2.GetModelInfoResponse | None = None
-        self.text = None                      # kvmesh.llm._TextFront with the model's tokenizer
+        self.text: TextFront | None = None    # the model's tokenizer front
         self.model_names: set[str] = set()
         self.live: dict[str, _Live] = {}
         self.serving = False
         self.tracer = telemetry.setup_tracing(telemetry.GATEWAY)    # no-op unless OTEL_TRACES_EXPORTER is set
-        from kvmesh.metrics import GatewayMetrics
+        from kvmesh.core.metrics import GatewayMetrics
         self.metrics = GatewayMetrics(self)
 
     def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
-        from kvmesh.llm import _TextFront
-        from workers.registry import canonical_name
-        text = _TextFront()
+        from kvmesh.hub import canonical_name
+        text = TextFront()
         text.tokenizer = tokenizer
         self.text, self.info = text, info
         self.model_names = {info.name} | ({canonical_name(info.name)} - {None})
@@ -212,7 +214,6 @@ class RequestPath:
         """Apply the max_tokens rules (gateway.server's docstring) and validate. Returns the
         message to forward (max_tokens set, stop strings removed: they are the gateway's) and the
         engine params (with the stop strings)."""
-        from scheduler.service import sampling_params_from_proto
         limit = self.info.max_model_len
         room = limit - n_prompt             # >= 1: check_prompt_len
         fwd = common_pb2.SamplingParams()
@@ -396,7 +397,7 @@ def _span_finished(span, out: llm_pb2.GenerateResponse, replica: int | None) -> 
     """The request span's attributes from the final message."""
     if not span.is_recording():
         return
-    reason = common_pb2.FinishReason.Name(out.finish_reason).removeprefix("FINISH_REASON_").lower()
+    reason = finish_reason_name(out)
     span.set_attributes({"gen_ai.response.finish_reasons": [reason], "kvmesh.finish_reason": reason,
                          "gen_ai.usage.input_tokens": out.usage.prompt_tokens,
                          "gen_ai.usage.output_tokens": out.usage.completion_tokens,

@@ -1,6 +1,7 @@
 """kvmesh: an LLM serving mesh. ``from kvmesh import LLM, SamplingParams``."""
 
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "EngineError", "EngineConfig"]
 __version__ = "0.1.0"
@@ -11,6 +12,6 @@ def __getattr__(name):   # keep `import kvmesh` light: torch/transformers load o
         from kvmesh import llm
         return getattr(llm, name)
     if name == "EngineConfig":
-        from kvmesh.config import EngineConfig
+        from kvmesh.core.config import EngineConfig
         return EngineConfig
     raise AttributeError(name)

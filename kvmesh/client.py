@@ -33,16 +33,12 @@ from collections.abc import Iterable, Iterator, Mapping
 import grpc
 from google.protobuf import duration_pb2
 
-from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
+from kvmesh.core.proto import sampling_params_to_proto
+from kvmesh.v1 import llm_pb2, llm_pb2_grpc
 
 SERVICE = "kvmesh.v1.LLMService"
 
 Message = Mapping[str, str] | tuple[str, str] | llm_pb2.ChatMessage
-
-
-def sampling(**kw) -> common_pb2.SamplingParams:
-    """``kvmesh.v1.SamplingParams`` from keywords; None values are left unset (server default)."""
-    return common_pb2.SamplingParams(**{k: v for k, v in kw.items() if v is not None})
 
 
 def chat_messages(messages: Iterable[Message]) -> list[llm_pb2.ChatMessage]:
@@ -79,11 +75,6 @@ def collect(responses: Iterable[llm_pb2.GenerateResponse]) -> tuple[str, llm_pb2
     return "".join(parts), final
 
 
-def finish_reason_name(response: llm_pb2.GenerateResponse) -> str:
-    """``stop``, ``length``, ``abort`` (or ``unspecified``) for a final response."""
-    return common_pb2.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
-
-
 class Client:
     """Synchronous client of one gateway. ``rpc_timeout`` bounds the unary calls (seconds).
 
@@ -102,7 +93,7 @@ class Client:
         self.rpc_timeout = rpc_timeout
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         if tls or tls_ca_file:
-            from kvmesh.tls import channel_credentials
+            from kvmesh.core.tls import channel_credentials
             creds = channel_credentials(tls_ca_file or "", prefix="client ")
             self.channel = grpc.secure_channel(address, creds, options=options or [])
         else:
@@ -119,7 +110,8 @@ class Client:
         ``cache_salt`` partitions the prefix cache within the caller's tenant."""
         if (prompt is None) == (token_ids is None):
             raise ValueError("give exactly one of prompt and token_ids")
-        req = llm_pb2.GenerateRequest(model=model, sampling=sampling(**sampling_kw), timeout=_duration(timeout),
+        req = llm_pb2.GenerateRequest(model=model, sampling=sampling_params_to_proto(**sampling_kw),
+                                      timeout=_duration(timeout),
                                       request_id=request_id, session_id=session_id, cache_salt=cache_salt)
         if prompt is not None:
             req.prompt = prompt
@@ -132,7 +124,8 @@ class Client:
         """Answer a conversation (rendered with the model's chat template); returns the
         streaming call. Keep one ``session_id`` per conversation: the router sends its turns
         to the replica that holds its prefix in the KV cache."""
-        req = llm_pb2.ChatRequest(model=model, messages=chat_messages(messages), sampling=sampling(**sampling_kw),
+        req = llm_pb2.ChatRequest(model=model, messages=chat_messages(messages),
+                                  sampling=sampling_params_to_proto(**sampling_kw),
                                   timeout=_duration(timeout), request_id=request_id, session_id=session_id,
                                   cache_salt=cache_salt)
         return self.stub.Chat(req, metadata=self.metadata)

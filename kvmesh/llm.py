@@ -9,16 +9,17 @@ tokenizer and chat template (transformers), incremental detokenization and stop 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from transformers import AutoTokenizer
-
 from gateway.detokenizer import IncrementalDetokenizer
-from kvmesh.config import EngineConfig
+from gateway.text import TextFront, load_tokenizer
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError, InvalidRequestError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine import EngineOutput, LLMEngine
-from scheduler.request import EngineError, FinishReason, SamplingParams, SpecDecodeCounts
+from scheduler.request import FinishReason, SpecDecodeCounts
 
 
 @dataclass
@@ -125,59 +126,12 @@ class _TextStream:
                              self.finish_reason is not None, m), stop_hit
 
 
-def _load_tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-class _TextFront:
-    """Prompt handling shared by LLM and AsyncLLM."""
-
-    tokenizer = None
-
-    def encode_prompt(self, prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """A string, a list of token ids or ``{"prompt_token_ids": [...]}`` → (text, ids).
-        Chat-templated text already holds its special tokens: pass ``add_special_tokens=False``."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise EngineError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if isinstance(prompt, dict):
-            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-            return self.encode_prompt(prompt, add_special_tokens)
-        if isinstance(prompt, Sequence):
-            return None, list(prompt)
-        raise EngineError(f"unsupported prompt type {type(prompt).__name__}")
-
-    @staticmethod
-    def cache_salt_of(prompt) -> str | None:
-        """The ``cache_salt`` of a prompt dict (``{"prompt": ..., "cache_salt": "..."}``, as
-        vLLM's): the request then shares cached KV blocks only with requests of the same salt.
-        None for other prompts. Raises EngineError when it is not a string."""
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and not isinstance(salt, str):
-            raise EngineError(f"cache_salt must be a string, got {type(salt).__name__}")
-        return salt
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Chat messages (``[{"role": ..., "content": ...}]``) → prompt text via the model's
-        chat template, with the assistant turn opened."""
-        if not messages or any(not isinstance(m, dict) or "role" not in m or "content" not in m for m in messages):
-            raise EngineError("messages must be a non-empty list of {role, content} objects")
-        if self.tokenizer.chat_template is None:
-            raise EngineError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages → prompt token ids (the template text already holds its special tokens)."""
-        return self.tokenizer.encode(self.apply_chat_template(messages), add_special_tokens=False)
-
-
-class LLM(_TextFront):
+class LLM(TextFront):
     """Offline batched generation.
 
     Args:
         model: a known model name (pulled on first use) or a checkpoint directory.
-        **kwargs: any :class:`kvmesh.config.EngineConfig` field (``dtype``, ``policy``,
+        **kwargs: any :class:`kvmesh.core.config.EngineConfig` field (``dtype``, ``policy``,
             ``enable_prefix_caching``, ``kv_cache_memory``, ``max_num_seqs`` ...).
     Raises:
         EngineError: unknown model or unservable settings.
@@ -185,7 +139,7 @@ class LLM(_TextFront):
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
         self.engine = LLMEngine(EngineConfig.from_env(model=model, **kwargs))
-        self.tokenizer = _load_tokenizer(self.engine.model_dir)
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._counter = 0
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -198,7 +152,7 @@ class LLM(_TextFront):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise EngineError(f"{len(params)} sampling params for {len(prompts)} prompts")
+            raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
         streams: dict[str, _TextStream] = {}
         order = []
         try:
@@ -248,13 +202,13 @@ class LLM(_TextFront):
         return self.generate(ids, sampling_params, use_tqdm)
 
 
-class AsyncLLM(_TextFront):
+class AsyncLLM(TextFront):
     """Streaming generation on a background engine loop. Construct inside an event loop
     (``await AsyncLLM.create(...)``-free: the constructor just needs a running loop)."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
         self.engine = AsyncEngine(LLMEngine(EngineConfig.from_env(model=model, **kwargs)))
-        self.tokenizer = _load_tokenizer(self.engine.engine.model_dir)
+        self.tokenizer = load_tokenizer(self.engine.engine.model_dir)
 
     async def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None
                           ) -> AsyncIterator[RequestOutput]:

@@ -33,6 +33,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kvmesh.core.errors import SettingsError
+from kvmesh.core.net import connect_address, host_port
+
 
 def announce(message: str) -> None:
     print(f"kvmesh: {message}", file=sys.stderr, flush=True)
@@ -45,19 +48,6 @@ def announce_metrics(name: str, server) -> None:
     health = getattr(server, "health_server", None)
     if health is not None:
         announce(f"{name} health checks (plaintext) on {connect_address(server.host, health.health_port)}")
-
-
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def connect_address(host: str, port: int) -> str:
-    """Where a local client reaches a service bound to ``host`` (a wildcard → loopback)."""
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host in ("::", "[::]"):
-        host = "::1"
-    return host_port(host, port)
 
 
 @dataclass
@@ -121,7 +111,7 @@ async def start_gateway(mesh: Mesh, gw_cfg) -> None:
                  f"{server.http.url})")
     sched = mesh.scheduler
     if server.metrics is not None and sched is not None:    # one process: one endpoint for both
-        from kvmesh.metrics import include_registry
+        from kvmesh.core.metrics import include_registry
         include_registry(server.path.metrics.registry, sched.service.metrics.registry)
         announce(f"metrics (gateway and scheduler) on {server.metrics.url}")
     else:
@@ -130,16 +120,15 @@ async def start_gateway(mesh: Mesh, gw_cfg) -> None:
 
 async def start_mesh(mesh: Mesh, sched_cfg, engine_cfg, gw_cfg) -> None:
     """Start a scheduler, then a gateway pointed at it (``gw_cfg.scheduler_address`` is
-    replaced by the scheduler's bound address). Raises EngineError, before starting either,
+    replaced by the scheduler's bound address). Raises SettingsError, before starting either,
     when the scheduler listens with TLS (or mutual TLS) and the gateway has no CA (or client
     certificate) to dial it with."""
-    from scheduler.request import EngineError
     if sched_cfg.tls_cert_file and not gw_cfg.scheduler_tls_ca_file:
-        raise EngineError("--scheduler-tls-cert-file: the gateway needs --scheduler-tls-ca-file to dial a TLS "
-                          "scheduler")
+        raise SettingsError("--scheduler-tls-cert-file: the gateway needs --scheduler-tls-ca-file to dial a TLS "
+                            "scheduler")
     if sched_cfg.tls_client_ca_file and not gw_cfg.scheduler_tls_client_cert_file:
-        raise EngineError("--scheduler-tls-client-ca-file: the gateway needs --scheduler-tls-client-cert-file and "
-                          "--scheduler-tls-client-key-file for a scheduler requiring client certificates")
+        raise SettingsError("--scheduler-tls-client-ca-file: the gateway needs --scheduler-tls-client-cert-file and "
+                            "--scheduler-tls-client-key-file for a scheduler requiring client certificates")
     await start_scheduler(mesh, sched_cfg, engine_cfg)
     if not mesh.stopping.is_set():              # a signal while the scheduler loaded: stop here
         await start_gateway(mesh, gw_cfg.replace(scheduler_address=mesh.scheduler_address))

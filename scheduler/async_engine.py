@@ -12,8 +12,10 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
+from kvmesh.core.errors import DependencyUnavailableError, DuplicateRequestError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.engine import EngineOutput, EngineStats, LLMEngine, run_engine_loop
-from scheduler.request import DuplicateRequestError, EngineError, FinishReason, SamplingParams
+from scheduler.request import FinishReason
 
 
 class OutputStreams:
@@ -157,7 +159,7 @@ class AsyncEngine(OutputStreams):
         """Queue a request; returns the queue its :class:`EngineOutput`s arrive on. Raises
         EngineError at once for a request that cannot be served."""
         if self.errored is not None:
-            raise EngineError(f"engine loop died: {self.errored!r}")
+            raise DependencyUnavailableError(f"engine loop died: {self.errored!r}")
         q: asyncio.Queue = asyncio.Queue()
         try:
             self.engine.add_request(engine_id, prompt_token_ids, params, traceparent=traceparent,
@@ -203,7 +205,7 @@ class AsyncEngine(OutputStreams):
             run_engine_loop(self.engine, lambda: self._stop, self._wait, self._emit)
         except BaseException as e:  # surface to every waiting caller
             self.errored = e
-            self._loop.call_soon_threadsafe(self._fail_all, EngineError(f"engine loop died: {e!r}"))
+            self._loop.call_soon_threadsafe(self._fail_all, DependencyUnavailableError(f"engine loop died: {e!r}"))
 
     async def shutdown(self) -> None:
         self._stop = True

@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import InvalidRequestError, SettingsError
+from kvmesh.core.sampling import SamplingParams
 from kvstore.events import HOST, POOL, KVEventSink
 from kvstore.hashing import seed_hash
 from scheduler.batching import make_scheduler
 from scheduler.block_manager import BlockManager, BlockStats
-from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams, SpecDecodeCounts
+from scheduler.request import FinishReason, Request, RequestStatus, SpecDecodeCounts
 from scheduler.scheduler import SchedulerOutput
 
 
@@ -148,17 +150,17 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig, *, executor=None, executor_factory=None,
                  kv_event_sink: KVEventSink | None = None, num_blocks: int | None = None):
-        from workers.registry import resolve_model   # a known name is pulled on first use
+        from kvmesh.hub import resolve_model   # a known name is pulled on first use
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        from workers.loader import load_config
+        from workers.checkpoint import load_config
         mcfg = load_config(self.model_dir)
         limit = min(mcfg.max_position_embeddings, 8192)
         if cfg.max_model_len > mcfg.max_position_embeddings:
-            raise EngineError(f"max_model_len {cfg.max_model_len} exceeds the model's "
-                              f"max_position_embeddings {mcfg.max_position_embeddings}")
+            raise SettingsError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                                f"max_position_embeddings {mcfg.max_position_embeddings}")
         self.cfg = cfg = cfg.replace(max_model_len=cfg.max_model_len or limit)
         self.model_config = mcfg
         if executor is None and executor_factory is not None:
@@ -195,9 +197,9 @@ class LLMEngine:
         if not cfg.kv_offload:
             return None
         if not cfg.enable_prefix_caching:
-            raise EngineError("KV offload (kv_offload_host_memory, kv_offload_redis_url) needs prefix caching")
+            raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) needs prefix caching")
         if not hasattr(executor, "save_blocks"):
-            raise EngineError(f"KV offload: executor {type(executor).__name__} cannot save or load KV blocks")
+            raise SettingsError(f"KV offload: executor {type(executor).__name__} cannot save or load KV blocks")
         from kvstore.tiers import BlockLayout, KVTiers
         from workers.kv_cache import is_quantized, kv_dtype
         dt = kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype)
@@ -216,18 +218,18 @@ class LLMEngine:
                     traceparent: str | None = None, cache_salt: str | None = None) -> Request:
         """Queue a request. Raises EngineError (empty prompt, token id out of range, too
         long for max_model_len or for the whole KV pool, duplicate id). ``traceparent``: W3C
-        trace context handed to the workers with the request's steps (kvmesh/telemetry.py).
+        trace context handed to the workers with the request's steps (kvmesh/core/telemetry.py).
         ``cache_salt``: the request reuses (and offers) cached KV blocks only among requests
         of the same salt (:func:`kvstore.hashing.salted_seed`); None or "" = no salt."""
         self.num_added += 1
         params = params or SamplingParams()
         params.validate()
         if not prompt_token_ids:
-            raise EngineError("prompt is empty")
+            raise InvalidRequestError("prompt is empty")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
-            raise EngineError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         req = Request(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, self.eos_token_ids,
                       arrival_time=arrival_time or time.monotonic(), traceparent=traceparent,
                       cache_salt=cache_salt or "")

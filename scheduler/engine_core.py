@@ -33,10 +33,12 @@ from collections import deque
 
 import msgpack
 
+from kvmesh.core.errors import DependencyUnavailableError, EngineError, error_name, rebuild
+from kvmesh.core.sampling import SamplingParams
 from kvstore.events import REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler.async_engine import OutputStreams
 from scheduler.engine import EngineInfo, EngineOutput, EngineStats
-from scheduler.request import EngineError, FinishReason, SamplingParams
+from scheduler.request import FinishReason
 
 log = logging.getLogger("kvmesh.scheduler")
 
@@ -144,7 +146,7 @@ class EngineCore:
                     eng.add_request(rid, prompt, SamplingParams(**params), arrival_time=arrival,
                                     traceparent=traceparent, cache_salt=cache_salt)
                 except EngineError as e:
-                    self._rejected.append([rid, str(e)])
+                    self._rejected.append([rid, error_name(e), str(e)])   # the class crosses too
             elif kind == ABORT:
                 eng.abort_request(msg[1])
             elif kind == FINISH:
@@ -183,7 +185,7 @@ def engine_core_main(engine_cfg, sched_cfg, replica: int, conn_in, conn_out, col
     engine = None
     try:
         import torch
-        from kvmesh.config import available_cpus
+        from kvmesh.core.config import available_cpus
         from scheduler.engine import LLMEngine
         from workers.executor import create_executor
 
@@ -202,14 +204,14 @@ def engine_core_main(engine_cfg, sched_cfg, replica: int, conn_in, conn_out, col
     except BaseException as e:
         detail = str(e) if isinstance(e, EngineError) else f"{e!r}\n{traceback.format_exc()}"
         try:
-            conn_out.send_bytes(_pack([FATAL, detail]))
+            conn_out.send_bytes(_pack([FATAL, detail, error_name(e)]))
         except OSError:
             pass
     finally:
         if engine is not None:
             engine.shutdown()
         try:
-            from kvmesh import telemetry
+            from kvmesh.core import telemetry
             telemetry.shutdown_tracing()
         except Exception:
             pass
@@ -276,15 +278,15 @@ class EngineCoreClient(OutputStreams):
 
     def _recv_first(self, timeout: float | None):
         if not self._out.poll(timeout):
-            raise EngineError(f"replica {self.replica}: the engine process did not load within {timeout} s")
+            raise DependencyUnavailableError(f"replica {self.replica}: the engine process did not load within {timeout} s")
         try:
             msg = _unpack(self._out.recv_bytes())
         except (EOFError, OSError):
             self._reap(5.0)
-            raise EngineError(f"replica {self.replica}: the engine process exited while loading "
-                              f"(exit code {self.process.exitcode})") from None
+            raise DependencyUnavailableError(f"replica {self.replica}: the engine process exited while loading "
+                                             f"(exit code {self.process.exitcode})") from None
         if msg[0] == FATAL:
-            raise EngineError(msg[1])
+            raise rebuild(msg[2], msg[1])     # the core's error, of its class (SettingsError ...)
         return msg
 
     # ---- requests (event loop) ---------------------------------------------------------------
@@ -299,7 +301,7 @@ class EngineCoreClient(OutputStreams):
         serve ends its stream with EngineError (the core's message). Raises EngineError when
         the core is down."""
         if self.errored is not None:
-            raise EngineError(f"replica {self.replica}: engine process down: {self.errored}")
+            raise DependencyUnavailableError(f"replica {self.replica}: engine process down: {self.errored}")
         params = params or SamplingParams()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[engine_id] = q
@@ -311,7 +313,7 @@ class EngineCoreClient(OutputStreams):
                         traceparent, time.monotonic(), cache_salt or ""])
         except (OSError, ValueError) as e:
             self._queues.pop(engine_id, None)
-            error = EngineError(f"replica {self.replica}: engine process down: {e!r}")
+            error = DependencyUnavailableError(f"replica {self.replica}: engine process down: {e!r}")
             self._died(error)                # the core is gone and the reader has not said so yet
             raise error from None
         return q
@@ -362,14 +364,14 @@ class EngineCoreClient(OutputStreams):
                 if msg[0] == STEP:
                     self._on_step(msg)
                 elif msg[0] == FATAL:
-                    raise EngineError(f"replica {self.replica}: engine loop died: {msg[1]}")
+                    raise DependencyUnavailableError(f"replica {self.replica}: engine loop died: {msg[1]}")
         except BaseException as e:
             if self._closing:
                 return
             if not isinstance(e, EngineError):
                 self._reap(2.0)
                 why = f" ({self._kill_reason})" if self._kill_reason else ""
-                e = EngineError(f"replica {self.replica}: the engine process (pid {self.pid}) exited "
+                e = DependencyUnavailableError(f"replica {self.replica}: the engine process (pid {self.pid}) exited "
                                 f"(exit code {self.process.exitcode}){why}")
             self._loop.call_soon_threadsafe(self._died, e)
 
@@ -397,8 +399,8 @@ class EngineCoreClient(OutputStreams):
             self._loop.call_soon_threadsafe(self._step_done, outputs, rejected)
 
     def _step_done(self, outputs: list[EngineOutput], rejected: list[list]) -> None:
-        for rid, message in rejected:
-            self._fail(rid, EngineError(message))
+        for rid, name, message in rejected:
+            self._fail(rid, rebuild(name, message))
         if outputs:
             self._deliver(outputs)
 

@@ -15,11 +15,11 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core.config import EngineConfig, SchedulerConfig
 from kvmesh.v1 import scheduler_pb2
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine import EngineStats, LLMEngine
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 from scheduler.router import ReplicaLoad
 
 _TIER_STATS = [f.name for f in dataclasses.fields(EngineStats) if f.name.startswith("kv_tier_")]  # ReplicaStats too

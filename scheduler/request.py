@@ -1,4 +1,4 @@
-"""Request and sequence state, sampling parameters.
+"""Request and sequence state.
 
 A :class:`Request` is one generation: its prompt token ids, the token ids generated so far,
 its sampling parameters and the scheduler's bookkeeping (status, block table, how many of its
@@ -8,95 +8,10 @@ tokens already have K/V in the cache). Token ids are Python ints; nothing here t
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (bad parameters, too long, ...). The message says why."""
-
-
-class DuplicateRequestError(EngineError):
-    """A request id that is already in flight (gRPC: ALREADY_EXISTS)."""
-
-
-@dataclass
-class SamplingParams:
-    """How to pick each next token and when to stop.
-
-    Defaults follow vLLM: ``temperature=1.0`` samples from the model's distribution; ``0``
-    means greedy. ``top_k=-1`` / ``top_p=1.0`` / ``min_p=0.0`` disable those filters.
-    Penalties follow the OpenAI definition for presence/frequency (subtracted from the
-    logits of tokens already generated) and the CTRL paper (Keskar et al. 2019) for
-    repetition (logit divided by it when positive, multiplied when negative, over prompt
-    and output tokens).
-
-    Stopping: EOS (unless ``ignore_eos``), any id in ``stop_token_ids``, any string in
-    ``stop`` (never included in the output text), or ``max_tokens`` generated tokens.
-    No stop condition but ``max_tokens`` applies before ``min_tokens`` tokens exist.
-    ``logprobs=n`` returns the n most likely tokens' log-probabilities at every step, plus
-    the sampled token's.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise :class:`EngineError` naming the first bad field."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise EngineError(f"{name} must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            raise EngineError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise EngineError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise EngineError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise EngineError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise EngineError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise EngineError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise EngineError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is None or self.max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise EngineError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise EngineError("stop strings must be non-empty strings")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise EngineError("stop_token_ids must be non-negative integers")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise EngineError(f"logprobs must be in [0, 20], got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from kvmesh.core.sampling import SamplingParams
 
 
 class SpecDecodeCounts:

@@ -9,9 +9,9 @@ import time
 
 import grpc
 
-from kvmesh import telemetry
+from kvmesh.core import telemetry
 from scheduler.engine import EngineOutput
-from scheduler.request import SamplingParams
+from kvmesh.core.sampling import SamplingParams
 
 
 def start_request_span(tracer, context, model: str, request, rid: str, replica, params: SamplingParams):

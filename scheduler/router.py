@@ -48,11 +48,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvmesh.core.config import ROUTING_POLICIES
 from kvstore.events import HOST, POOL
 from kvstore.hashing import hash_blocks
 from kvstore.index import IndexUnavailable
 
-ROUTING_POLICIES = ("prefix", "load", "round_robin", "random")
 HOST_TIER_WEIGHT = 0.9      # a block in the replica's own host tier, against one in its pool
 SHARED_TIER_WEIGHT = 0.5    # a block loadable from the shared KV tier, against one in the replica's pool
 MAX_SESSIONS = 100_000      # session affinities kept (least recently routed dropped first)

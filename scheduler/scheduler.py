@@ -20,8 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvmesh.core.errors import CapacityError, DuplicateRequestError, InvalidRequestError
 from scheduler.block_manager import BlockManager
-from scheduler.request import DuplicateRequestError, EngineError, FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus
 
 
 @dataclass
@@ -93,17 +94,18 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a request. Raises EngineError (DuplicateRequestError for an id in use) if it
-        can never be served."""
+        """Queue a request. Raises DuplicateRequestError for an id in use, InvalidRequestError if
+        it can never fit ``max_model_len``, CapacityError if this replica can never hold it (KV
+        pool, unchunked prefill budget)."""
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"duplicate request id {req.request_id!r}")
         total = req.num_prompt_tokens + req.sampling_params.max_tokens
         if total > self.max_model_len:
-            raise EngineError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                              f"({req.sampling_params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
+            raise InvalidRequestError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                                      f"({req.sampling_params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
         if self.bm.blocks_needed(total) > self.bm.num_blocks:
-            raise EngineError(f"request needs {self.bm.blocks_needed(total)} KV blocks of {self.bm.block_size} tokens; "
-                              f"the whole pool has {self.bm.num_blocks} (raise --kv-cache-memory)")
+            raise CapacityError(f"request needs {self.bm.blocks_needed(total)} KV blocks of {self.bm.block_size} tokens; "
+                                f"the whole pool has {self.bm.num_blocks} (raise --kv-cache-memory)")
         self._check_servable(req, total)
         req.spec_k = self.num_speculative_tokens
         self.requests[req.request_id] = req
@@ -111,7 +113,7 @@ class Scheduler:
 
     def _check_servable(self, req: Request, total: int) -> None:
         """The policy's own admission check of a request of ``total`` tokens at most (prompt +
-        max_tokens). Raises EngineError."""
+        max_tokens). Raises CapacityError."""
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

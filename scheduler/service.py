@@ -15,10 +15,11 @@ A request's ``cache_salt`` goes into its block hashes (:mod:`kvstore.hashing`): 
 its replica's block manager hash its prompt under it, so it shares cached blocks only with
 requests of the same salt (per-tenant isolation; the gateway sets the salt).
 
-Errors are gRPC statuses: INVALID_ARGUMENT (a request the engine cannot serve: bad sampling
-value, empty or too long prompt, token id outside the vocabulary, cache_salt over 256 characters), ALREADY_EXISTS (request id
-in flight), RESOURCE_EXHAUSTED (the chosen replica's waiting queue is full), UNAVAILABLE
-(loading, shutting down, or no healthy replica). Cancelling a ``Submit`` call aborts its
+Errors are gRPC statuses, by the class of the error (:mod:`kvmesh.core.status`): INVALID_ARGUMENT
+(a bad request: bad sampling value, empty or too long prompt, token id outside the vocabulary,
+cache_salt over 256 characters), ALREADY_EXISTS (request id in flight), RESOURCE_EXHAUSTED (the
+chosen replica's waiting queue is full, or its KV pool can never hold the request), UNAVAILABLE
+(loading, shutting down, no healthy replica, or the replica's engine failed). Cancelling a ``Submit`` call aborts its
 request and frees its KV blocks.
 """
 
@@ -26,77 +27,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
 import uuid
 from urllib.parse import urlsplit
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
-from kvmesh import telemetry
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core import telemetry
+from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.errors import (CapacityError, DependencyUnavailableError, DuplicateRequestError, EngineError,
+                                InvalidRequestError)
+from kvmesh.core.grpc_server import GrpcServer, Service, open_server
+from kvmesh.core.proto import finish_reason_to_proto, sampling_params_from_proto, timings_to_proto, usage_to_proto
+from kvmesh.core.status import abort
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
 from scheduler.engine import EngineOutput
 from scheduler.replica import (Replica, build_engine_threads, close_engine_loop, restart_engine_process,
                                start_engine_processes, watch_steps)
-from scheduler.request import DuplicateRequestError, EngineError, FinishReason, SamplingParams
 from scheduler.request_span import end_request_span, start_request_span
 from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, Router, RouterStats
 
 log = logging.getLogger("kvmesh.scheduler")
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
-_SERVING, _NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-_FINISH = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-           FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
 MAX_CACHE_SALT = 256      # characters of SubmitRequest.cache_salt
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "max_tokens", "logprobs", "skip_special_tokens")
-
-
-def sampling_params_from_proto(msg: common_pb2.SamplingParams, *, default_max_tokens: int = 16) -> SamplingParams:
-    """Engine sampling parameters from the proto message. Unset optional fields take the
-    engine's defaults; unset ``max_tokens`` takes ``default_max_tokens`` (tokens).
-    Raises EngineError naming the first bad field."""
-    kw = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    kw.setdefault("max_tokens", default_max_tokens)
-    return SamplingParams(min_tokens=msg.min_tokens, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
-                          ignore_eos=msg.ignore_eos, **kw)
 
 
 def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitResponse:
-    """One stream message. The last (``finished``) carries reason, usage and timings (seconds;
-    0 where an event never happened, e.g. the ttft of a request aborted before its first token).
-    Earlier ones carry the usage known so far where it is not zero: ``cached_prompt_tokens`` on
-    the first with tokens, the speculative counts (cumulative) on each of a speculating request."""
+    """One stream message. The last (``finished``) carries reason, usage and timings
+    (:mod:`kvmesh.core.proto`). Earlier ones carry the usage known so far where it is not zero:
+    ``cached_prompt_tokens`` on the first with tokens, the speculative counts (cumulative) on each
+    of a speculating request."""
     msg = scheduler_pb2.SubmitResponse(
         request_id=rid, token_ids=o.new_token_ids, replica=replica,
         logprobs=[common_pb2.TokenLogprobs(logprobs=lp) for lp in o.new_logprobs])
     if o.finished:
-        end = o.finished_time or time.monotonic()
-        first_tok = o.first_token_time
         msg.finished = True
-        msg.finish_reason = _FINISH.get(o.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+        msg.finish_reason = finish_reason_to_proto(o.finish_reason)
         msg.stop_reason = "" if o.stop_reason is None else str(o.stop_reason)
-        msg.usage.CopyFrom(common_pb2.Usage(prompt_tokens=o.num_prompt_tokens, completion_tokens=o.num_output_tokens,
-                                            cached_prompt_tokens=o.num_cached_tokens,
-                                            spec_num_drafts=o.num_drafts, spec_num_draft_tokens=o.num_draft_tokens,
-                                            spec_num_accepted_tokens=o.num_accepted_tokens))
-        msg.timings.CopyFrom(common_pb2.Timings(
-            queue_time=(o.first_scheduled_time or end) - o.arrival_time,
-            ttft=first_tok - o.arrival_time if first_tok else 0.0,
-            decode_time=end - first_tok if first_tok else 0.0,
-            e2e_latency=end - o.arrival_time))
+        msg.usage.CopyFrom(usage_to_proto(o))
+        msg.timings.CopyFrom(timings_to_proto(o))
     elif o.num_drafts or (o.num_cached_tokens and o.num_output_tokens == len(o.new_token_ids)):
         # what is known so far, for a caller that ends the request itself (the gateway on a
         # stop string): cached prompt tokens once (first tokens), speculation counts as they grow
-        msg.usage.CopyFrom(common_pb2.Usage(cached_prompt_tokens=o.num_cached_tokens, spec_num_drafts=o.num_drafts,
-                                            spec_num_draft_tokens=o.num_draft_tokens,
-                                            spec_num_accepted_tokens=o.num_accepted_tokens))
+        msg.usage.CopyFrom(usage_to_proto(o, final=False))
     return msg
 
 
@@ -125,7 +101,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.restarting: set[int] = set()           # replicas whose engine process is being restarted
         self.stopping = False
         self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
-        from kvmesh.metrics import SchedulerMetrics
+        from kvmesh.core.metrics import SchedulerMetrics
         self.metrics = SchedulerMetrics(engine_cfg.model, self)
 
     def start(self, engines: list) -> None:
@@ -174,10 +150,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def _check_available(self, context) -> None:
         """Abort the call with UNAVAILABLE while loading or shutting down."""
         if self.stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down; retry on another one")
+            await abort(context, DependencyUnavailableError("the scheduler is shutting down; retry on another one"))
         if not self.replicas:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler is still loading its "
-                                f"{self.sched_cfg.replicas} replica(s); retry when its health check says SERVING")
+            await abort(context, DependencyUnavailableError(
+                f"the scheduler is still loading its {self.sched_cfg.replicas} replica(s); retry when its health "
+                "check says SERVING"))
 
     async def Submit(self, request, context):
         """Stream the request's new token ids (an empty ``request_id`` gets a generated one).
@@ -188,18 +165,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         try:
             params = sampling_params_from_proto(request.sampling)
         except EngineError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {e}")
+            await abort(context, e, "sampling: ")
         if len(request.cache_salt) > MAX_CACHE_SALT:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cache_salt: {len(request.cache_salt)} characters "
-                                f"exceeds {MAX_CACHE_SALT}")
+            await abort(context, InvalidRequestError(f"cache_salt: {len(request.cache_salt)} characters exceeds "
+                                                     f"{MAX_CACHE_SALT}"))
         prompt = list(request.prompt_token_ids)
         replica = await self._pick(context, request.session_id, prompt, request.cache_salt)
         if rid in self.requests:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+            await abort(context, DuplicateRequestError(f"request id {rid!r} is already in flight"))
         if replica.num_waiting() >= self.sched_cfg.max_queued_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"replica {replica.index} has {self.sched_cfg.max_queued_requests} requests waiting "
-                                "(max_queued_requests); retry later with backoff")
+            await abort(context, CapacityError(f"replica {replica.index} has {self.sched_cfg.max_queued_requests} "
+                                               "requests waiting (max_queued_requests); retry later with backoff"))
         # No await between the pick above and the first __anext__ below (which adds the request
         # to the engine): concurrent Submits see each other's load.
         self.requests[rid] = replica
@@ -214,12 +190,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                     last = out
                     if out.new_token_ids or out.finished:
                         await context.write(_response(rid, replica.index, out))
-        except DuplicateRequestError as e:        # an id another stream of the replica still has
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except EngineError as e:
+        except EngineError as e:        # e.g. DuplicateRequestError: an id another stream of the replica still has
             if aengine.errored is not None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"replica {replica.index} failed: {e}")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await abort(context, DependencyUnavailableError(f"replica {replica.index} failed: {e}"))
+            await abort(context, e)
         finally:
             self.requests.pop(rid, None)
             self.tenants.pop(rid, None)
@@ -243,7 +217,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 comes_back = self.sched_cfg.restart_replicas and self.sched_cfg.engine_process
                 if not comes_back or self.stopping or waited >= bound:
                     extra = f"; waited {waited:.1f} s for a restarting replica" if waited > 0.05 else ""
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}{extra}")
+                    await abort(context, DependencyUnavailableError(f"{e}{extra}"))
                 await asyncio.sleep(0.05)
 
     async def Abort(self, request, context):
@@ -278,19 +252,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         return sum(replica.aengine.abort(rid) for rid, replica in list(self.requests.items()))
 
 
-class SchedulerServer:
-    """A running scheduler service. ``port`` is the bound port, ``address`` is ``host:port``;
-    ``metrics`` is its Prometheus endpoint (:class:`kvmesh.metrics.MetricsServer`), None when off."""
+class SchedulerServer(Service):
+    """A running scheduler service on the gRPC scaffold ``rpc``
+    (:class:`kvmesh.core.grpc_server.GrpcServer`). ``port`` is the bound port, ``address`` is
+    ``host:port``; ``metrics`` is its Prometheus endpoint (:class:`kvmesh.core.metrics.MetricsServer`),
+    None when off; ``health_server`` the plaintext health-only port, None when off."""
 
-    def __init__(self, server: grpc.aio.Server, service: SchedulerService, health_servicer, host: str, port: int):
-        self.server, self.service, self.health = server, service, health_servicer
-        self.host, self.port, self.address = host, port, f"{host}:{port}"
-        self.metrics = None
-        self.health_server = None           # the plaintext health-only port (kvmesh.tls), None when off
+    def __init__(self, rpc: GrpcServer, service: SchedulerService):
+        super().__init__(rpc)
+        self.service = service
         self._load_task: asyncio.Task | None = None
         self._stopped = False
         self._tasks: set[asyncio.Task] = set()      # restarts, the watchdog
-        self._health_status = _NOT_SERVING
         self._engine_sched_cfg = service.sched_cfg   # what engine processes get (Ray address resolved)
 
     async def _load(self) -> None:
@@ -323,9 +296,7 @@ class SchedulerServer:
         if sc.engine_process and sc.step_timeout:
             self._tasks.add(asyncio.ensure_future(watch_steps(lambda: self.service.replicas, sc.step_timeout,
                                                               lambda: self.service.stopping)))
-        self._health_status = _SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, _SERVING)
+        await self.rpc.set_serving(True)
         log.info("scheduler serving on %s: %d replica(s) loaded in %.1f s", self.address, sc.replicas,
                  time.monotonic() - t0)
 
@@ -344,17 +315,15 @@ class SchedulerServer:
     def _update_health(self) -> None:
         """SERVING while at least one replica is up, NOT_SERVING (with a log line) while none is."""
         up = sum(r.healthy for r in self.service.replicas)
-        status = _SERVING if up else _NOT_SERVING
-        if status == self._health_status or self.service.stopping:
+        if bool(up) == self.rpc.serving or self.service.stopping:
             return
-        self._health_status = status
+        self.rpc.serving = bool(up)
         if not up:
             log.error("no replica is up (0 of %d): the scheduler reports NOT_SERVING%s", len(self.service.replicas),
                       " until one is restarted" if self.service.restarting else "")
         else:
             log.warning("%d of %d replica(s) up: the scheduler reports SERVING", up, len(self.service.replicas))
-        for name in ("", SERVICE_NAME):
-            asyncio.ensure_future(self.health.set(name, status))
+        asyncio.ensure_future(self.rpc.set_serving(bool(up)))
 
     async def _restart(self, replica: Replica) -> None:
         """Restart a dead replica's engine process (:func:`scheduler.replica.restart_engine_process`)."""
@@ -376,9 +345,6 @@ class SchedulerServer:
         model or settings)."""
         await asyncio.shield(self._load_task)
 
-    async def wait_for_termination(self) -> None:
-        await self.server.wait_for_termination()
-
     async def stop(self, grace: float = 5.0) -> None:
         """Go NOT_SERVING, abort in-flight requests, stop the server (handlers get ``grace``
         seconds to send their final message), then shut the engines and executors down."""
@@ -386,7 +352,7 @@ class SchedulerServer:
             return
         self._stopped = True
         self.service.stopping = True
-        await self.health.enter_graceful_shutdown()
+        await self.rpc.enter_graceful_shutdown()
         if self._tasks:                    # restarts see `stopping` and end; the watchdog is cancelled
             done, pending = await asyncio.wait(self._tasks, timeout=30)
             for t in pending:
@@ -397,59 +363,32 @@ class SchedulerServer:
         n = self.service.abort_all()
         if n:
             log.info("aborted %d in-flight request(s)", n)
-        await self.server.stop(grace)
-        if self.health_server is not None:
-            await self.health_server.stop(None)
+        await self.rpc.stop(grace)
         await self.service.close_index()
         for r in self.service.replicas:
             await r.shutdown()
-        for name in (telemetry.SCHEDULER, telemetry.WORKER):     # WORKER: spans of in-process executors
-            await asyncio.to_thread(telemetry.shutdown_tracing, name)
-        if self.metrics is not None:
-            await asyncio.to_thread(self.metrics.stop)
+        # WORKER: the spans of in-process executors
+        await self.rpc.close(tracing=[telemetry.SCHEDULER, telemetry.WORKER])
 
 
 async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) -> SchedulerServer:
     """Start the scheduler service on ``sched_cfg.host:port`` (port 0 = a free port) and begin
     loading the replicas in the background; health is NOT_SERVING until they have loaded
     (``await server.wait_ready()``). Prometheus metrics on ``sched_cfg.host:metrics_port`` when it
-    is not -1 (:mod:`kvmesh.metrics`). With ``tls_cert_file`` it listens with TLS only, with
-    ``tls_client_ca_file`` also requiring client certificates of that CA (:mod:`kvmesh.tls`).
-    Raises EngineError if an address cannot be bound or a TLS file cannot be read."""
-    from kvmesh import tls
+    is not -1 (:mod:`kvmesh.core.metrics`). With ``tls_cert_file`` it listens with TLS only, with
+    ``tls_client_ca_file`` also requiring client certificates of that CA (:mod:`kvmesh.core.tls`).
+    Raises DependencyUnavailableError if an address cannot be bound, SettingsError if a TLS file
+    cannot be read or the TLS settings do not go together."""
+    from kvmesh.core import tls
     sched_cfg.check_tls()
     creds = (tls.server_credentials(sched_cfg.tls_cert_file, sched_cfg.tls_key_file, sched_cfg.tls_client_ca_file)
              if sched_cfg.tls_cert_file else None)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])   # a port in use is an error, not shared
     service = SchedulerService(sched_cfg, engine_cfg)
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, _NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    addr = f"{sched_cfg.host}:{sched_cfg.port}"
-    try:
-        port = server.add_secure_port(addr, creds) if creds else server.add_insecure_port(addr)
-    except RuntimeError as e:           # grpc raises "Failed to bind to address ..."
-        await server.stop(None)
-        raise EngineError(f"cannot listen on {addr} ({e}): is the port in use? choose another port "
-                          "(0 = any free port)") from None
-    from kvmesh.metrics import start_metrics_server
-    try:
-        metrics = start_metrics_server(service.metrics.registry, sched_cfg.host, sched_cfg.metrics_port)
-    except EngineError:
-        await server.stop(None)
-        raise
-    try:
-        health_port = await tls.serve_health_port(health_servicer, sched_cfg.host, sched_cfg.health_port)
-    except EngineError:
-        await server.stop(None)
-        if metrics is not None:
-            metrics.stop()
-        raise
-    await server.start()
-    srv = SchedulerServer(server, service, health_servicer, sched_cfg.host, port)
-    srv.metrics, srv.health_server = metrics, health_port
+    rpc = await open_server(SERVICE_NAME, sched_cfg.host, sched_cfg.port,
+                            functools.partial(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, service),
+                            credentials=creds, metrics_registry=service.metrics.registry,
+                            metrics_port=sched_cfg.metrics_port, health_port=sched_cfg.health_port)
+    await rpc.start()
+    srv = SchedulerServer(rpc, service)
     srv._load_task = asyncio.create_task(srv._load())
     return srv

@@ -29,7 +29,7 @@ import uuid
 import pytest
 import torch
 
-from scheduler.request import SamplingParams
+from kvmesh.core.sampling import SamplingParams
 from workers.executor import Completed
 
 torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
@@ -66,7 +66,7 @@ PROSE = (
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     return resolve_model("smollm2-135m-instruct")
 
 
@@ -132,7 +132,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 def make_engine(model, **kw):
     """An LLMEngine on ``model`` (name or directory). ``num_blocks`` sizes the KV pool."""
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import LLMEngine
     num_blocks = kw.pop("num_blocks", None)
     kw.setdefault("kv_cache_memory", 96 * 2**20)    # SmolLM2: 136 blocks of 16 tokens

@@ -15,7 +15,9 @@ from bench import faithfulness
 
 
 def _args(**kw) -> argparse.Namespace:
-    args = A.build_parser().parse_args([])
+    p = argparse.ArgumentParser()
+    A.add_arguments(p)
+    args = p.parse_args([])
     for k, v in kw.items():
         setattr(args, k, v)
     return args
@@ -143,3 +145,28 @@ def test_markdown_block_is_replaced_in_place(tmp_path):
     p.write_text("head\n" + p.read_text() + "tail\n")
     replace_block(p, "<!-- b -->", "<!-- e -->", "two\nlines")
     assert p.read_text() == "head\n<!-- b -->\ntwo\nlines\n<!-- e -->\ntail\n"
+
+
+def test_results_convention_of_the_bench_modules(tmp_path, capsys):
+    """bench/markdown.py: --out (older names as aliases), --markdown/--md, --table; the JSON, the
+    saved rows of both shapes, the Command line and tables of a markdown block."""
+    from bench import markdown as M
+
+    p = argparse.ArgumentParser()
+    M.add_output_args(p, markers="x", aliases=("--output",))
+    args = p.parse_args(["--output", str(tmp_path / "r.json"), "--md", "d.md", "--table", "a", "b"])
+    assert (args.out, args.markdown, args.table) == (str(tmp_path / "r.json"), "d.md", ["a", "b"])
+    M.write_json(tmp_path / "a.json", [{"k": 1}])
+    M.write_json(tmp_path / "b.json", {"meta": {}, "rows": [{"k": 2}]})
+    M.write_json("", {"not": "written"})
+    assert M.saved_rows([tmp_path / "a.json", tmp_path / "b.json"]) == [{"k": 1}, {"k": 2}]
+    args.table = [str(tmp_path / "a.json")]
+    assert M.print_saved_table(args, lambda rows: f"{len(rows)} rows") and capsys.readouterr().out == "1 rows\n"
+    args.table = None
+    assert not M.print_saved_table(args, lambda rows: "never")
+    meta = M.run_meta(M.command_line("prog", ["--x", "a b"]), elapsed_s=1200, workload="w", cpu="c")
+    assert meta["command"] == "prog --x 'a b'"
+    md = tmp_path / "d.md"
+    M.write_markdown(md, "<!-- b -->", "<!-- e -->", meta, M.md_table(("a", "b"), [(1, 2)]), "note")
+    assert md.read_text() == (f"<!-- b -->\nCommand: `prog --x 'a b'` ({meta['date']}, c, 20 min; w)\n\n"
+                              "| a | b |\n|---|---|\n| 1 | 2 |\n\nnote\n<!-- e -->\n")

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
 from workers.kv_cache import KVCache
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, paged_attention
 from workers.model_runner import CASCADE_MIN_BLOCKS, ModelRunner

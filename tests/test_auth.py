@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import auth
 from gateway.auth import ApiKeys, cache_salt
 from kvmesh.client import Client, collect
+from kvmesh.core.errors import EngineError
 from kvmesh.v1 import llm_pb2, llm_pb2_grpc
-from scheduler.request import EngineError
 
 ACME_1, ACME_2, GLOBEX = "sk-acme-0123456789abcdef", "sk-acme-rotated-fedcba9876", "sk-globex-00112233445566"
 KEYS_FILE = f"# tenants of the test\nacme:{ACME_1}\nacme:{ACME_2}\n\nglobex:{GLOBEX}\n"
@@ -173,7 +173,7 @@ class KeyedMesh:
 
     async def _start(self, smollm2_dir):
         from gateway.server import serve_gateway
-        from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+        from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
         from scheduler.service import serve_scheduler
         engine = dict(model=str(smollm2_dir), dtype="float32", kv_cache_memory=48 * 2**20, max_model_len=256)
         sched = await serve_scheduler(SchedulerConfig(**dict(dict(executor="local", port=0), **self.sched_kw)),

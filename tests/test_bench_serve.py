@@ -1,4 +1,4 @@
-"""``kvmesh bench serve`` (bench/serve.py): metrics from synthetic timelines (hand-computed),
+"""``kvmesh bench serve`` (bench/serve/): metrics from synthetic timelines (hand-computed),
 the arrival process, max-concurrency, multi-turn sessions (fake backends), the openai-chat backend
 against a real aiohttp SSE server on loopback, data sets and workload files, and one smoke run of
 the command against a real mesh (``kvmesh serve`` subprocess, SmolLM2, executor local)."""
@@ -15,7 +15,7 @@ from aiohttp import web
 
 from bench import serve
 from bench.serve import BenchRequest, RequestRecord, StreamTimer
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 
 MODEL = "smollm2-135m-instruct"
 

@@ -12,10 +12,11 @@ import sys
 import pytest
 import xxhash
 
+from kvmesh.core.sampling import SamplingParams
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, CollectingSink
 from kvstore.hashing import hash_block, hash_blocks, seed_hash
 from scheduler.block_manager import BlockManager
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request
 
 BS = 4
 SEED = seed_hash("unit-test")

@@ -22,10 +22,11 @@ import grpc
 import pytest
 
 from gateway.auth import cache_salt
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.events import BlockStored, CollectingSink
 from kvstore.hashing import hash_blocks, salted_seed
-from scheduler.request import EngineError, SamplingParams
 
 from test_auth import ACME_1, GLOBEX, KEYS_FILE, KeyedMesh   # tests/ is on sys.path (no __init__.py)
 
@@ -121,7 +122,7 @@ def mesh(smollm2_dir, redis_url, tmp_path_factory):
 
 
 def _chat_request(salt: str = "") -> llm_pb2.ChatRequest:
-    from bench import policydesk
+    import policydesk
     req = llm_pb2.ChatRequest(messages=[
         llm_pb2.ChatMessage(role="system", content=policydesk.system_message("paid_leave")),
         llm_pb2.ChatMessage(role="user", content="How many days of paid leave do I get in my first year?")],

@@ -1,4 +1,4 @@
-"""Tests for the ``kvmesh`` command line (kvmesh/cli.py), in-process through ``main([...])``
+"""Tests for the ``kvmesh`` command line (kvmesh/cli/, flags from kvmesh/core/flags.py), in-process through ``main([...])``
 and once through the installed console script. Real SmolLM2-135M weights; at most one model
 load per test."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh import cli
-from kvmesh.config import EngineConfig
+from kvmesh.core import flags
+from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
 
 MODEL = "smollm2-135m-instruct"
 
@@ -69,8 +70,15 @@ def test_generate_bad_arguments_exit_2(argv, message, capsys):
     assert "Traceback" not in err
 
 
+def option_dests(command: str) -> set[str]:
+    """The ``dest`` of every option of ``kvmesh <command>``."""
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    return {a.dest for a in sub.choices[command]._actions if a.option_strings}
+
+
 def test_every_engine_setting_has_a_flag(monkeypatch):
-    assert {f for _, f, _ in cli.ENGINE_FLAGS} == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert option_dests("generate") >= {f.name for f in dataclasses.fields(EngineConfig)}
     monkeypatch.setenv("KVMESH_BLOCK_SIZE", "32")       # env applies where no flag is given
     monkeypatch.setenv("KVMESH_MAX_NUM_SEQS", "3")      # a flag beats the env
     args = cli.build_parser().parse_args([
@@ -78,14 +86,81 @@ def test_every_engine_setting_has_a_flag(monkeypatch):
         "--kv-cache-memory", "512MiB", "--max-model-len", "256", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "128", "--policy", "static", "--no-prefix-caching",
         "--no-chunked-prefill", "--device", "cpu", "--num-threads", "1"])
-    cfg = EngineConfig.from_env(**cli.engine_kwargs(args))
+    cfg = EngineConfig.from_env(**flags.engine_kwargs(args))
     assert cfg == EngineConfig(model="m", dtype="bfloat16", kv_cache_dtype="float32", block_size=32,
                                kv_cache_memory=512 * 2**20, max_model_len=256, max_num_seqs=4,
                                max_num_batched_tokens=128, policy="static", enable_prefix_caching=False,
                                enable_chunked_prefill=False, device="cpu", num_threads=1)
-    defaults = EngineConfig.from_env(**cli.engine_kwargs(cli.build_parser().parse_args(
+    defaults = EngineConfig.from_env(**flags.engine_kwargs(cli.build_parser().parse_args(
         ["generate", "--prompt", "x"])))
     assert defaults.enable_prefix_caching and defaults.block_size == 32 and defaults.max_num_seqs == 3
+
+
+@pytest.mark.parametrize("cls, command", [(EngineConfig, "generate"), (SchedulerConfig, "scheduler"),
+                                          (GatewayConfig, "gateway")])
+def test_flags_are_generated_from_the_settings_fields(cls, command):
+    """Each field's flag carries the field's help and shows the dataclass default (stated once, in
+    the field); the flag's own default is None, so KVMESH_* variables apply when it is not given."""
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    prefix = {EngineConfig: "", SchedulerConfig: "scheduler_", GatewayConfig: "gateway_"}[cls]
+    actions = {a.dest: a for a in sub.choices[command]._actions if a.option_strings}
+    for f in dataclasses.fields(cls):
+        a = actions[prefix + f.name]
+        assert a.default is None and a.help.startswith(f.metadata["help"]), f.name
+        shown = flags._shown_default(f)
+        assert (f"(default: {shown})" in a.help) == bool(shown), (f.name, a.help)
+    if cls is EngineConfig:
+        assert "(default: 2GiB)" in actions["kv_cache_memory"].help
+    else:
+        assert "(default: off)" in actions[prefix + "metrics_port"].help
+
+
+def test_bool_flags_and_their_negations():
+    parse = lambda *a: flags.engine_kwargs(cli.build_parser().parse_args(["generate", "--prompt", "x", *a]))
+    kw = parse("--no-prefix-caching", "--compile", "--fixed-speculative-tokens", "--no-calibration")
+    assert (kw["enable_prefix_caching"], kw["enable_compile"], kw["speculative_adaptive"],
+            kw["enable_calibration"]) == (False, True, False, False)
+    kw = parse("--prefix-caching", "--no-compile")
+    assert (kw["enable_prefix_caching"], kw["enable_compile"], kw["speculative_adaptive"]) == (True, False, None)
+    args = cli.build_parser().parse_args(["scheduler", "--no-engine-process", "--no-restart-replicas",
+                                          "--metrics-port", "off"])
+    assert flags.scheduler_kwargs(args) == {**{f.name: None for f in dataclasses.fields(SchedulerConfig)},
+                                                 "engine_process": False, "restart_replicas": False,
+                                                 "metrics_port": -1}
+
+
+def test_settings_argv_round_trips_through_kvmesh_serve():
+    """``kvmesh bench serve`` hands its engine and scheduler flags to the ``kvmesh serve`` it starts
+    (:func:`kvmesh.core.flags.settings_argv`): parsed again they are the same settings."""
+    given = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--no-prefix-caching", "--compile",
+             "--fixed-speculative-tokens", "--replicas", "2", "--no-engine-process", "--routing", "load"]
+    bench_args = cli.build_parser(["bench", "serve"]).parse_args(["bench", "serve", *given])
+    argv = (flags.settings_argv(bench_args, EngineConfig)
+            + flags.settings_argv(bench_args, SchedulerConfig, "scheduler_", rename=flags.scheduler_rename(None)))
+    serve_args = cli.build_parser().parse_args(["serve", *argv])
+    assert flags.engine_kwargs(serve_args) == flags.engine_kwargs(bench_args)
+    assert flags.scheduler_kwargs(serve_args) == flags.scheduler_kwargs(bench_args)
+    assert flags.engine_kwargs(serve_args)["kv_cache_memory"] == 64 * 2**20
+
+
+def test_cli_import_is_light_and_bench_commands_are_the_modules_own(capsys):
+    """Importing the CLI loads no torch and no benchmark module; ``kvmesh bench serve`` gets its
+    flags from bench.serve (imported for that command only), which does not import the CLI:
+    with ``kvmesh.cli`` made unimportable, the benchmark modules still import."""
+    code = "import sys, kvmesh.cli; print('torch' in sys.modules, any(m.split('.')[0] == 'bench' for m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False"]
+    code = ("import sys; sys.modules['kvmesh.cli'] = None\n"     # importing the CLI from bench would fail
+            "import bench.serve.command, bench.ablation, bench.faithfulness, bench.engine_offline; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+    assert cli.main(["bench", "serve", "--help"]) == 0
+    assert "--request-rate" in capsys.readouterr().out
+    assert cli.main(["bench", "--help"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("engine", "serve", "ablation"))
 
 
 def test_demo_two_turns_hit_prefix_cache(smollm2_dir, capsys):

@@ -26,7 +26,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import cli
-from kvmesh.config import GatewayConfig, SchedulerConfig
+from kvmesh.cli.services import service_configs
+from kvmesh.core import flags
+from kvmesh.core.config import GatewayConfig, SchedulerConfig
 
 MODEL = "smollm2-135m-instruct"
 KVMESH = Path(sys.executable).with_name("kvmesh")
@@ -160,8 +162,13 @@ def test_no_server_exits_1(capsys):
 
 
 def test_every_service_setting_has_a_flag(monkeypatch):
-    assert {f for _, f, _ in cli.SCHEDULER_FLAGS} == {f.name for f in dataclasses.fields(SchedulerConfig)}
-    assert {f for _, f, _ in cli.GATEWAY_FLAGS} == {f.name for f in dataclasses.fields(GatewayConfig)}
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    dests = lambda command: {a.dest for a in sub.choices[command]._actions if a.option_strings}
+    assert dests("scheduler") >= {"scheduler_" + f.name for f in dataclasses.fields(SchedulerConfig)}
+    assert dests("gateway") >= {"gateway_" + f.name for f in dataclasses.fields(GatewayConfig)}
+    assert dests("serve") >= ({"scheduler_" + f.name for f in dataclasses.fields(SchedulerConfig)}
+                              | {"gateway_" + f.name for f in dataclasses.fields(GatewayConfig)}) - {"gateway_scheduler_address"}
     monkeypatch.setenv("KVMESH_SCHEDULER_REPLICAS", "3")      # env applies where no flag is given
     monkeypatch.setenv("KVMESH_SCHEDULER_PP", "4")            # a flag beats the env
     monkeypatch.setenv("KVMESH_GATEWAY_MAX_TIMEOUT", "99")
@@ -171,16 +178,16 @@ def test_every_service_setting_has_a_flag(monkeypatch):
         "--default-timeout", "5", "--connect-timeout", "7", "--scheduler-host", "10.0.0.1",
         "--scheduler-port", "0", "--pp", "2", "--pp-layers", "20,10", "--executor", "ray",
         "--ray-address", "auto", "--stage-num-cpus", "0.5", "--max-queued-requests", "8"])
-    engine, sched, gw = cli._service_configs(args)
+    engine, sched, gw = service_configs(args)
     assert sched == SchedulerConfig(host="10.0.0.1", port=0, replicas=3, pp=2, pp_layers="20,10", executor="ray",
                                     ray_address="auto", stage_num_cpus=0.5, max_queued_requests=8)
     assert gw == GatewayConfig(host="0.0.0.0", port=0, max_tokens_cap=100, default_max_tokens=10,
                                default_timeout=5.0, max_timeout=99.0, connect_timeout=7.0)
     args = cli.build_parser().parse_args(["gateway", "--scheduler-address", "sched:50061", "--default-timeout", "9"])
-    assert GatewayConfig.from_env(**cli.gateway_kwargs(args)).port == 1234
-    assert cli.gateway_kwargs(args)["scheduler_address"] == "sched:50061"
+    assert GatewayConfig.from_env(**flags.gateway_kwargs(args)).port == 1234
+    assert flags.gateway_kwargs(args)["scheduler_address"] == "sched:50061"
     args = cli.build_parser().parse_args(["scheduler", "--port", "0", "--model", "m"])
-    assert cli.scheduler_kwargs(args)["port"] == 0 and cli.engine_kwargs(args)["model"] == "m"
+    assert flags.scheduler_kwargs(args)["port"] == 0 and flags.engine_kwargs(args)["model"] == "m"
 
 
 # ---- the served mesh ---------------------------------------------------------------------------
@@ -255,7 +262,8 @@ def test_chat_reset_and_errors_keep_the_session(served):
 
 
 def test_client(served):
-    from kvmesh.client import Client, collect, finish_reason_name
+    from kvmesh.client import Client, collect
+    from kvmesh.core.proto import finish_reason_name
 
     with Client(served.address()) as c:
         c.wait_ready(timeout=10)

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from kvmesh.config import EngineConfig, _parse_bytes
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.config import EngineConfig, _parse_bytes
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from workers.kv_cache import allocate_kv_cache, budget_bytes
 
 

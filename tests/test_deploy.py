@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ HEALTH_SCRIPT = DEPLOY / "grpc_health_check.py"
 CONFIGS = (EngineConfig, SchedulerConfig, GatewayConfig)
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
-# KVMESH_* variables that are not config fields: the model cache root (workers.registry.kvmesh_home).
+# KVMESH_* variables that are not config fields: the model cache root (kvmesh.hub.kvmesh_home).
 NON_CONFIG_VARS = {"KVMESH_HOME"}
 REDIS_PORT, OTLP_GRPC_PORT, RAY_CLIENT_DEFAULT_PORT, RAY_GCS_DEFAULT_PORT = 6379, 4317, 10001, 6379
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -372,8 +372,8 @@ def test_kvmesh_variables_are_config_fields():
 def test_kvmesh_home_is_the_images_alone():
     """The scheduler hands the stage actors a model directory under its own KVMESH_HOME, so every
     container must keep the image's."""
-    from workers import registry
-    assert "KVMESH_HOME" in inspect.getsource(registry.kvmesh_home)
+    from kvmesh import hub
+    assert "KVMESH_HOME" in inspect.getsource(hub.kvmesh_home)
     assert DF.env.get("KVMESH_HOME", "").startswith("/")
     for c in all_containers():
         assert "KVMESH_HOME" not in c.env, f"{c.where} overrides the image's KVMESH_HOME"
@@ -401,7 +401,7 @@ def test_container_settings_parse(c):
 
 
 def test_served_model_is_the_one_in_the_image():
-    from workers.registry import canonical_name
+    from kvmesh.hub import canonical_name
     model = DF.args["MODEL"]
     assert model and canonical_name(model) == model, f"Dockerfile ARG MODEL={model!r} is not a known model"
     for name, svc in compose()["services"].items():
@@ -588,6 +588,7 @@ def test_containers_run_the_image_the_dockerfile_builds():
 
 def test_container_commands_are_kvmesh_commands():
     from kvmesh import cli
+    from kvmesh.core import flags
 
     parser = cli.build_parser()
     (sub_action,) = [a for a in parser._actions if a.dest == "command"]
@@ -602,13 +603,8 @@ def test_container_commands_are_kvmesh_commands():
         except SystemExit:
             pytest.fail(f"{c.where}: `{shlex.join(c.argv)}` does not parse with kvmesh.cli.build_parser()")
         # A flag default that is not None would beat the container's KVMESH_* variable.
-        given = {}
-        for cls, helper in ((EngineConfig, "engine_kwargs"), (SchedulerConfig, "scheduler_kwargs"),
-                            (GatewayConfig, "gateway_kwargs")):
-            try:
-                given[cls] = getattr(cli, helper)(args)
-            except AttributeError:      # no such helper, or this subcommand has no such settings
-                pass
+        given = {EngineConfig: flags.engine_kwargs(args), SchedulerConfig: flags.scheduler_kwargs(args),
+                 GatewayConfig: flags.gateway_kwargs(args)}
         for var in c.env:
             hit = config_field(var)
             if hit and hit[0] in given and hit[1] in given[hit[0]]:
@@ -626,7 +622,7 @@ def test_dockerfile_pulls_the_model_with_the_cli():
     argv = shlex.split(DF.substitute(pulls[0]))
     i = argv.index("kvmesh")
     args = cli.build_parser().parse_args(argv[i + 1:])
-    assert args.func is cli.cmd_models_pull and args.names == [DF.args["MODEL"]]
+    assert args.func is cli.models.cmd_pull and args.names == [DF.args["MODEL"]]
     pull_at = DF.index("RUN", lambda r: "kvmesh models pull" in r)
     # the cache is the runtime user's, and where the services look (KVMESH_HOME set before the pull)
     assert DF.index("USER") < pull_at and DF.index("ENV", lambda r: "KVMESH_HOME=" in r) < pull_at
@@ -826,11 +822,11 @@ DASHBOARD = DEPLOY / "grafana" / "kvmesh.json"
 
 @pytest.mark.parametrize("sub", sorted(METRICS_PORTS))
 def test_metrics_ports_agree(sub):
-    """Each service serves metrics on the deployments' port (kvmesh.config), the Kubernetes
+    """Each service serves metrics on the deployments' port (kvmesh.core.config), the Kubernetes
     containerPort/Service/annotations name it, and compose's Prometheus scrapes it."""
-    import kvmesh.config
+    import kvmesh.core.config
     cls, const = METRICS_PORTS[sub]
-    port = getattr(kvmesh.config, const)
+    port = getattr(kvmesh.core.config, const)
     for c in service_containers(sub):
         assert settings(c)[cls].metrics_port == port, c.where
         if c.where.startswith("compose"):
@@ -863,7 +859,7 @@ def _dashboard_exprs(panels) -> list[str]:
 def test_grafana_dashboard_uses_only_defined_metrics():
     import re
 
-    from kvmesh.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
+    from kvmesh.core.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
     defined = set()
     for name, kind in {**SCHEDULER_METRICS, **GATEWAY_METRICS}.items():
         defined |= {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}

@@ -1,7 +1,7 @@
 """Tests for gateway.detokenizer.IncrementalDetokenizer.
 
 Tokenizers: the real SmolLM2 tokenizer (GPT2-style byte-level BPE) and the Qwen2.5
-tokenizer via workers.registry (skipped if not pulled), plus a small in-memory
+tokenizer via kvmesh.hub (skipped if not pulled), plus a small in-memory
 sentencepiece-style tokenizer (Metaspace "▁" + byte-fallback tokens, Llama decoder
 chain) so the sentencepiece code path is always exercised.
 """
@@ -33,7 +33,7 @@ def _registry_tokenizer(name: str):
     """The tokenizer of a pulled model; skip (never pull) when it is not available."""
     from transformers import AutoTokenizer
 
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
 
     try:
         path = resolve_model(name, pull_if_missing=False)

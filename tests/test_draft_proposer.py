@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
-from kvmesh.config import EngineConfig
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from workers.layers.sampler import make_generator
 from workers.spec_decode.draft import DraftInput, DraftProposer
 
@@ -143,7 +144,7 @@ def test_truncated_draft_is_the_first_layers(smollm2_dir, prompts, h):
 
 
 def test_bad_drafts(smollm2_dir, tmp_path):
-    from workers.registry import is_pulled
+    from kvmesh.hub import is_pulled
     cfg_json = json.loads((smollm2_dir / "config.json").read_text())
     cfg_json["vocab_size"] += 64
     (tmp_path / "config.json").write_text(json.dumps(cfg_json))

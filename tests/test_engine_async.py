@@ -10,7 +10,8 @@ import contextlib
 import pytest
 import pytest_asyncio
 
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from workers.executor import Completed
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -17,12 +17,14 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.config import EngineConfig, SchedulerConfig, available_cpus
+from kvmesh.core.config import EngineConfig, SchedulerConfig, available_cpus
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from kvstore.events import HOST, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler.engine import EngineOutput
 from scheduler.engine_core import _event_of, _event_row, _output_of, _output_row, _pack, _unpack
-from scheduler.request import EngineError, FinishReason, SamplingParams
+from scheduler.request import FinishReason
 from scheduler.service import SERVICE_NAME, serve_scheduler
 
 aio = pytest.mark.asyncio(loop_scope="module")

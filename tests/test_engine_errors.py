@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.config import EngineConfig
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 
 SMOL_BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4     # layers x block x kv heads x head dim x fp32, K and V
 
@@ -119,7 +120,7 @@ def test_duplicate_request_id(llm, check_serving):
 
 def test_unknown_model_name():
     from kvmesh.llm import LLM
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     _raises("unknown model 'no-such-model'", resolve_model, "no-such-model")
     _raises("unknown model 'no-such-model'", LLM, model="no-such-model")
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from scheduler.request import SamplingParams
+from kvmesh.core.sampling import SamplingParams
 
 EOS = 2   # SmolLM2's <|im_end|>
 SKY = [{"role": "user", "content": "What color is the sky on a clear day? Answer with one word."}]

@@ -11,7 +11,7 @@ import pytest
 from bench import faithfulness as F
 from bench import gate as G
 from bench import scoring as S
-from bench import policydesk
+import policydesk
 
 
 # ---- key facts and normalisation ----------------------------------------------------------------

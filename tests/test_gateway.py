@@ -19,8 +19,9 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import EngineError, SamplingParams
 
 MAX_MODEL_LEN = 256
 KV_MEMORY = 48 * 2**20          # SmolLM2 fp32: 68 blocks of 16 tokens
@@ -49,7 +50,7 @@ class Mesh:
 
     async def _start(self, smollm2_dir):
         from gateway.server import serve_gateway
-        from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+        from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
         from scheduler.service import serve_scheduler
         sched = await serve_scheduler(SchedulerConfig(executor="local", port=0),
                                       EngineConfig(model=str(smollm2_dir), dtype="float32",
@@ -356,7 +357,7 @@ def test_reflection_lists_the_service(mesh):
 
 def test_unreachable_scheduler_fails_start(mesh):
     from gateway.server import serve_gateway
-    from kvmesh.config import GatewayConfig
+    from kvmesh.core.config import GatewayConfig
     with socket.socket() as s:          # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
@@ -368,7 +369,7 @@ def test_unreachable_scheduler_fails_start(mesh):
 
 def test_port_in_use_fails_start(mesh):
     from gateway.server import serve_gateway
-    from kvmesh.config import GatewayConfig
+    from kvmesh.core.config import GatewayConfig
     with pytest.raises(EngineError, match="cannot listen"):
         mesh.run(serve_gateway(GatewayConfig(port=mesh.gw.port, scheduler_address=mesh.sched.address)))
 
@@ -421,7 +422,7 @@ async def _start_fake(fake) -> tuple[grpc.aio.Server, str]:
 
 def _gateway(mesh, scheduler_address: str):
     from gateway.server import serve_gateway
-    from kvmesh.config import GatewayConfig
+    from kvmesh.core.config import GatewayConfig
     return mesh.run(serve_gateway(GatewayConfig(port=0, scheduler_address=scheduler_address, connect_timeout=10)))
 
 
@@ -475,7 +476,7 @@ def test_gateway_modules_do_not_import_torch():
     settings they read) loads no torch (issue: one obvious place per concept at the edges)."""
     import subprocess
     import sys
-    code = ("import sys, gateway.server, gateway.http_api, kvmesh.config; "
+    code = ("import sys, gateway.server, gateway.http_api, kvmesh.core.config; "
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'workers')));"
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from test_gateway import PROMPT, Mesh, greedy, joined
 
-from kvmesh.config import GatewayConfig
+from kvmesh.core.config import GatewayConfig
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
 
 SMALL = dict(max_stop_strings=4, max_stop_chars=40, max_stop_token_ids=8, max_id_length=16, max_prompt_tokens=20,
@@ -138,7 +138,7 @@ def test_default_limits_serve_the_largest_stop_lists(mesh, llm):
 
 
 def offline_text(llm, max_tokens: int, prompt: str = PROMPT) -> str:
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     return llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0].text
 
 
@@ -194,7 +194,7 @@ def test_usage_for_every_finish_reason(mesh, llm):
     first blocks in the prefix cache, ended by length, EOS, a stop token, a stop string and the
     Abort RPC: every final message reports the prompt, the cached prompt tokens and what was
     generated."""
-    from scheduler.request import SamplingParams
+    from kvmesh.core.sampling import SamplingParams
     ref = llm.chat(USAGE_CHAT, SamplingParams(temperature=0.0, max_tokens=60))[0].outputs[0]
     assert ref.finish_reason == "stop" and ref.stop_reason is None     # EOS
     n_prompt = len(llm.encode_chat(USAGE_CHAT))
@@ -248,7 +248,7 @@ def test_usage_of_a_stop_string_finish_with_speculative_decoding(smollm2_dir):
     import threading
 
     from gateway.server import serve_gateway
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
     from scheduler.service import serve_scheduler
 
     loop = asyncio.new_event_loop()

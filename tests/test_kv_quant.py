@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
 from workers.kv_cache import KV_DTYPES, KVCache, allocate_kv_cache, bytes_per_block, kv_dtype
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, paged_attention
 
@@ -89,7 +89,7 @@ def test_a_block_written_from_its_first_slot_starts_over(name):
 
 
 def test_unknown_kv_dtype_and_sizing():
-    from scheduler.request import EngineError
+    from kvmesh.core.errors import EngineError
     with pytest.raises(EngineError, match="kv_cache_dtype"):
         kv_dtype("int4", torch.float32)
     assert kv_dtype("int8", torch.bfloat16) == torch.int8
@@ -245,7 +245,7 @@ def test_block_hash_seeds_differ_across_kv_dtypes(smollm2_dir):
 
 @pytest.mark.asyncio
 async def test_stats_report_the_kv_format_and_capacity(smollm2_dir):
-    from kvmesh.config import SchedulerConfig
+    from kvmesh.core.config import SchedulerConfig
     from kvmesh.v1 import scheduler_pb2 as pb, scheduler_pb2_grpc
     from scheduler.service import serve_scheduler
     import grpc

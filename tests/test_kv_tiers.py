@@ -394,7 +394,7 @@ def ray_local():
 
 
 def test_pp2_stages_store_and_load_their_own_layers(ray_local, h, smollm2_dir, prose_ids, redis_prefix):
-    from kvmesh.config import EngineConfig, SchedulerConfig
+    from kvmesh.core.config import EngineConfig, SchedulerConfig
     from scheduler.engine import LLMEngine
     from workers.executor import create_executor
     raw, prefix = redis_prefix

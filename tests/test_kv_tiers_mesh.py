@@ -21,7 +21,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core.config import EngineConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from kvstore.events import HOST, POOL
 from kvstore.hashing import hash_blocks

@@ -19,12 +19,13 @@ import uuid
 
 import pytest
 
+from kvmesh.core.sampling import SamplingParams
 from kvstore.events import HOST, POOL, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.hashing import hash_blocks, seed_hash
 from kvstore.index import SHARED_NO_TTL, IndexUnavailable, MemoryIndex, PrefixMatch, RedisIndex
 from kvstore.publisher import KVEventPublisher
 from scheduler.block_manager import BlockManager
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 BS = 4

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
 from scheduler.engine import LLMEngine
-from scheduler.request import EngineError
 from workers.loader import load_model
 
 
@@ -108,7 +108,7 @@ def test_bfloat16_load_peak_memory(smollm2_dir):
 def test_safetensors_reader_matches_safetensors(tmp_path):
     """SafetensorsFile (plain reads, no mmap) returns what safetensors returns, whole or by
     rows, in the stored dtype; a damaged file is an EngineError naming it."""
-    from workers.loader import SafetensorsFile
+    from workers.checkpoint import SafetensorsFile
     g = torch.Generator().manual_seed(0)
     ts = {"a": torch.randn(7, 5, generator=g).bfloat16(), "b": torch.randn(3, generator=g),
           "c": torch.arange(12, dtype=torch.int8).reshape(2, 3, 2), "empty": torch.zeros(0, 4)}

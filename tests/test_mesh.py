@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import SamplingParams
 
 KV = 48 * 2**20
 MAX_LEN = 512
@@ -44,7 +44,7 @@ class Meshes:
 
     async def _start(self, model_dir):
         from gateway.server import serve_gateway
-        from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+        from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
         from scheduler.service import serve_scheduler
         ecfg = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=KV, max_model_len=MAX_LEN,
                             num_threads=1)

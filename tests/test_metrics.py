@@ -1,4 +1,4 @@
-"""Prometheus metrics (kvmesh/metrics.py) of a real scheduler (local executor, SmolLM2-135M in
+"""Prometheus metrics (kvmesh/core/metrics.py) of a real scheduler (local executor, SmolLM2-135M in
 float32) and gateway in one process, each on its own free metrics port, scraped over HTTP.
 
 One known workload goes through the gateway: 5 greedy requests with ignore_eos (finish length),
@@ -20,10 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import cli
-from kvmesh.config import GatewayConfig, SchedulerConfig
-from kvmesh.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
+from kvmesh.core import flags
+from kvmesh.core.config import GatewayConfig, SchedulerConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import EngineError
 
 KV_MEMORY = 48 * 2**20
 PROMPTS = ["The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
@@ -49,7 +50,7 @@ class Mesh:
 
     async def _start(self, smollm2_dir):
         from gateway.server import serve_gateway
-        from kvmesh.config import EngineConfig
+        from kvmesh.core.config import EngineConfig
         from scheduler.service import serve_scheduler
         sched = await serve_scheduler(SchedulerConfig(executor="local", port=0, metrics_port=0),
                                       EngineConfig(model=str(smollm2_dir), dtype="float32",
@@ -234,9 +235,9 @@ def test_metrics_port_settings(monkeypatch):
     with pytest.raises(EngineError, match="metrics_port"):
         GatewayConfig(metrics_port=70000)
     args = cli.build_parser().parse_args(["serve", "--metrics-port", "0", "--scheduler-metrics-port", "9461"])
-    assert cli.gateway_kwargs(args)["metrics_port"] == 0 and cli.scheduler_kwargs(args)["metrics_port"] == 9461
+    assert flags.gateway_kwargs(args)["metrics_port"] == 0 and flags.scheduler_kwargs(args)["metrics_port"] == 9461
     args = cli.build_parser().parse_args(["scheduler", "--metrics-port", "off"])
-    assert cli.scheduler_kwargs(args)["metrics_port"] == -1
+    assert flags.scheduler_kwargs(args)["metrics_port"] == -1
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["gateway", "--metrics-port", "x"])
 
@@ -246,7 +247,7 @@ def test_metrics_port_in_use_is_an_error():
 
     from prometheus_client import CollectorRegistry
 
-    from kvmesh.metrics import start_metrics_server
+    from kvmesh.core.metrics import start_metrics_server
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

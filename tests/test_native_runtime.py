@@ -105,9 +105,10 @@ def test_int8_kv_native_matches_reference(smollm2_dir, prose_ids, h):
 _FALLBACK = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.engine import LLMEngine
-from scheduler.request import EngineError, SamplingParams
 try:
     LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", attention_backend="native", max_model_len=256,
                            kv_cache_memory=32 * 2**20))

@@ -13,10 +13,11 @@ import shutil
 
 import pytest
 
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine import LLMEngine
-from scheduler.request import EngineError, SamplingParams
 from workers.executor import Completed, RayPipelineExecutor, create_executor, ensure_ray, split_layers
 from workers.model_runner import StepInput
 from workers.step_delta import StepDecoder, StepEncoder

@@ -176,7 +176,7 @@ def test_int4_short_prompts_sane(qenv, h, prompt_ids, dense, calibration):
 
 
 def _only_cache_dir(prefix: str):
-    from workers.registry import kvmesh_home
+    from kvmesh.hub import kvmesh_home
     dirs = [d for d in (kvmesh_home() / "quantized" / "smollm2-135m-instruct").iterdir() if d.name.startswith(prefix)]
     assert len(dirs) == 1, dirs
     return dirs[0]
@@ -237,7 +237,7 @@ def test_save_quantized_and_pipeline_stage(qenv, tmp_path):
 
 
 def test_identity_differs_between_formats(qenv, tmp_path):
-    from kvmesh.config import EngineConfig
+    from kvmesh.core.config import EngineConfig
     from scheduler.engine import model_identity
     other = tmp_path / "calib.txt"
     other.write_text("Some other calibration text about travel expenses.")
@@ -256,7 +256,7 @@ def test_identity_differs_between_formats(qenv, tmp_path):
 
 
 def test_bad_calibration_data_is_a_clear_error(qenv, h, tmp_path):
-    from scheduler.request import EngineError
+    from kvmesh.core.errors import EngineError
     with pytest.raises(EngineError, match="calibration_data"):
         h.make_engine(qenv, weight_format="int4", calibration_data=str(tmp_path / "missing.txt"))
     short = tmp_path / "short.txt"

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.config import EngineConfig
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import EngineError
 from scheduler.engine import LLMEngine
-from scheduler.request import EngineError
 from workers.executor import RayPipelineExecutor, ensure_ray
 
 pytestmark = pytest.mark.slow

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.core.sampling import SamplingParams
 from kvstore.hashing import hash_blocks, seed_hash
 from kvstore.events import HOST, REDIS, BlockRemoved, BlockStored
 from kvstore.events import POOL as POOL_MEDIUM
 from kvstore.index import IndexUnavailable, MemoryIndex, PrefixMatch, RedisIndex
 from scheduler.block_manager import BlockManager
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request
 from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router
 
 BS = 4
@@ -221,8 +222,8 @@ def test_router_hashes_match_the_block_managers_events(clock):
 
 
 def test_routing_settings(monkeypatch):
-    from kvmesh.config import SchedulerConfig, env_var
-    from scheduler.request import EngineError
+    from kvmesh.core.config import SchedulerConfig, env_var
+    from kvmesh.core.errors import EngineError
 
     monkeypatch.setenv("KVMESH_REDIS_URL", "redis://redis:6379/0")
     monkeypatch.setenv("KVMESH_SCHEDULER_REDIS_URL", "redis://ignored:6379/0")   # not this field's variable

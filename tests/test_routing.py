@@ -29,11 +29,11 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from kvstore.hashing import hash_blocks
 from kvstore.index import IndexUnavailable, RedisIndex
-from scheduler.request import SamplingParams
 from scheduler.service import serve_scheduler
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from scheduler.request import SamplingParams
+from kvmesh.core.sampling import SamplingParams
 from workers.layers.sampler import (Sampler, SamplingMetadata, apply_penalties, make_generator)
 
 V = 64

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from scheduler.block_manager import BlockManager
-from scheduler.request import EngineError, FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.batching import make_scheduler
+from scheduler.request import FinishReason, Request, RequestStatus
 
 BS = 4
 

@@ -16,11 +16,13 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.proto import sampling_params_from_proto
+from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
-from scheduler.request import EngineError, SamplingParams
 from scheduler.router import NoHealthyReplicaError, ReplicaLoad, Router
-from scheduler.service import SERVICE_NAME, sampling_params_from_proto, serve_scheduler
+from scheduler.service import SERVICE_NAME, serve_scheduler
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

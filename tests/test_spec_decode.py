@@ -14,12 +14,14 @@ import asyncio
 import pytest
 import torch
 
-from kvmesh.config import EngineConfig, SchedulerConfig
+from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
+from scheduler.async_engine import AsyncEngine
 from scheduler.batching import make_scheduler
 from scheduler.block_manager import BlockManager
-from scheduler.async_engine import AsyncEngine
 from scheduler.engine import LLMEngine
-from scheduler.request import EngineError, FinishReason, Request, SamplingParams
+from scheduler.request import FinishReason, Request
 from scheduler.scheduler import Scheduler
 from workers.spec_decode.ngram import propose_ngram
 from workers.spec_decode.rejection import VerifyRow, verify
@@ -442,7 +444,7 @@ async def test_grpc_final_message_carries_acceptance(smollm2_dir, prose_ids, smo
     import grpc
 
     from gateway.server import serve_gateway
-    from kvmesh.config import GatewayConfig
+    from kvmesh.core.config import GatewayConfig
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
     from scheduler.service import serve_scheduler
     sched = await serve_scheduler(SchedulerConfig(executor="local", port=0),

@@ -1,4 +1,4 @@
-"""TLS on the gateway and mutual TLS between the gateway and the scheduler (kvmesh/tls.py), over
+"""TLS on the gateway and mutual TLS between the gateway and the scheduler (kvmesh/core/tls.py), over
 real gRPC on loopback in front of a real scheduler (local executor, SmolLM2-135M float32).
 
 The test makes its own PKI with the ``cryptography`` package: a CA, a server certificate for
@@ -20,8 +20,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.client import Client, collect
+from kvmesh.core.errors import EngineError
 from kvmesh.v1 import llm_pb2, llm_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.request import EngineError
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -113,7 +113,7 @@ class TlsMesh:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def gateway_config(self, **kw):
-        from kvmesh.config import GatewayConfig
+        from kvmesh.core.config import GatewayConfig
         p = self.pki
         base = dict(port=0, scheduler_address=f"127.0.0.1:{self.sched.port}", connect_timeout=60,
                     tls_cert_file=p.server_cert, tls_key_file=p.server_key, scheduler_tls_ca_file=p.ca,
@@ -122,7 +122,7 @@ class TlsMesh:
 
     async def _start(self, smollm2_dir):
         from gateway.server import serve_gateway
-        from kvmesh.config import EngineConfig, SchedulerConfig
+        from kvmesh.core.config import EngineConfig, SchedulerConfig
         from scheduler.service import serve_scheduler
         p = self.pki
         sched = await serve_scheduler(SchedulerConfig(executor="local", port=0, tls_cert_file=p.server_cert,
@@ -273,7 +273,7 @@ def test_gateway_with_a_wrong_client_certificate_cannot_reach_the_scheduler(mesh
 
 def test_bad_tls_settings_are_named(mesh, pki):
     from gateway.server import serve_gateway
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
     from scheduler.service import serve_scheduler
     with pytest.raises(EngineError, match="tls_cert_file and tls_key_file go together"):
         mesh.run(serve_gateway(GatewayConfig(port=0, tls_cert_file=pki.server_cert)))
@@ -292,7 +292,7 @@ def test_bad_tls_settings_are_named(mesh, pki):
 
 def test_serve_refuses_a_tls_scheduler_the_gateway_cannot_dial(pki):
     from kvmesh import serve
-    from kvmesh.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
     sched = SchedulerConfig(port=0, tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
     with pytest.raises(EngineError, match="needs --scheduler-tls-ca-file"):
         asyncio.run(serve.start_mesh(serve.Mesh(), sched, EngineConfig(), GatewayConfig(port=0)))
@@ -308,7 +308,7 @@ def test_deploy_secrets_script_makes_working_mutual_tls(tmp_path):
     from grpc_health.v1 import health
 
     from gateway.auth import ApiKeys
-    from kvmesh import tls
+    from kvmesh.core import tls
     if shutil.which("openssl") is None:
         pytest.skip("no openssl")
     script = Path(__file__).resolve().parents[1] / "deploy" / "make_secrets.sh"

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces across the mesh (kvmesh/telemetry.py, docs/telemetry.md).
+"""OpenTelemetry traces across the mesh (kvmesh/core/telemetry.py, docs/telemetry.md).
 
 The end-to-end test runs ``kvmesh serve --executor ray --pp 2`` as a subprocess exporting OTLP
 to a collector stub served here (``TraceService/Export``), sends a streamed Generate with a
@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvmesh import telemetry
+from kvmesh.core import telemetry
 
 from test_cli_mesh import MODEL, Served, mesh_env   # tests/ is on sys.path (no __init__.py: prepend import mode)
 

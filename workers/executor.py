@@ -16,14 +16,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvmesh.telemetry import StageSpans, tracing_enabled
-from scheduler.request import EngineError
-from scheduler.scheduler import SchedulerOutput
+from kvmesh.core.errors import DependencyUnavailableError, EngineError, SettingsError
+from kvmesh.core.telemetry import StageSpans, tracing_enabled
 from workers.model_runner import ModelRunner, ModelRunnerOutput, StepInput
+
+if TYPE_CHECKING:     # the scheduler's step type, only named in annotations (workers sit below the scheduler)
+    from scheduler.scheduler import SchedulerOutput
 
 
 class StepHandle(Protocol):
@@ -110,10 +112,10 @@ def split_layers(num_layers: int, pp: int, split: list[int] | None = None) -> li
     or an even split, earlier stages taking the remainder. Raises EngineError."""
     if split is None:
         if pp > num_layers:
-            raise EngineError(f"pp={pp} stages for a model of {num_layers} layers")
+            raise SettingsError(f"pp={pp} stages for a model of {num_layers} layers")
         split = [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
     if len(split) != pp or sum(split) != num_layers or min(split) < 1:
-        raise EngineError(f"pp_layers {split} must be {pp} positive counts summing to the model's {num_layers} layers")
+        raise SettingsError(f"pp_layers {split} must be {pp} positive counts summing to the model's {num_layers} layers")
     bounds, start = [], 0
     for n in split:
         bounds.append((start, start + n))
@@ -171,12 +173,12 @@ class RayHandle:
         try:
             return ray.get(self.ref)
         except ray.exceptions.ActorDiedError as e:
-            raise EngineError(f"pipeline stage {self.stage} died: {_first_line(e)}") from None
+            raise DependencyUnavailableError(f"pipeline stage {self.stage} died: {_first_line(e)}") from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, EngineError) else repr(e.cause)
-            raise EngineError(f"pipeline stage {self.stage}: {cause}") from None
+            raise DependencyUnavailableError(f"pipeline stage {self.stage}: {cause}") from None
         except ray.exceptions.RayError as e:       # lost objects, a dead owner, ...
-            raise EngineError(f"pipeline stage {self.stage}: {_first_line(e)}") from None
+            raise DependencyUnavailableError(f"pipeline stage {self.stage}: {_first_line(e)}") from None
 
 
 # --stage-placement -> Ray placement group strategy (one bundle per stage)
@@ -228,21 +230,21 @@ class RayPipelineExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from workers.kv_cache import budget_bytes, bytes_per_block, kv_dtype
-        from workers.loader import load_config
+        from workers.checkpoint import load_config
         from workers.stage import PipelineStage
         from workers.step_delta import StepEncoder
 
         if placement not in PLACEMENT_STRATEGIES:
-            raise EngineError(f"stage placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
+            raise SettingsError(f"stage placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
         if stage_num_cpus <= 0:
-            raise EngineError(f"stage_num_cpus must be > 0, got {stage_num_cpus}")
+            raise SettingsError(f"stage_num_cpus must be > 0, got {stage_num_cpus}")
         m = load_config(model_dir)
         bounds = split_layers(m.num_layers, pp, layer_split)
         per_block = bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim,
                                     kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
         self.num_blocks = budget_bytes(cfg.kv_cache_memory, torch.device(cfg.device)) // per_block
         if self.num_blocks < 1:
-            raise EngineError(f"KV cache budget holds no block of {per_block} bytes; raise --kv-cache-memory")
+            raise SettingsError(f"KV cache budget holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.block_size = cfg.block_size
         self.max_inflight = pp
         self.stages = []
@@ -255,10 +257,10 @@ class RayPipelineExecutor:
             free = {k: v for k, v in sorted(ray.available_resources().items()) if not k.startswith("node:")}
             nodes = sum(n["Alive"] for n in ray.nodes())
             self.shutdown()
-            raise EngineError(f"replica {replica}: Ray could not place {pp} pipeline stages within "
-                              f"{placement_timeout:g} s: asked for bundles {bundles} with strategy {strategy} "
-                              f"(--stage-placement {placement}, --stage-num-cpus); the cluster has {free} "
-                              f"free on {nodes} alive node(s)")
+            raise DependencyUnavailableError(f"replica {replica}: Ray could not place {pp} pipeline stages within "
+                                             f"{placement_timeout:g} s: asked for bundles {bundles} with strategy {strategy} "
+                                             f"(--stage-placement {placement}, --stage-num-cpus); the cluster has {free} "
+                                             f"free on {nodes} alive node(s)")
         cfg = cfg.replace(num_threads=cfg.num_threads or max(1, round(stage_num_cpus)))
         actor = ray.remote(PipelineStage)
         self.stages = [actor.options(num_cpus=stage_num_cpus, max_concurrency=1,
@@ -271,8 +273,8 @@ class RayPipelineExecutor:
         except ray.exceptions.RayError as e:
             self.shutdown()
             lines = str(e).strip().splitlines()     # the traceback's last line names the error
-            raise EngineError(f"replica {replica}: a pipeline stage failed to start: "
-                              f"{lines[-1] if lines else e!r}") from None
+            raise DependencyUnavailableError(f"replica {replica}: a pipeline stage failed to start: "
+                                             f"{lines[-1] if lines else e!r}") from None
         try:
             for prev, nxt in zip(self.stages, self.stages[1:]):     # hidden states: stage k -> k+1 over TCP
                 host, port, token = ray.get(nxt.listen.remote())
@@ -280,8 +282,8 @@ class RayPipelineExecutor:
         except ray.exceptions.RayError as e:
             self.shutdown()
             lines = str(e).strip().splitlines()
-            raise EngineError(f"replica {replica}: pipeline stages could not connect: "
-                              f"{lines[-1] if lines else e!r}") from None
+            raise DependencyUnavailableError(f"replica {replica}: pipeline stages could not connect: "
+                                             f"{lines[-1] if lines else e!r}") from None
         self.stage_info = infos
         self.kv_cache_bytes = sum(i["kv_cache_bytes"] for i in infos)
         self.layer_bounds = bounds
@@ -307,7 +309,7 @@ class RayPipelineExecutor:
         try:
             parts = ray.get(refs)
         except ray.exceptions.RayError as e:
-            raise EngineError(f"saving KV blocks failed on a pipeline stage: {_first_line(e)}") from None
+            raise DependencyUnavailableError(f"saving KV blocks failed on a pipeline stage: {_first_line(e)}") from None
         return [list(p) for p in zip(*parts)]
 
     def load_blocks(self, block_ids: list[int], bodies: list[list[bytes]]) -> None:
@@ -326,9 +328,9 @@ class RayPipelineExecutor:
         try:
             ray.get([s.info.remote() for s in self.stages], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise EngineError(f"a pipeline stage did not answer a health check within {timeout:g} s") from None
+            raise DependencyUnavailableError(f"a pipeline stage did not answer a health check within {timeout:g} s") from None
         except ray.exceptions.RayError as e:
-            raise EngineError(f"a pipeline stage is down: {_first_line(e)}") from None
+            raise DependencyUnavailableError(f"a pipeline stage is down: {_first_line(e)}") from None
 
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests on every stage (the last keeps per-request
@@ -364,9 +366,9 @@ def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executo
     """The executor of one replica, as the scheduler service's settings say.
 
     Args:
-        cfg: the replica's resolved :class:`kvmesh.config.EngineConfig`.
+        cfg: the replica's resolved :class:`kvmesh.core.config.EngineConfig`.
         model_dir: checkpoint directory.
-        sched_cfg: :class:`kvmesh.config.SchedulerConfig` (``executor`` — ``auto`` is local at
+        sched_cfg: :class:`kvmesh.core.config.SchedulerConfig` (``executor`` — ``auto`` is local at
             pp 1 without ``ray_address`` —, ``pp``, ``pp_layers``, ``ray_address``,
             ``stage_num_cpus``: 0 shares this machine's cores among the stages).
         replica: index of the replica.

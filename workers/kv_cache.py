@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import SettingsError
 
 KV_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -61,7 +61,7 @@ def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return model_dtype
     if name not in KV_DTYPES:
-        raise EngineError(f"unknown kv_cache_dtype {name!r}; choose auto or one of {sorted(KV_DTYPES)}")
+        raise SettingsError(f"unknown kv_cache_dtype {name!r}; choose auto or one of {sorted(KV_DTYPES)}")
     return KV_DTYPES[name]
 
 
@@ -110,11 +110,11 @@ def budget_bytes(kv_cache_memory: float, device: torch.device) -> int:
     memory (available RAM on the CPU, free memory on an accelerator). A fraction above 0.9 is
     refused: the weights and activations need room too."""
     if not kv_cache_memory > 0:
-        raise EngineError(f"kv_cache_memory must be > 0, got {kv_cache_memory}")
+        raise SettingsError(f"kv_cache_memory must be > 0, got {kv_cache_memory}")
     if kv_cache_memory >= 1:
         return int(kv_cache_memory)
     if kv_cache_memory > 0.9:
-        raise EngineError(f"kv_cache_memory fraction {kv_cache_memory} leaves no room for the model; use at most 0.9")
+        raise SettingsError(f"kv_cache_memory fraction {kv_cache_memory} leaves no room for the model; use at most 0.9")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
@@ -218,4 +218,4 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
             caches.append(KVCache(data, scales))
         return caches
     except (RuntimeError, MemoryError, OSError) as e:   # torch's allocators: RuntimeError / OutOfMemoryError; mmap: OSError
-        raise EngineError(f"cannot allocate the KV cache ({num_blocks} blocks): {e}; lower --kv-cache-memory") from None
+        raise SettingsError(f"cannot allocate the KV cache ({num_blocks} blocks): {e}; lower --kv-cache-memory") from None

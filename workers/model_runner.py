@@ -18,20 +18,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvmesh.config import EngineConfig
-from scheduler.request import SamplingParams
-from scheduler.scheduler import SchedulerOutput
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import SettingsError
+from kvmesh.core.sampling import SamplingParams
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
 from workers.input_batch import CASCADE_MIN_BLOCKS, InputBatch, cascade_groups  # noqa: F401 (re-exported)
-from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.layers.linear import pack_bf16_linears
+from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.loader import load_model, weight_bytes
 from workers.models.llama import use_native_ops
 from workers.spec_decode.rejection import VerifyRow, verify
+
+if TYPE_CHECKING:     # the scheduler's step type, only named in annotations (workers sit below the scheduler)
+    from scheduler.scheduler import SchedulerOutput
 
 log = logging.getLogger("kvmesh.workers")
 
@@ -52,8 +55,7 @@ def resolve_attention_backend(cfg: EngineConfig, device: torch.device, head_dim:
     if reason is None:
         return "native"
     if cfg.attention_backend == "native":
-        from scheduler.request import EngineError
-        raise EngineError(f"attention_backend native cannot run: {reason}")
+        raise SettingsError(f"attention_backend native cannot run: {reason}")
     log.warning("kvmesh: attention backend torch (the PyTorch reference): %s", reason)
     return "torch"
 
@@ -172,9 +174,8 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = budget_bytes(cfg.kv_cache_memory, self.device) // per_block
         if num_blocks < 1:
-            from scheduler.request import EngineError
-            raise EngineError(f"KV cache budget {budget_bytes(cfg.kv_cache_memory, self.device)} bytes "
-                              f"holds no block of {per_block} bytes; raise --kv-cache-memory")
+            raise SettingsError(f"KV cache budget {budget_bytes(cfg.kv_cache_memory, self.device)} bytes "
+                                f"holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.num_blocks = num_blocks
         stage_layers = len(self.model.layers)
         self.kv_cache_bytes = num_blocks * per_block * stage_layers // m.num_layers

@@ -32,9 +32,9 @@ from collections import deque
 
 import torch
 
-from kvmesh import telemetry
-from kvmesh.telemetry import StageSpans
-from scheduler.request import EngineError
+from kvmesh.core import telemetry
+from kvmesh.core.errors import DependencyUnavailableError, EngineError
+from kvmesh.core.telemetry import StageSpans
 from workers.model_runner import ModelRunner, ModelRunnerOutput
 from workers.step_delta import StepDecoder, StepDelta
 
@@ -83,7 +83,7 @@ class StageLink:
         while buf:
             n = self.sock.recv_into(buf)
             if n == 0:
-                raise EngineError("the previous pipeline stage closed its link (it died)")
+                raise DependencyUnavailableError("the previous pipeline stage closed its link (it died)")
             buf = buf[n:]
 
     def recv(self) -> torch.Tensor:
@@ -129,7 +129,7 @@ class PipelineStage:
         self._server: socket.socket | None = None
         self._token = b""
         self.step_ns: deque[tuple[int, int, int, int]] = deque(maxlen=STEP_TIMES)
-        # one span per traced request on this stage (kvmesh/telemetry.py); OTEL_* come from the
+        # one span per traced request on this stage (kvmesh/core/telemetry.py); OTEL_* come from the
         # actor's environment (a local Ray's workers inherit the driver's)
         self.spans = StageSpans(index, self.runner.model.start_layer, self.runner.model.end_layer, replica,
                                 telemetry.setup_tracing(telemetry.WORKER))
@@ -179,7 +179,7 @@ class PipelineStage:
                     break
                 conn.close()                     # not our previous stage
         except socket.timeout:
-            raise EngineError(f"stage {self.index}: the previous stage did not connect within {LINK_TIMEOUT:g} s") from None
+            raise DependencyUnavailableError(f"stage {self.index}: the previous stage did not connect within {LINK_TIMEOUT:g} s") from None
         finally:
             self._server.close()
             self._server = None

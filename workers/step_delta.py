@@ -38,11 +38,14 @@ calls under one lock (a freed handle is reused by a later request).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from scheduler.request import EngineError, SamplingParams
-from scheduler.scheduler import SchedulerOutput
+from kvmesh.core.errors import EngineError
+from kvmesh.core.sampling import SamplingParams
 from workers.model_runner import SeqInput, StepInput
+
+if TYPE_CHECKING:     # the scheduler's step type, only named in annotations (workers sit below the scheduler)
+    from scheduler.scheduler import SchedulerOutput
 
 # A request new to the stages: (handle, request_id, sampling params, eos_token_ids,
 # num_output_tokens, prompt_token_ids or None, output_token_ids or None, traceparent or None).

@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
 
-    from workers.registry import resolve_model
+    from kvmesh.hub import resolve_model
     model_dir = resolve_model(args.model, pull_if_missing=False)
     workdir = Path(args.workdir)
     lens = [int(x) for x in args.output_lens.split(",")] if args.output_lens else args.max_tokens

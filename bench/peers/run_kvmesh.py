@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     rss = rc.PeakRss()
     llm = engine(1)
-    from scheduler.request import SamplingParams as EngineParams
+    from kvmesh.core.sampling import SamplingParams as EngineParams
     eng, n1 = llm.engine, args.decode_tokens
     t0 = time.perf_counter()
     eng.add_request("single", rows[0]["prompt_token_ids"], EngineParams(temperature=0, max_tokens=n1, ignore_eos=True))

@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+from kvmesh.core.config import POLICIES as _SETTING_CHOICES
+from kvmesh.core.errors import SettingsError
 from scheduler.batching.continuous import ContinuousBatching
 from scheduler.batching.naive import NaiveBatching
 from scheduler.batching.static import StaticBatching
 from scheduler.block_manager import BlockManager
-from scheduler.request import EngineError
 from scheduler.scheduler import Scheduler
 
 BATCHING: dict[str, type[Scheduler]] = {"continuous": ContinuousBatching, "static": StaticBatching,
                                         "naive": NaiveBatching}
 POLICIES = tuple(BATCHING)
+assert POLICIES == _SETTING_CHOICES, "kvmesh.core.config.POLICIES (the --policy choices) must name these classes"
 
 
 def make_scheduler(block_manager: BlockManager, policy: str = "continuous", *, max_num_seqs: int = 64,
@@ -25,10 +27,10 @@ def make_scheduler(block_manager: BlockManager, policy: str = "continuous", *, m
     are :class:`scheduler.scheduler.Scheduler`'s.
 
     Raises:
-        EngineError: unknown policy, or speculation under a policy other than ``continuous``.
+        SettingsError: unknown policy, or speculation under a policy other than ``continuous``.
     """
     if policy not in BATCHING:
-        raise EngineError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
+        raise SettingsError(f"unknown scheduling policy {policy!r}; choose one of {POLICIES}")
     limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                   max_model_len=max_model_len)
     if policy == "continuous":
@@ -37,5 +39,5 @@ def make_scheduler(block_manager: BlockManager, policy: str = "continuous", *, m
                                   num_speculative_tokens=num_speculative_tokens,
                                   speculative_adaptive=speculative_adaptive)
     if speculative_method:
-        raise EngineError(f"speculative_method {speculative_method!r} needs policy 'continuous' (got {policy!r})")
+        raise SettingsError(f"speculative_method {speculative_method!r} needs policy 'continuous' (got {policy!r})")
     return BATCHING[policy](block_manager, **limits)

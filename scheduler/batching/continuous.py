@@ -18,7 +18,8 @@ step, :meth:`Scheduler.update` rolls back rejected proposals and lookahead slots
 from __future__ import annotations
 
 from scheduler.block_manager import BlockManager
-from scheduler.request import EngineError, FinishReason, Request
+from kvmesh.core.errors import CapacityError
+from scheduler.request import FinishReason, Request
 from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 
@@ -50,10 +51,10 @@ class ContinuousBatching(Scheduler):
         # prefilled in one step; a longer one would wait forever
         worst = total - 1
         if worst > self.max_num_batched_tokens:
-            raise EngineError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                              f"({req.sampling_params.max_tokens}) may need a {worst}-token prefill, over "
-                              f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked prefill "
-                              f"disabled (enable chunked prefill or raise max_num_batched_tokens)")
+            raise CapacityError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
+                                  f"({req.sampling_params.max_tokens}) may need a {worst}-token prefill, over "
+                                f"max_num_batched_tokens {self.max_num_batched_tokens} with chunked prefill "
+                                f"disabled (enable chunked prefill or raise max_num_batched_tokens)")
 
     def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
         """Running requests (those not ``busy``), then waiting ones unless this step had to preempt."""

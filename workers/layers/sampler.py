@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.request import SamplingParams
+from kvmesh.core.sampling import SamplingParams
 
 # Like vLLM: temperatures below this are treated as greedy (dividing by them overflows).
 _SAMPLING_EPS = 1e-5

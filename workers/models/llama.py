@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         self.end_layer = cfg.num_layers if end_layer is None else end_layer
         self.is_first = start_layer == 0
         self.is_last = self.end_layer == cfg.num_layers
-        # Under torch.device("meta") (workers.loader) only allocations happen: the RoPE table
+        # Under torch.device("meta") (workers.checkpoint) only allocations happen: the RoPE table
         # is computed on the CPU, the embedding is not initialised (it is always loaded); any
         # computation on meta tensors would import torch's meta kernels (~75 MB of RSS).
         with torch.device("cpu"):

@@ -49,9 +49,9 @@ class CalibrationText:
 
 
 def calibration_text(path: str = "") -> CalibrationText:
-    """``path`` = a UTF-8 text file, or ``""`` = the PolicyDesk policies (bench/data/policydesk,
+    """``path`` = a UTF-8 text file, or ``""`` = the PolicyDesk policies (:func:`policydesk.policy_texts`,
     one document per policy). Raises EngineError naming ``calibration_data`` when unreadable."""
-    from scheduler.request import EngineError
+    from kvmesh.core.errors import EngineError
     if path:
         p = Path(path).expanduser()
         try:
@@ -62,8 +62,8 @@ def calibration_text(path: str = "") -> CalibrationText:
             raise EngineError(f"calibration_data {path!r} is empty")
         source = str(p.resolve())
     else:
-        from bench.policydesk import DATA_DIR
-        docs = [f.read_text(encoding="utf-8") for f in sorted((DATA_DIR / "policies").glob("*.md"))]
+        import policydesk
+        docs = policydesk.policy_texts()
         source = "policydesk"
     h = hashlib.sha256()
     for d in docs:
@@ -84,7 +84,7 @@ def calibration_chunks(model_dir: str | Path, text: CalibrationText) -> list[lis
     for i in range(max(len(c) for c in per_doc)):
         chunks += [c[i] for c in per_doc if i < len(c) and len(c[i]) >= 16]
     if not chunks:
-        from scheduler.request import EngineError
+        from kvmesh.core.errors import EngineError
         raise EngineError(f"calibration_data {text.source!r}: fewer than 16 tokens of text")
     return chunks[:MAX_CHUNKS]
 

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import EngineError
 from workers.layers import quant
 from workers.layers.linear import Linear
-from workers.loader import SafetensorsFile
+from workers.checkpoint import SafetensorsFile
 
 VERSION = 1
 LM_HEAD_FORMAT = {"int8": "int8", "int4": "int8", "fp8": "fp8", "w8a8-int8": "int8"}
@@ -75,7 +75,7 @@ def _checkpoint_digest(model_dir: Path) -> str:
 def cache_dir(model_dir: str | Path, weight_format: str, group_size: int, calibration: bool,
               calibration_data: str) -> Path:
     """Where :func:`ensure_quantized` keeps the quantized checkpoint of these settings."""
-    from workers.registry import kvmesh_home
+    from kvmesh.hub import kvmesh_home
     model_dir = Path(model_dir)
     tag = weight_identity(weight_format, group_size, calibration, calibration_data).replace(":", "-")
     return kvmesh_home() / "quantized" / model_dir.name / f"{tag}-{_checkpoint_digest(model_dir)}"
@@ -104,8 +104,8 @@ def ensure_quantized(model_dir: str | Path, weight_format: str, group_size: int 
 
 
 def quantize_model(model, weight_format: str, group_size: int, stats: dict | None) -> tuple[dict, dict]:
-    """Quantize a dense, finalized float32 whole model (``workers.loader.load_model`` with
-    ``weight_format="none"``). ``stats``: :func:`workers.quant.calibrate.collect_stats` output
+    """Quantize a dense, finalized float32 whole model (:func:`workers.checkpoint.load_dense`).
+    ``stats``: :func:`workers.quant.calibrate.collect_stats` output
     (None = round-to-nearest, no smoothing). Returns (tensors by global name, quant.json
     fields ``layer_formats`` and ``awq_alpha``)."""
     from workers.quant.calibrate import awq_scale, smoothquant_scale
@@ -146,12 +146,12 @@ def save_quantized(model_dir: str | Path, out_dir: str | Path, weight_format: st
     ``calibration`` and the format uses it (int4: AWQ, w8a8-int8: SmoothQuant), quantize and
     write a quantized checkpoint to ``out_dir`` (created). Returns ``out_dir``.
     Raises EngineError for an unknown format or unusable calibration data."""
-    from workers.loader import load_model
+    from workers.checkpoint import load_dense
     from workers.quant import calibrate
     if weight_format not in quant.WEIGHT_FORMATS or weight_format == "none":
         raise EngineError(f"weight_format {weight_format!r} is not a quantized format")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    model = load_model(model_dir, dtype=torch.float32, device="cpu", max_positions=calibrate.CHUNK_TOKENS)
+    model = load_dense(model_dir, dtype=torch.float32, device="cpu", max_positions=calibrate.CHUNK_TOKENS)
     stats, calib = None, {"enabled": False}
     if calibration and weight_format in CALIBRATED_FORMATS:
         text = calibrate.calibration_text(calibration_data)
@@ -182,7 +182,7 @@ def load_quantized(qdir: str | Path, *, dtype: torch.dtype, device: str | torch.
                    start_layer: int = 0, end_layer: int | None = None):
     """Build the model (or the stage ``[start_layer, end_layer)``) from a quantized checkpoint.
     Raises EngineError when the directory is not one (no quant.json / config.json)."""
-    from workers.loader import check_servable, load_config
+    from workers.checkpoint import check_servable, load_config
     from workers.models.llama import LlamaForCausalLM
     qdir = Path(qdir)
     if not (qdir / "quant.json").is_file():

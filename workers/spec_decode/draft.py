@@ -27,14 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.config import EngineConfig
-from scheduler.request import EngineError, SamplingParams
+from kvmesh.core.config import EngineConfig
+from kvmesh.core.errors import SettingsError
+from kvmesh.core.sampling import SamplingParams
+from workers.checkpoint import load_config
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
-from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
 from workers.layers.linear import pack_bf16_linears
+from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
+from workers.loader import load_model
 from workers.models.llama import use_native_ops
-from workers.loader import load_config, load_model
 
 
 @dataclass
@@ -84,7 +86,7 @@ class DraftProposer:
 
     Args:
         cfg: engine settings: ``draft_model`` (known name or checkpoint directory, resolved
-            with :func:`workers.registry.resolve_model`), ``draft_num_layers`` (0 = all),
+            with :func:`kvmesh.hub.resolve_model`), ``draft_num_layers`` (0 = all),
             ``draft_max_model_len`` (0 = the draft's max_position_embeddings), ``model`` (for
             the vocabulary check), ``max_model_len``, ``dtype`` (weights, activations and the
             draft's KV cache; ``kv_cache_dtype`` applies to the target only), ``weight_format``
@@ -103,23 +105,23 @@ class DraftProposer:
     """
 
     def __init__(self, cfg: EngineConfig, num_blocks: int, block_size: int, device: torch.device):
-        from workers.registry import resolve_model
+        from kvmesh.hub import resolve_model
         if not cfg.draft_model:
-            raise EngineError("speculative_method 'draft' needs draft_model (--draft-model)")
+            raise SettingsError("speculative_method 'draft' needs draft_model (--draft-model)")
         draft_dir = resolve_model(cfg.draft_model)
         dcfg = load_config(draft_dir)
         tcfg = load_config(resolve_model(cfg.model))
         if dcfg.vocab_size != tcfg.vocab_size:
-            raise EngineError(f"draft_model {cfg.draft_model!r} has a vocabulary of {dcfg.vocab_size} tokens, "
-                              f"the target {cfg.model!r} {tcfg.vocab_size}; the draft must share the target's tokenizer")
+            raise SettingsError(f"draft_model {cfg.draft_model!r} has a vocabulary of {dcfg.vocab_size} tokens, "
+                                f"the target {cfg.model!r} {tcfg.vocab_size}; the draft must share the target's tokenizer")
         if cfg.draft_num_layers > dcfg.num_layers:
-            raise EngineError(f"draft_num_layers {cfg.draft_num_layers} exceeds the draft's {dcfg.num_layers} layers")
+            raise SettingsError(f"draft_num_layers {cfg.draft_num_layers} exceeds the draft's {dcfg.num_layers} layers")
         if cfg.draft_num_layers and cfg.weight_format != "none":
-            raise EngineError(f"draft_num_layers cannot be combined with weight_format {cfg.weight_format!r}: "
-                              "a truncated draft is served dense")
+            raise SettingsError(f"draft_num_layers cannot be combined with weight_format {cfg.weight_format!r}: "
+                                "a truncated draft is served dense")
         if cfg.draft_max_model_len > dcfg.max_position_embeddings:
-            raise EngineError(f"draft_max_model_len {cfg.draft_max_model_len} exceeds the draft's "
-                              f"max_position_embeddings {dcfg.max_position_embeddings}")
+            raise SettingsError(f"draft_max_model_len {cfg.draft_max_model_len} exceeds the draft's "
+                                f"max_position_embeddings {dcfg.max_position_embeddings}")
         limit = cfg.draft_max_model_len or dcfg.max_position_embeddings
         self.max_model_len = min(limit, cfg.max_model_len or min(tcfg.max_position_embeddings, 8192))
         self.device = torch.device(device)

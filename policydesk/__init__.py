@@ -1,4 +1,8 @@
-"""The PolicyDesk data set (``bench/data/policydesk``, see its README.md) and its prompt layout.
+"""The PolicyDesk data set (``policydesk/data``, see its README.md) and its prompt layout.
+
+A data package that depends on nothing of kvmesh: the runtime (the default calibration text of
+:mod:`workers.quant.calibrate`, ``kvmesh demo``) and the benchmarks read it. The data files ship
+with the installed package (pyproject ``package-data``).
 
 Every conversation about one policy starts with the same system message (system prompt, a blank
 line, the whole policy text), so all requests on a policy share a ~1.4-1.7k-token prefix.
@@ -9,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parent / "data" / "policydesk"
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def _jsonl(name: str) -> list[dict]:
@@ -31,3 +35,8 @@ def system_message(policy: str) -> str:
     """The system message for conversations about ``policy`` (a policy id, e.g. ``travel_expenses``)."""
     prompt = (DATA_DIR / "system_prompt.txt").read_text(encoding="utf-8").strip()
     return prompt + "\n\n" + (DATA_DIR / "policies" / f"{policy}.md").read_text(encoding="utf-8")
+
+
+def policy_texts() -> list[str]:
+    """The policy documents (``data/policies/*.md``), UTF-8 text, sorted by file name."""
+    return [p.read_text(encoding="utf-8") for p in sorted((DATA_DIR / "policies").glob("*.md"))]

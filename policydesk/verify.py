@@ -1,6 +1,6 @@
 """Sanity checks for the PolicyDesk benchmark data.
 
-Run: .venv/bin/python bench/data/policydesk/verify.py
+Run: .venv/bin/python -m policydesk.verify
 Checks: JSONL parses; ids unique; every policy id has a file; policy length in
 range (tokens if a local tokenizer is available, else words); every key fact of an
 answerable question / chat turn appears (case-insensitive) in its policy text;
@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent / "data"
 TOKENIZER_DIR = Path(os.path.expanduser("~/.cache/kvmesh/models/smollm2-135m-instruct"))
 WORDS = (900, 1150)
 TOKENS = (1300, 1600)

@@ -14,26 +14,26 @@
 
 Files are read once, at start; every error names the setting and the file. Probes that cannot
 speak TLS (Kubernetes' ``grpc:`` probes) ask a plaintext health-only port (``--health-port``,
-:func:`serve_health_port`).
+:mod:`kvmesh.core.grpc_server`).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import SettingsError
 
 
 def read_pem(path: str, setting: str) -> bytes:
-    """The bytes of a PEM file. Raises EngineError naming ``setting`` when it cannot be read or
+    """The bytes of a PEM file. Raises SettingsError naming ``setting`` when it cannot be read or
     holds no PEM block."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise EngineError(f"{setting}: cannot read {path}: {e.strerror or e}") from None
+        raise SettingsError(f"{setting}: cannot read {path}: {e.strerror or e}") from None
     if b"-----BEGIN " not in data:
-        raise EngineError(f"{setting}: {path} is not a PEM file (no -----BEGIN line)")
+        raise SettingsError(f"{setting}: {path} is not a PEM file (no -----BEGIN line)")
     return data
 
 
@@ -41,7 +41,7 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str = "", 
                        prefix: str = "") -> grpc.ServerCredentials:
     """Credentials of a TLS listener: the certificate chain and key; with ``client_ca_file``, every
     client must present a certificate signed by that CA (mutual TLS). ``prefix`` names the
-    settings in errors (``scheduler_`` ...). Raises EngineError."""
+    settings in errors (``scheduler_`` ...). Raises SettingsError."""
     pair = (read_pem(key_file, f"{prefix}tls_key_file"), read_pem(cert_file, f"{prefix}tls_cert_file"))
     if client_ca_file:
         return grpc.ssl_server_credentials([pair], root_certificates=read_pem(client_ca_file,
@@ -54,9 +54,9 @@ def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = 
                         prefix: str = "") -> grpc.ChannelCredentials:
     """Credentials of a TLS channel: the server is checked against ``ca_file`` ("" = the system's
     roots); ``cert_file``/``key_file`` (both or neither) are this client's certificate for mutual
-    TLS. Raises EngineError."""
+    TLS. Raises SettingsError."""
     if bool(cert_file) != bool(key_file):
-        raise EngineError(f"{prefix}tls_client_cert_file and {prefix}tls_client_key_file go together")
+        raise SettingsError(f"{prefix}tls_client_cert_file and {prefix}tls_client_key_file go together")
     return grpc.ssl_channel_credentials(
         root_certificates=read_pem(ca_file, f"{prefix}tls_ca_file") if ca_file else None,
         private_key=read_pem(key_file, f"{prefix}tls_client_key_file") if key_file else None,
@@ -67,23 +67,3 @@ def server_name_option(server_name: str) -> list[tuple[str, str]]:
     """Channel options that check the server's certificate for ``server_name`` instead of the
     dialled host (none when ""): e.g. the scheduler's Kubernetes service name while dialling an IP."""
     return [("grpc.ssl_target_name_override", server_name)] if server_name else []
-
-
-async def serve_health_port(health_servicer, host: str, port: int):
-    """A plaintext gRPC server on ``host:port`` with only ``grpc.health.v1`` (``health_servicer``,
-    the TLS service's own, so both answer alike), for probes that cannot speak TLS (Kubernetes'
-    ``grpc:`` probes). None when ``port`` is -1 (off). Returns the started ``grpc.aio.Server``
-    (its bound port in ``.health_port``). Raises EngineError if the port cannot be bound."""
-    from grpc_health.v1 import health_pb2_grpc
-    if port < 0:
-        return None
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        server.health_port = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as e:
-        await server.stop(None)
-        raise EngineError(f"cannot listen on {host}:{port} for health checks ({e}): is the port in use? "
-                          "(0 = any free port, -1 = off)") from None
-    await server.start()
-    return server

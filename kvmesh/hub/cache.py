@@ -1,0 +1,98 @@
+"""Where pulled models live and when one counts as pulled.
+
+::
+
+    kvmesh_home()/models/<name>/
+        config.json  generation_config.json  model.safetensors
+        tokenizer.json  tokenizer_config.json  chat_template.jinja  special_tokens_map.json (maybe)
+        .kvmesh-complete      # written last: JSON record of the pull (MARKER)
+
+A directory without the marker (a crashed or interrupted conversion) never counts as pulled.
+Storage precision is :data:`FORMAT_VERSION` 2 (:mod:`kvmesh.hub.convert`); a marker without
+``format_version`` is version 1 (everything float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import sys
+
+from kvmesh.hub.manifest import get_spec
+
+MARKER = ".kvmesh-complete"
+FORMAT_VERSION = 2   # 1: all float32; 2: matrices bfloat16, vectors float32 (kvmesh.hub.convert)
+
+
+def kvmesh_home() -> pathlib.Path:
+    """kvmesh's cache root: ``$KVMESH_HOME`` if set, else ``$XDG_CACHE_HOME/kvmesh``, else
+    ``~/.cache/kvmesh``. Not created here."""
+    env = os.environ.get("KVMESH_HOME")
+    if env:
+        return pathlib.Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = pathlib.Path(xdg).expanduser() if xdg and os.path.isabs(os.path.expanduser(xdg)) \
+        else pathlib.Path.home() / ".cache"
+    return base / "kvmesh"
+
+
+def models_root() -> pathlib.Path:
+    """``kvmesh_home()/models``: one directory per pulled model (not created here)."""
+    return kvmesh_home() / "models"
+
+
+def model_dir(name: str) -> pathlib.Path:
+    """Where the converted Hugging Face directory of known model ``name`` lives:
+    ``kvmesh_home()/models/<name>`` (it may not exist yet). Raises EngineError for an unknown name."""
+    return models_root() / get_spec(name).name
+
+
+def read_marker(path: pathlib.Path) -> dict | None:
+    """The pull record in directory ``path``, or None when it is missing or unreadable."""
+    try:
+        return json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pulled_version(name: str) -> int | None:
+    """The format version of the complete conversion of the pinned GGUF in ``model_dir(name)``
+    (1 for markers without ``format_version``), or None when there is none."""
+    spec = get_spec(name)
+    d = model_dir(spec.name)
+    marker = read_marker(d)
+    if not marker or marker.get("gguf_sha256") != spec.gguf_sha256 or not (d / "config.json").is_file():
+        return None
+    return int(marker.get("format_version", 1))
+
+
+def is_pulled(name: str) -> bool:
+    """True when ``model_dir(name)`` holds a complete conversion of the pinned GGUF in the
+    current :data:`FORMAT_VERSION` (its marker file exists, records the pinned GGUF's sha256
+    and that version, and config.json is there). Raises EngineError for an unknown name."""
+    return pulled_version(name) == FORMAT_VERSION
+
+
+def dir_bytes(path: pathlib.Path) -> int:
+    """Bytes of the files below ``path``."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@contextlib.contextmanager
+def locked(path: pathlib.Path):
+    """Hold an exclusive flock on ``path`` (created if missing) for the duration."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def log(msg: str) -> None:
+    """One ``kvmesh: <msg>`` line on stderr."""
+    print(f"kvmesh: {msg}", file=sys.stderr, flush=True)
