@@ -275,8 +275,9 @@ async def test_stats_report_the_kv_format_and_capacity(smollm2_dir):
 # ---- bench/quality.py ------------------------------------------------------------------------
 
 def test_quality_perplexity_and_kl(smollm2_dir):
-    from bench.quality import evaluate, logprobs, policy_texts, tokenize
-    texts = policy_texts()
+    import policydesk
+    from bench.quality import evaluate, logprobs, tokenize
+    texts = policydesk.policy_texts()
     dense = EngineConfig(model=str(smollm2_dir), dtype="float32", max_model_len=512)
     ids = tokenize(dense, texts, 160)
     assert [len(x) for x in ids] == [160]             # the first policy's first 160 tokens

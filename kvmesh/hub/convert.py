@@ -48,7 +48,7 @@ def convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progres
     it) or transformers' GGUF support is missing."""
     import importlib.util
 
-    if importlib.util.findget_spec("accelerate") is None:  # transformers' GGUF loader insists on it
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader insists on it
         raise EngineError(f"pulling {spec.name}: converting GGUF weights needs the 'accelerate' "
                           "package (pip install accelerate)")
     import torch
