@@ -1,0 +1,202 @@
+"""EngineConfig: the settings of one engine replica (model, dtypes, KV cache, batching,
+speculative decoding, kernels), and the choices its fields accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvmesh.core.errors import SettingsError
+from kvmesh.core.settings import Settings, _coerce_strings, _parse_bytes, setting
+
+if TYPE_CHECKING:
+    import torch
+
+# dtype names accepted in settings -> torch dtype attribute (torch is imported only where a
+# torch dtype is asked for, so the gateway's process, which reads these settings, loads no torch)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+WEIGHT_FORMATS = ("none", "int8", "int4", "fp8", "w8a8-int8")
+SPECULATIVE_METHODS = ("", "ngram", "draft")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU advertises AVX512-BF16 or AMX-BF16 (Linux /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+POLICIES = ("continuous", "static", "naive")   # batching policies; scheduler.scheduler implements them
+
+@dataclass
+class EngineConfig(Settings):
+    """Settings of one engine replica.
+
+    Attributes:
+        model: known model name (see ``kvmesh models list``) or checkpoint directory.
+        dtype: weight/activation dtype: ``float32`` or ``bfloat16`` (``auto``: see
+            :attr:`torch_dtype`).
+        kv_cache_dtype: ``auto`` (= dtype), ``float32``, ``bfloat16``, or a quantized KV cache:
+            ``int8`` or ``fp8`` (e4m3) with a scale per block and KV head.
+        weight_format: ``none`` (dense ``dtype``), or weights quantized at load time: ``int8``
+            (weight-only, per output channel), ``int4`` (weight-only, group-wise asymmetric),
+            ``fp8`` (e4m3, per output channel), ``w8a8-int8`` (int8 weights and activations,
+            SmoothQuant).
+        quant_group_size: ``int4`` group size along the input dimension (32, 64 or 128).
+        enable_calibration: activation-aware calibration for ``int4`` (AWQ scales) and
+            ``w8a8-int8`` (SmoothQuant factors); False = round-to-nearest, no smoothing.
+        calibration_data: calibration text file; empty = the PolicyDesk policies.
+        speculative_method: ``""`` (off), ``ngram`` (prompt lookup) or ``draft`` (a draft model).
+        num_speculative_tokens: proposed tokens per step (k; with adaptive speculation, the most).
+        speculative_adaptive: per request, lower k when acceptance is low, raise it when high.
+        draft_model: the draft checkpoint (known name or directory; same tokenizer as ``model``).
+        draft_num_layers: keep only the draft's first N decoder layers (0 = all).
+        draft_max_model_len: the draft's context limit in tokens (0 = its max_position_embeddings);
+            longer sequences continue without speculation.
+        prompt_lookup_max, prompt_lookup_min: ``ngram`` match lengths tried, longest first.
+        block_size: tokens per KV block.
+        kv_cache_memory: KV budget: bytes if >= 1 (``"2GiB"`` accepted), else a fraction of
+            free device memory.
+        max_model_len: longest sequence, prompt + output, in tokens (0 = model's limit, at most 8192).
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: token budget of one step.
+        policy: ``continuous``, ``static`` or ``naive``.
+        enable_prefix_caching, enable_chunked_prefill: switches.
+        device: ``cpu``, ``cuda``, ``cuda:1`` ...
+        num_threads: torch intra-op threads (0 = leave torch's default).
+        attention_backend: ``native`` (the C++ paged-attention kernels of :mod:`workers.kernels`,
+            reading K/V in place through the block tables; CPU only), ``torch`` (the PyTorch
+            reference: gather + SDPA), or ``auto`` (native where it can be built and runs, else
+            torch, with a log line saying why).
+        enable_compile: run decode-only steps with ``torch.compile``d layers, one graph per batch
+            bucket (:mod:`workers.compiled_decode`; needs the native attention backend), compiled
+            at start-up (``--compile``). Off by default for now: Dynamo keeps each engine's
+            graphs (keyed to that engine's modules) for the life of the process, so a process
+            that creates many engines (tests, restarts) accumulates them.
+        kv_offload_host_memory: bytes of host memory (``"4GiB"`` accepted) that keep KV blocks
+            evicted from the pool, least recently used dropped first (0 = no host tier;
+            docs/kvstore.md, "KV tiers").
+        kv_offload_redis_url: a Redis shared by replicas that keeps evicted KV blocks
+            (``redis://host:port/db``; empty = none).
+        kv_offload_redis_ttl: seconds a block lives in the Redis tier (0 = no expiry).
+        kv_offload_prefix: key prefix in the Redis tier (one per deployment).
+    """
+
+    model: str = setting("smollm2-135m-instruct", "known model name (see `kvmesh models list`) or a Hugging Face "
+                         "checkpoint directory", metavar="NAME|DIR")
+    dtype: str = setting("auto", "weights/activations: float32, bfloat16 (float16 slow on CPUs); auto = bfloat16 "
+                         "on CUDA and on CPUs with AVX512-BF16/AMX, else float32", metavar="DTYPE")
+    kv_cache_dtype: str = setting("auto", "KV cache: auto (= dtype), float32, bfloat16, or quantized blocks int8, "
+                                  "fp8 (a scale per block and head)", metavar="DTYPE")
+    weight_format: str = setting("none", "weights quantized at load time: int8, int4 (group-wise), fp8, w8a8-int8 "
+                                 "(SmoothQuant); none = dense dtype", choices=WEIGHT_FORMATS)
+    quant_group_size: int = setting(128, "int4 group size along the input dimension", choices=(32, 64, 128))
+    enable_calibration: bool = setting(True, "AWQ scales (int4) and SmoothQuant factors (w8a8-int8); "
+                                       "--no-calibration: round-to-nearest, no smoothing")
+    calibration_data: str = setting("", "calibration text file (empty: the PolicyDesk policies)", metavar="FILE")
+    speculative_method: str = setting("", "speculative decoding: ngram (prompt lookup) or draft (a draft model, "
+                                      "--draft-model); empty: off", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(4, "proposed tokens per step (the most, when adaptive)", metavar="K")
+    speculative_adaptive: bool = setting(True, "always propose K tokens (default: adapt K per request to its "
+                                         "acceptance rate)", flag="--fixed-speculative-tokens")
+    draft_model: str = setting("", "draft model (same tokenizer as --model)", metavar="NAME|DIR")
+    draft_num_layers: int = setting(0, "keep the draft's first N decoder layers (0 = all)")
+    draft_max_model_len: int = setting(0, "the draft's context limit; longer sequences continue without "
+                                       "speculation (0 = the draft's)")
+    prompt_lookup_max: int = setting(4, "longest ngram matched")
+    prompt_lookup_min: int = setting(2, "shortest ngram matched")
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    kv_cache_memory: float = setting(2 * 2**30, "KV cache budget: bytes (2GiB, 512MB, 1e9) or a fraction of free "
+                                     "memory (0.5)", metavar="BYTES|FRACTION", kind="bytes")
+    max_model_len: int = setting(0, "longest prompt + output in tokens (0 = the model's, at most 8192)")
+    max_num_seqs: int = setting(64, "most sequences per step")
+    max_num_batched_tokens: int = setting(2048, "token budget per step")
+    policy: str = setting("continuous", "batching policy", choices=POLICIES)
+    enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = setting(True, "split long prompts across steps (--no-chunked-prefill: each "
+                                           "prompt in one step)")
+    device: str = setting("cpu", "cpu, cuda, cuda:1 ...", metavar="DEVICE")
+    num_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
+    attention_backend: str = setting("auto", "native (C++ paged-attention kernels, CPU), torch (PyTorch "
+                                     "reference), auto = native where it builds", choices=ATTENTION_BACKENDS)
+    enable_compile: bool = setting(False, "decode steps through torch.compile, one graph per batch bucket, "
+                                   "compiled at start-up (native attention backend)")
+    kv_offload_host_memory: float = setting(0, "keep KV blocks evicted from the pool in this much host memory "
+                                            "(e.g. 4GiB; LRU) and load them back instead of recomputing",
+                                            metavar="BYTES", kind="bytes")
+    kv_offload_redis_url: str = setting("", "keep evicted KV blocks in this Redis too, shared by replicas "
+                                        "(redis://host:port/db)", metavar="URL")
+    kv_offload_redis_ttl: float = setting(3600.0, "lifetime of a block in the Redis tier in seconds (0 = none)",
+                                          metavar="S")
+    kv_offload_prefix: str = setting("kvmesh", "key prefix in the Redis tier", metavar="PREFIX")
+
+    def __post_init__(self) -> None:
+        _coerce_strings(self)
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = _parse_bytes(self.kv_cache_memory)
+        if isinstance(self.kv_offload_host_memory, str):
+            self.kv_offload_host_memory = _parse_bytes(self.kv_offload_host_memory)
+        if self.kv_offload_host_memory < 0:
+            raise SettingsError(f"kv_offload_host_memory must be >= 0 bytes, got {self.kv_offload_host_memory}")
+        if self.kv_offload_redis_url and not self.kv_offload_redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError(f"kv_offload_redis_url must be redis://host:port/db (or rediss://, unix://), "
+                                f"got {self.kv_offload_redis_url!r}")
+        if self.kv_offload_redis_ttl < 0:
+            raise SettingsError(f"kv_offload_redis_ttl must be >= 0 seconds, got {self.kv_offload_redis_ttl}")
+        if self.kv_offload and self.speculative_method == "draft":
+            raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) does not keep a draft "
+                                "model's KV: use it without speculative_method 'draft'")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise SettingsError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise SettingsError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise SettingsError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.policy == "naive":
+            self.enable_prefix_caching = False
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise SettingsError(f"unknown weight_format {self.weight_format!r}; choose one of {WEIGHT_FORMATS}")
+        if self.quant_group_size not in (32, 64, 128):
+            raise SettingsError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise SettingsError(f"unknown speculative_method {self.speculative_method!r}; "
+                                f"choose one of {SPECULATIVE_METHODS} ('' = off)")
+        if self.speculative_method and self.policy != "continuous":
+            raise SettingsError(f"speculative_method {self.speculative_method!r} needs policy 'continuous' "
+                                f"(got {self.policy!r})")
+        if self.speculative_method and not 1 <= self.num_speculative_tokens <= 16:
+            raise SettingsError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise SettingsError("speculative_method 'draft' needs draft_model (--draft-model)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise SettingsError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.draft_num_layers < 0 or self.draft_max_model_len < 0:
+            raise SettingsError("draft_num_layers and draft_max_model_len must be >= 0")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise SettingsError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def kv_offload(self) -> bool:
+        """A KV tier below the pool is configured (host memory or Redis)."""
+        return self.kv_offload_host_memory > 0 or bool(self.kv_offload_redis_url)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``auto``: bfloat16 on CUDA and on CPUs with native bf16 matmul (AVX512-BF16 or AMX),
+        where it measured faster than float32 for prefill and batched decode
+        (docs/engine_offline.md); float32 on other CPUs."""
+        import torch
+
+        if self.dtype == "auto":
+            if self.device.startswith("cuda") or cpu_has_native_bf16():
+                return torch.bfloat16
+            return torch.float32
+        return getattr(torch, DTYPES[self.dtype])
