@@ -11,7 +11,6 @@
 // for a row's last I mod 16 elements, a scalar loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -65,11 +64,3 @@ at::Tensor silu_and_mul_bf16_cpu(const at::Tensor& x) {
 }
 
 }  // namespace kvmesh
-
-TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  m.def("silu_and_mul_bf16(Tensor x) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
-  m.impl("silu_and_mul_bf16", &kvmesh::silu_and_mul_bf16_cpu);
-}

@@ -4,11 +4,5 @@
 // Compiled for baseline x86-64 plus the target above; only called after a run-time check of
 // the CPU's AMX-BF16 and the kernel's permission to use the tile state.
 #define KVMESH_ISA 4
-#define KVMESH_NS isa_amx
+#define KVMESH_ISA_NAME amx
 #include "attn_kernel.h"
-
-namespace kvmesh {
-void run_items_amx(const AttnArgs& a, const WorkItem* items, int64_t begin, int64_t end) {
-  isa_amx::run_items(a, items, begin, end);
-}
-}  // namespace kvmesh

@@ -2,11 +2,5 @@
 // The avx512 instantiation of the attention kernel (see attn_kernel.h). Compiled for baseline
 // x86-64 plus the target above; only called after a run-time CPU feature check.
 #define KVMESH_ISA 2
-#define KVMESH_NS isa_avx512
+#define KVMESH_ISA_NAME avx512
 #include "attn_kernel.h"
-
-namespace kvmesh {
-void run_items_avx512(const AttnArgs& a, const WorkItem* items, int64_t begin, int64_t end) {
-  isa_avx512::run_items(a, items, begin, end);
-}
-}  // namespace kvmesh

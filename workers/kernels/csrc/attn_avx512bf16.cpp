@@ -4,11 +4,5 @@
 // Compiled for baseline x86-64 plus the target above; only called after a run-time CPU
 // feature check.
 #define KVMESH_ISA 3
-#define KVMESH_NS isa_avx512bf16
+#define KVMESH_ISA_NAME avx512bf16
 #include "attn_kernel.h"
-
-namespace kvmesh {
-void run_items_avx512bf16(const AttnArgs& a, const WorkItem* items, int64_t begin, int64_t end) {
-  isa_avx512bf16::run_items(a, items, begin, end);
-}
-}  // namespace kvmesh

@@ -1,5 +1,6 @@
-// The paged attention kernel, instantiated once per ISA (attn_{scalar,avx2,avx512,avx512bf16}.cpp define
-// KVMESH_ISA and KVMESH_NS, then include this file under their `#pragma GCC target`).
+// The paged attention kernel, instantiated once per ISA (attn_{scalar,avx2,avx512,avx512bf16,amx}.cpp
+// define KVMESH_ISA and KVMESH_ISA_NAME, then include this file under their `#pragma GCC target`):
+// each instantiation lives in namespace kvmesh::isa_<name> and exports run_items_<name> (dispatch.h).
 //
 // One work item = `nrows` query rows (token x query head of one KV head) against the keys
 // [key0, key1) of one key sequence, walked in chunks of whole cache blocks (>= 64 keys) (FlashAttention-2's online
@@ -20,6 +21,9 @@
 #include <immintrin.h>
 #endif
 #include "attn_args.h"
+#include "isa_name.h"
+
+#define KVMESH_NS KVMESH_ISA_SYM(isa_)
 
 namespace kvmesh {
 namespace KVMESH_NS {
@@ -370,4 +374,10 @@ static void run_items(const AttnArgs& a, const WorkItem* items, int64_t begin, i
 }
 
 }  // namespace KVMESH_NS
+
+// The instantiation's entry point, declared in dispatch.h.
+void KVMESH_ISA_SYM(run_items_)(const AttnArgs& a, const WorkItem* items, int64_t begin, int64_t end) {
+  KVMESH_NS::run_items(a, items, begin, end);
+}
+
 }  // namespace kvmesh

@@ -79,6 +79,31 @@ struct Simd {
 };
 #else
 
+// The Cephes-style expf core of the AVX2 and AVX-512 traits (S: that ISA's Simd), for x
+// already clamped to [-87.3, 88.3] and n = round(x log2 e): r = x - n ln 2 (ln 2 in two parts),
+// returns p(r) ~ e^r; the caller scales it by 2^n (|rel err| ~ 2 ulp).
+template <class S>
+static inline typename S::V exp_poly(typename S::V x, typename S::V n) {
+  using V = typename S::V;
+  V r = S::fma(n, S::set1(-0.693359375f), x);
+  r = S::fma(n, S::set1(2.12194440e-4f), r);
+  V p = S::set1(1.9875691500E-4f);
+  p = S::fma(p, r, S::set1(1.3981999507E-3f));
+  p = S::fma(p, r, S::set1(8.3334519073E-3f));
+  p = S::fma(p, r, S::set1(4.1665795894E-2f));
+  p = S::fma(p, r, S::set1(1.6666665459E-1f));
+  p = S::fma(p, r, S::set1(5.0000001201E-1f));
+  return S::fma(p, S::mul(r, r), S::add(r, S::set1(1.f)));
+}
+
+// The lane sums of b[0..7] (8 floats each) as one vector, by a horizontal-add tree: the
+// reduction of dots / dots_bf16 (both ISA paths).
+static inline __m256 hsum8x8(const __m256* b) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // 8x8 float transpose of rows src[0..7] (stride ss) into dst (stride ds); AVX (both ISA paths).
 static inline void transpose8x8(const float* src, int64_t ss, float* dst, int64_t ds) {
   __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + ss), r2 = _mm256_loadu_ps(src + 2 * ss),
@@ -125,15 +150,7 @@ struct Simd {
     x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
     V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    V p = _mm256_set1_ps(1.9875691500E-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const V p = exp_poly<Simd>(x, n);
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     V res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     return _mm256_andnot_ps(under, res);
@@ -191,9 +208,8 @@ struct Simd {
         a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 6 * D + d), a6);
         a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + 7 * D + d), a7);
       }
-      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-      _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+      const __m256 b[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+      _mm256_storeu_ps(s + j, hsum8x8(b));
     }
   }
   static void transpose(const float* src, int R, int D, float* dst, int ld) { transpose_avx(src, R, D, dst, ld); }
@@ -216,15 +232,7 @@ struct Simd {
     x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
     V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    V p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const V p = exp_poly<Simd>(x, n);
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
   }
@@ -286,9 +294,7 @@ struct Simd {
 #pragma GCC unroll 8
         for (int i = 0; i < 8; ++i) b[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + i * D + d), b[i]);
       }
-      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
-      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
-      _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+      _mm256_storeu_ps(s + j, hsum8x8(b));
     }
   }
 #if KVMESH_ISA >= 3
@@ -309,10 +315,7 @@ struct Simd {
       __m256 b[8];
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) b[i] = fold(a[i]);
-      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
-      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(b[4], b[5]), _mm256_hadd_ps(b[6], b[7]));
-      const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-      _mm256_storeu_ps(s + j, _mm256_mul_ps(r, sc));
+      _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8x8(b), sc));
     }
   }
 #endif

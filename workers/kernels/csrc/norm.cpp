@@ -10,7 +10,6 @@
 // for bfloat16 and float16 models only; float32 keeps the PyTorch reference).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "bf16_bits.h"
 
@@ -124,13 +123,3 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const a
 }
 
 }  // namespace kvmesh
-
-TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
-  m.impl("rms_norm", &kvmesh::rms_norm_cpu);
-  m.impl("add_rms_norm", &kvmesh::add_rms_norm_cpu);
-}

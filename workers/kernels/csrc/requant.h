@@ -1,6 +1,6 @@
 // Requantization of one (K or V, block, KV head) slice of an int8 / float8_e4m3fn cache,
-// instantiated per ISA (requant_{scalar,avx2}.cpp define KVMESH_ISA and KVMESH_NS, as
-// attn_kernel.h). Every element goes through the same IEEE float32 operations as
+// instantiated per ISA (requant_{scalar,avx2}.cpp define KVMESH_ISA and KVMESH_ISA_NAME, as
+// attn_kernel.h: namespace kvmesh::rq_<name>, entry point requantize_<name>). Every element goes through the same IEEE float32 operations as
 // workers/kv_cache.py:KVCache.write — dequantize q * scale, divide by the new scale, round half
 // to even (int8), clamp, convert (e4m3: c10's fp8e4m3fn_from_fp32_value) — so every path
 // stores the same bytes.
@@ -11,6 +11,9 @@
 #if KVMESH_ISA > 0
 #include <immintrin.h>
 #endif
+#include "isa_name.h"
+
+#define KVMESH_NS KVMESH_ISA_SYM(rq_)
 
 namespace kvmesh {
 namespace KVMESH_NS {
@@ -108,4 +111,17 @@ static float quantize(const float* buf, int64_t BS, int64_t D, uint8_t* dst, int
 }
 
 }  // namespace KVMESH_NS
+
+// Requantizes one (K or V, block, head) slice in place: dequantize with s_old unless
+// `restart` (then zeros), overwrite the rows `offs[i]` with `rows[i]` ([D] float32 each),
+// quantize with the new scale (returned). Q8: 0 int8, 1 e4m3fn. Declared in cache_write.cpp.
+float KVMESH_ISA_SYM(requantize_)(int q8, uint8_t* blk, int64_t st, int64_t BS, int64_t D, float s_old, bool restart,
+                                  const float* const* rows, const int32_t* offs, int64_t n, float* buf) {
+  if (restart) std::memset(buf, 0, sizeof(float) * BS * D);
+  else if (q8 == 0) KVMESH_NS::dequantize<0>(blk, st, BS, D, s_old, buf);
+  else KVMESH_NS::dequantize<1>(blk, st, BS, D, s_old, buf);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(buf + offs[i] * D, rows[i], sizeof(float) * D);
+  return q8 == 0 ? KVMESH_NS::quantize<0>(buf, BS, D, blk, st) : KVMESH_NS::quantize<1>(buf, BS, D, blk, st);
+}
+
 }  // namespace kvmesh

@@ -8,7 +8,6 @@
 // and for baseline x86-64 (GCC target_clones picks one at load time) so that it vectorises.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "bf16_bits.h"
 
@@ -64,11 +63,3 @@ at::Tensor rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at:
 }
 
 }  // namespace kvmesh
-
-TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  m.def("rotary_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
-  m.impl("rotary_bf16", &kvmesh::rotary_bf16_cpu);
-}

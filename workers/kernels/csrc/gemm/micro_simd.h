@@ -14,6 +14,32 @@
 // bcast(const float*), load(const uint16_t*) (L pairs = 2 L uint16), lo(VI) / hi(VI) (the
 // even / odd k of each pair as fp32), fma(a, b, c) = a * b + c, store(float*, V).
 
+// One half of k-pair t: widens the even (H = 0) or odd (H = 1) k of each pair in the panel
+// rows at `row` and FMAs it, times each row's x[2t + H], into the accumulators acc.
+template <int MR, int NP, int H>
+KV_INLINE void khalf(const float* __restrict x, int64_t ldx, const uint16_t* row, int64_t pstride, int64_t t,
+                     typename Ops::V (&acc)[MR][NP * (kPanel / Ops::L)]) {
+  constexpr int L = Ops::L;
+  constexpr int VPP = kPanel / L;              // vectors per panel row
+  constexpr int NV = NP * VPP;                 // vectors per tile row
+  using V = typename Ops::V;
+  V w[NV];
+#pragma GCC unroll 8
+  for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 8
+    for (int v = 0; v < VPP; ++v) {
+      const auto r = Ops::load(row + p * pstride + v * 2 * L);
+      if constexpr (H == 0) w[p * VPP + v] = Ops::lo(r);
+      else w[p * VPP + v] = Ops::hi(r);
+    }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    const V b = Ops::bcast(x + m * ldx + 2 * t + H);
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[m][j] = Ops::fma(b, w[j], acc[m][j]);
+  }
+}
+
 template <int MR, int NP>
 KV_TARGET void micro(const float* __restrict x, int64_t ldx, const uint16_t* __restrict w,
                      int64_t pstride, int64_t kp, float* __restrict tile) {
@@ -41,35 +67,11 @@ KV_TARGET void micro(const float* __restrict x, int64_t ldx, const uint16_t* __r
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) Ops::prefetch(row + p * pstride + kPrefetch);
     // k = 2t: widen the even halves, FMA them into every row.
-    {
-      V w0[NV];
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 8
-        for (int v = 0; v < VPP; ++v) w0[p * VPP + v] = Ops::lo(Ops::load(row + p * pstride + v * 2 * L));
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const V b = Ops::bcast(x + m * ldx + 2 * t);
-#pragma GCC unroll 8
-        for (int j = 0; j < NV; ++j) acc[0][m][j] = Ops::fma(b, w0[j], acc[0][m][j]);
-      }
-    }
+    khalf<MR, NP, 0>(x, ldx, row, pstride, t, acc[0]);
     // Reload (the lines are in L1 by now) rather than keep the raw vectors live across the
     // FMAs above: on AVX2 the accumulators leave too few of the 16 registers for them.
     asm volatile("" ::: "memory");
-    {
-      V w1[NV];
-#pragma GCC unroll 8
-      for (int p = 0; p < NP; ++p)
-#pragma GCC unroll 8
-        for (int v = 0; v < VPP; ++v) w1[p * VPP + v] = Ops::hi(Ops::load(row + p * pstride + v * 2 * L));
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const V b = Ops::bcast(x + m * ldx + 2 * t + 1);
-#pragma GCC unroll 8
-        for (int j = 0; j < NV; ++j) acc[NA - 1][m][j] = Ops::fma(b, w1[j], acc[NA - 1][m][j]);
-      }
-    }
+    khalf<MR, NP, 1>(x, ldx, row, pstride, t, acc[NA - 1]);
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
