@@ -15,294 +15,44 @@ then Redis; the ones found are loaded into newly allocated pool blocks instead o
 recomputed. Anything wrong with a value (missing, corrupted, another format version or layout,
 Redis down or slow) is a miss: the block is recomputed, never loaded wrong.
 
-A block is stored as one value per pipeline stage (each stage holds its own layers). Key::
-
-    {prefix}:kv:{block hash:016x}:{start layer}-{end layer}
-
-The block hash is the prefix cache's chained hash (:mod:`kvstore.hashing`), whose seed already
-covers the model, its weight format and the KV dtype; the layer range keeps pipeline layouts
-apart. Keys carry no request text. Value (little-endian)::
-
-    magic  b"KVMT"   4 bytes
-    version          uint16   (FORMAT_VERSION)
-    layout length    uint16   n
-    body length      uint64
-    checksum         uint64   xxh3_64 of the body
-    layout           n bytes  UTF-8, e.g. "dtype=bfloat16;bs=16;kvh=3;d=64;layers=0-30;scales=0"
-    body                      K/V data [layers, 2, block_size, kv_heads, head_dim] in the cache
-                              dtype, then (quantized caches) scales [layers, 2, kv_heads] float32
-
-The body layout is :func:`workers.kv_blocks.save_blocks`'s.
+A block is stored as one value per pipeline stage (each stage holds its own layers), under a
+key naming its block hash and layer range, in a checked format (:mod:`kvstore.tier_format`);
+the stores are :mod:`kvstore.tier_stores`. This module composes them (:class:`KVTiers`) and is
+where callers import the tiers' names from.
 
 KV events (:mod:`kvstore.events`): the tiers queue ``BlockStored``/``BlockRemoved`` of medium
 ``host`` as blocks enter and leave the host tier (offload, promotion from Redis, LRU) and
 ``BlockStored`` of medium ``redis`` (with the TTL) once a write-through has reached Redis; the
 engine forwards them with the pool's events (:meth:`KVTiers.take_events`). A value dropped by
 Redis itself (TTL, ``maxmemory``) is not observed: the index keeps a Redis block for the TTL.
-
-Why one file over ~450 lines: the value format, the two tiers and :class:`KVTiers`, which
-composes them and names their keys and events, change together (a format version, a key, an
-event medium).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
 from kvstore.events import HOST, REDIS, BlockRemoved, BlockStored, KVEvent
+from kvstore.tier_format import (
+    FORMAT_VERSION,
+    MAGIC,
+    BlockLayout,
+    TierValueError,
+    block_hash_of,
+    block_key,
+    decode_value,
+    encode_value,
+)
+from kvstore.tier_stores import HostTier, RedisTier, TierUnavailable
+
+__all__ = ["FORMAT_VERSION", "HOST", "MAGIC", "REDIS", "BlockLayout", "FetchedBlock", "HostTier", "KVTiers",
+           "RedisTier", "TierStats", "TierUnavailable", "TierValueError", "block_hash_of", "block_key",
+           "decode_value", "encode_value"]
 
 log = logging.getLogger("kvmesh.kvstore")
-
-FORMAT_VERSION = 1
-MAGIC = b"KVMT"
-_HEADER = struct.Struct("<4sHHQQ")
-
-
-class TierValueError(ValueError):
-    """A stored value is unusable. ``reason``: ``integrity`` (bad magic, truncated, checksum
-    mismatch) or ``format`` (another format version or block layout)."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-class TierUnavailable(RuntimeError):
-    """The Redis tier could not answer (down, refused, timed out)."""
-
-
-@dataclass(frozen=True)
-class BlockLayout:
-    """What one block's K/V looks like in a replica's pool.
-
-    Attributes:
-        dtype: stored K/V dtype name (``bfloat16``, ``float32``, ``int8``, ``float8_e4m3fn``...).
-        itemsize: bytes per stored value.
-        block_size: tokens per block.
-        num_kv_heads, head_dim: per layer.
-        layer_ranges: ``[start, end)`` decoder layers of each pipeline stage, in order.
-        quantized: the cache keeps float32 scales ``[2, kv_heads]`` per layer and block.
-    """
-
-    dtype: str
-    itemsize: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    layer_ranges: tuple[tuple[int, int], ...]
-    quantized: bool
-
-    def body_bytes(self, stage: int) -> int:
-        """Bytes of one block's body for pipeline stage ``stage`` (data, then scales)."""
-        start, end = self.layer_ranges[stage]
-        layers = end - start
-        data = layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
-        return data + (layers * 2 * self.num_kv_heads * 4 if self.quantized else 0)
-
-    def describe(self, stage: int) -> bytes:
-        start, end = self.layer_ranges[stage]
-        return (f"dtype={self.dtype};bs={self.block_size};kvh={self.num_kv_heads};d={self.head_dim};"
-                f"layers={start}-{end};scales={int(self.quantized)}").encode()
-
-
-def block_key(prefix: str, block_hash: int, layers: tuple[int, int]) -> str:
-    """``{prefix}:kv:{hash:016x}:{start}-{end}``: the key of one stage's part of a block."""
-    return f"{prefix}:kv:{block_hash:016x}:{layers[0]}-{layers[1]}"
-
-
-def block_hash_of(key: str) -> int:
-    """The block hash in a :func:`block_key` key."""
-    return int(key.rsplit(":", 2)[1], 16)
-
-
-def encode_value(layout: BlockLayout, stage: int, body: bytes) -> bytes:
-    """Header + ``body`` (one stage's part of a block). Raises ValueError on a body of the
-    wrong size."""
-    if len(body) != layout.body_bytes(stage):
-        raise ValueError(f"block body is {len(body)} bytes, the layout says {layout.body_bytes(stage)}")
-    desc = layout.describe(stage)
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, len(desc), len(body), xxhash.xxh3_64_intdigest(body))
-    return head + desc + body
-
-
-def decode_value(layout: BlockLayout, stage: int, value: bytes) -> bytes:
-    """The body of a stored value, checked against ``layout`` and its checksum.
-    Raises TierValueError (``integrity`` or ``format``)."""
-    if len(value) < _HEADER.size:
-        raise TierValueError("integrity", f"value of {len(value)} bytes is shorter than its header")
-    magic, version, n_desc, n_body, checksum = _HEADER.unpack_from(value)
-    if magic != MAGIC:
-        raise TierValueError("integrity", f"bad magic {magic!r}")
-    if version != FORMAT_VERSION:
-        raise TierValueError("format", f"format version {version}, this replica reads {FORMAT_VERSION}")
-    desc = bytes(value[_HEADER.size:_HEADER.size + n_desc])
-    if desc != layout.describe(stage):
-        raise TierValueError("format", f"block layout {desc!r}, this replica's is {layout.describe(stage)!r}")
-    body = value[_HEADER.size + n_desc:]
-    if len(body) != n_body or n_body != layout.body_bytes(stage):
-        raise TierValueError("integrity", f"body of {len(body)} bytes, header says {n_body}")
-    if xxhash.xxh3_64_intdigest(body) != checksum:
-        raise TierValueError("integrity", "checksum mismatch")
-    return bytes(body)
-
-
-class HostTier:
-    """Values in this process's memory, least recently used dropped first once their bytes
-    exceed ``capacity`` (bytes; keys are not counted). Thread-safe."""
-
-    def __init__(self, capacity: int):
-        self.capacity = int(capacity)
-        self._values: OrderedDict[str, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._values
-
-    def put(self, key: str, value: bytes) -> list[str]:
-        """Store (or refresh) ``value``; a value larger than the capacity is not kept. Returns
-        the keys dropped to make room (least recently used first)."""
-        dropped: list[str] = []
-        with self._lock:
-            old = self._values.pop(key, None)
-            if old is not None:
-                self.bytes -= len(old)
-            if len(value) > self.capacity:
-                return dropped
-            self._values[key] = value
-            self.bytes += len(value)
-            while self.bytes > self.capacity:
-                k, v = self._values.popitem(last=False)
-                self.bytes -= len(v)
-                self.evictions += 1
-                dropped.append(k)
-        return dropped
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._values)
-
-    def get(self, key: str) -> bytes | None:
-        with self._lock:
-            v = self._values.get(key)
-            if v is not None:
-                self._values.move_to_end(key)
-            return v
-
-    def delete(self, key: str) -> None:
-        with self._lock:
-            v = self._values.pop(key, None)
-            if v is not None:
-                self.bytes -= len(v)
-
-
-class RedisTier:
-    """Values in a Redis shared by replicas, each written with a TTL. Writes go through a
-    background thread (the engine loop never waits for them); a write queued while more than
-    ``max_pending_bytes`` wait is dropped (counted in ``dropped``). Reads raise
-    TierUnavailable when Redis is down or slower than ``timeout`` seconds.
-
-    Args:
-        url: ``redis://host:port/db``.
-        ttl: seconds a value lives (0 = no expiry: bound Redis with ``maxmemory`` and an
-            ``allkeys-lru`` policy).
-        timeout: socket connect and read timeout, seconds.
-        max_pending_bytes: bytes of writes that may wait for the writer thread.
-        encode: ``(stage, body) -> value``, run on the writer thread for items queued as
-            ``(key, stage, body)`` (None: items are ``(key, value)``).
-        on_written: ``(tag) -> None``, called on the writer thread once a batch queued with a
-            ``tag`` (not None) has been written.
-    """
-
-    def __init__(self, url: str, ttl: float = 3600.0, timeout: float = 1.0, max_pending_bytes: int = 256 * 2**20,
-                 encode=None, on_written=None):
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-        self.url, self.ttl = url, ttl
-        self._errors = (redis.RedisError, OSError)
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-                                            health_check_interval=0)
-        self.max_pending_bytes = max_pending_bytes
-        self._encode, self._on_written = encode, on_written
-        self._queue: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self.dropped = self.write_errors = 0
-        self.bytes_written = 0
-        self._thread = threading.Thread(target=self._writer, name="kvmesh-kv-redis-writer", daemon=True)
-        self._thread.start()
-
-    def put_async(self, items: list[tuple], tag=None) -> bool:
-        """Queue writes, ``(key, value)`` or ``(key, stage, body)`` (with ``encode``); False
-        (nothing queued) when more than ``max_pending_bytes`` already wait. ``tag`` goes to
-        ``on_written`` once the batch is written."""
-        n = sum(len(it[-1]) for it in items)
-        with self._lock:
-            if self._pending + n > self.max_pending_bytes:
-                self.dropped += len(items)
-                return False
-            self._pending += n
-        self._queue.put((items, n, tag))
-        return True
-
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every queued write was attempted (tests, benchmarks)."""
-        done = threading.Event()
-        self._queue.put((None, done, None))
-        done.wait(timeout)
-
-    def _writer(self) -> None:
-        while True:
-            items, n, tag = self._queue.get()
-            if items is None:
-                if n is not None:
-                    n.set()
-                    continue
-                return
-            try:
-                pipe = self._client.pipeline(transaction=False)
-                for it in items:
-                    v = self._encode(it[1], it[2]) if self._encode is not None else it[1]
-                    pipe.set(it[0], v, px=int(self.ttl * 1000) if self.ttl > 0 else None)
-                pipe.execute()
-                self.bytes_written += n
-                if tag is not None and self._on_written is not None:
-                    self._on_written(tag)
-            except self._errors as e:
-                self.write_errors += 1
-                log.debug("kv tier: redis write failed: %s", e)
-            finally:
-                with self._lock:
-                    self._pending -= n
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values of ``keys`` (None where missing), in one round trip. Raises TierUnavailable."""
-        if not keys:
-            return []
-        try:
-            return self._client.mget(list(keys))
-        except self._errors as e:
-            raise TierUnavailable(f"kv tier at {self.url}: {type(e).__name__}: {e}") from e
-
-    def close(self) -> None:
-        self._queue.put((None, None, None))
-        self._thread.join(5)
-        self._client.close()
 
 
 @dataclass
