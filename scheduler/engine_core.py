@@ -17,6 +17,9 @@ step's KV events (for the prefix index, :mod:`kvstore.publisher`).
 The client (:class:`EngineCoreClient`) streams per-request outputs to asyncio callers with the
 same API as :class:`scheduler.async_engine.AsyncEngine`. A core that exits (killed, crashed) fails
 every open stream with EngineError at once and marks the client ``errored``.
+
+The core's side is :mod:`scheduler.engine_core_process`, the channel's frames
+:mod:`scheduler.engine_core_wire`; this module is the client.
 """
 
 from __future__ import annotations
@@ -28,196 +31,31 @@ import multiprocessing
 import os
 import threading
 import time
-import traceback
 from collections import deque
 
-import msgpack
-
-from kvmesh.core.errors import DependencyUnavailableError, EngineError, error_name, rebuild
+from kvmesh.core.errors import DependencyUnavailableError, EngineError, rebuild
 from kvmesh.core.sampling import SamplingParams
-from kvstore.events import REDIS, AllBlocksCleared, BlockRemoved, BlockStored
+from kvstore.events import REDIS, BlockRemoved, BlockStored
 from scheduler.async_engine import OutputStreams
-from scheduler.engine import EngineInfo, EngineOutput, EngineStats
+from scheduler.engine_core_process import engine_core_main
+from scheduler.engine_core_wire import (
+    _PARAM_FIELDS,
+    ABORT,
+    ADD,
+    FATAL,
+    FINISH,
+    SHUTDOWN,
+    STEP,
+    _event_of,
+    _output_of,
+    _pack,
+    _unpack,
+)
+from scheduler.engine_records import EngineInfo, EngineOutput, EngineStats
 from scheduler.request import FinishReason
 
 log = logging.getLogger("kvmesh.scheduler")
 
-# message kinds, to the core and from it
-ADD, ABORT, FINISH, SHUTDOWN = range(4)
-READY, STEP, FATAL = range(3)
-
-_OUTPUT_FIELDS = [f.name for f in dataclasses.fields(EngineOutput)]
-_REASON_AT = _OUTPUT_FIELDS.index("finish_reason")
-_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
-
-
-def _pack(msg) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def _unpack(data: bytes):
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
-
-
-def _output_row(o: EngineOutput) -> list:
-    row = [getattr(o, f) for f in _OUTPUT_FIELDS]
-    if o.finish_reason is not None:
-        row[_REASON_AT] = o.finish_reason.value
-    return row
-
-
-def _output_of(row: list) -> EngineOutput:
-    if row[_REASON_AT] is not None:
-        row[_REASON_AT] = FinishReason(row[_REASON_AT])
-    return EngineOutput(*row)
-
-
-def _event_row(e) -> list:
-    if isinstance(e, BlockStored):
-        return [0, list(e.block_hashes), e.parent_hash, e.block_size, e.medium, e.ttl]
-    if isinstance(e, BlockRemoved):
-        return [1, list(e.block_hashes), e.medium]
-    return [2, e.medium]
-
-
-def _event_of(row: list):
-    if row[0] == 0:
-        return BlockStored(tuple(row[1]), row[2], row[3], row[4], row[5])
-    if row[0] == 1:
-        return BlockRemoved(tuple(row[1]), row[2])
-    return AllBlocksCleared(row[1])
-
-
-# ---- the core (child process) ---------------------------------------------------------------
-
-class _EventBuffer:
-    """The core's KV event sink: events wait here until the step's message carries them."""
-
-    def __init__(self):
-        self.events: list = []
-
-    def publish(self, events) -> None:
-        self.events.extend(events)
-
-
-HEALTH_CHECK_INTERVAL = 1.0     # seconds between the idle loop's executor health checks
-
-
-class EngineCore:
-    """The engine loop of one replica in this process, fed from ``conn_in``, reporting to
-    ``conn_out`` (module docstring). ``collect_events``: carry KV events (prefix routing).
-    While it has no step in flight it checks its executor's health (``check_health``: Ray
-    stages) every HEALTH_CHECK_INTERVAL seconds; a failed check ends the loop (FATAL)."""
-
-    def __init__(self, engine, conn_in, conn_out, collect_events: bool):
-        self.engine, self.conn_out = engine, conn_out
-        self._check_health = getattr(engine.executor, "check_health", None)
-        self._next_check = time.monotonic() + HEALTH_CHECK_INTERVAL
-        self.events = _EventBuffer() if collect_events else None
-        if self.events is not None:
-            engine.block_manager.sink = self.events
-        self._inputs: deque = deque()
-        self._wake = threading.Event()
-        self._stop = False
-        self._rejected: list[list] = []
-        self._dirty = False                  # inputs applied since the last message
-        self._reader = threading.Thread(target=self._read, args=(conn_in,), name="kvmesh-core-input", daemon=True)
-        self._reader.start()
-
-    def _read(self, conn) -> None:
-        """Input thread: frames from the client into the queue; EOF (the client is gone) stops."""
-        try:
-            while True:
-                self._inputs.append(_unpack(conn.recv_bytes()))
-                self._wake.set()
-        except (EOFError, OSError):
-            self._inputs.append([SHUTDOWN])
-            self._wake.set()
-
-    def _apply_inputs(self) -> None:
-        eng = self.engine
-        while self._inputs:
-            msg = self._inputs.popleft()
-            self._dirty = True
-            kind = msg[0]
-            if kind == ADD:
-                _, rid, prompt, params, traceparent, arrival, cache_salt = msg
-                try:
-                    eng.add_request(rid, prompt, SamplingParams(**params), arrival_time=arrival,
-                                    traceparent=traceparent, cache_salt=cache_salt)
-                except EngineError as e:
-                    self._rejected.append([rid, error_name(e), str(e)])   # the class crosses too
-            elif kind == ABORT:
-                eng.abort_request(msg[1])
-            elif kind == FINISH:
-                eng.finish_request(msg[1], FinishReason(msg[2]), msg[3])
-            elif kind == SHUTDOWN:
-                self._stop = True
-
-    def _wait(self, timeout: float) -> None:
-        if self._dirty or self._rejected or (self.events is not None and self.events.events):
-            self._emit([])                   # new requests show in the stats before they run; KV events
-            #                                  of an idle engine (write-throughs that reached Redis) go out
-        if self._check_health is not None and time.monotonic() >= self._next_check:
-            self._check_health()             # EngineError: a stage died while nothing ran
-            self._next_check = time.monotonic() + HEALTH_CHECK_INTERVAL
-        if not self._inputs:
-            self._wake.wait(timeout)
-        self._wake.clear()
-
-    def _emit(self, outputs: list[EngineOutput]) -> None:
-        events = []
-        if self.events is not None and self.events.events:
-            events, self.events.events = [_event_row(e) for e in self.events.events], []
-        stats = dataclasses.astuple(self.engine.snapshot())
-        rejected, self._rejected = self._rejected, []
-        self._dirty = False
-        self.conn_out.send_bytes(_pack([STEP, [_output_row(o) for o in outputs], rejected, stats, events]))
-
-    def run(self) -> None:
-        from scheduler.engine import run_engine_loop
-        run_engine_loop(self.engine, lambda: self._stop, self._wait, self._emit, self._apply_inputs)
-
-
-def engine_core_main(engine_cfg, sched_cfg, replica: int, conn_in, conn_out, collect_events: bool) -> None:
-    """Entry point of a replica's engine process: load, say READY (or FATAL), run the loop
-    until SHUTDOWN or until the client's pipe closes, then shut the executor down."""
-    engine = None
-    try:
-        import torch
-        from kvmesh.core.config import available_cpus
-        from scheduler.engine import LLMEngine
-        from workers.executor import create_executor
-
-        if sched_cfg.resolved_executor() == "local":
-            if not engine_cfg.num_threads:      # the replicas of this machine share its cores
-                engine_cfg = engine_cfg.replace(num_threads=max(1, available_cpus() // sched_cfg.replicas))
-        else:
-            torch.set_num_threads(1)            # the model runs in the stage actors
-        engine = LLMEngine(engine_cfg, executor_factory=lambda cfg, model_dir: create_executor(
-            cfg, model_dir, sched_cfg, replica))
-        info = dataclasses.astuple(engine.info())
-        stage_pids = [i["pid"] for i in getattr(engine.executor, "stage_info", ())]
-        conn_out.send_bytes(_pack([READY, info, torch.get_num_threads(), os.getpid(), stage_pids]))
-        core = EngineCore(engine, conn_in, conn_out, collect_events)
-        core.run()
-    except BaseException as e:
-        detail = str(e) if isinstance(e, EngineError) else f"{e!r}\n{traceback.format_exc()}"
-        try:
-            conn_out.send_bytes(_pack([FATAL, detail, error_name(e)]))
-        except OSError:
-            pass
-    finally:
-        if engine is not None:
-            engine.shutdown()
-        try:
-            from kvmesh.core import telemetry
-            telemetry.shutdown_tracing()
-        except Exception:
-            pass
-
-
-# ---- the client (scheduler service process) -------------------------------------------------
 
 class EngineCoreClient(OutputStreams):
     """A replica's engine process, seen from the scheduler service (API of

@@ -23,7 +23,7 @@ from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from kvstore.events import HOST, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from scheduler.engine import EngineOutput
-from scheduler.engine_core import _event_of, _event_row, _output_of, _output_row, _pack, _unpack
+from scheduler.engine_core_wire import _event_of, _event_row, _output_of, _output_row, _pack, _unpack
 from scheduler.request import FinishReason
 from scheduler.service import SERVICE_NAME, serve_scheduler
 
