@@ -96,10 +96,7 @@ struct DpMul {
   template <int R, int N>
   static inline void rows(const char* A, int lda, int nk, const uint16_t* B, int64_t bk, float* out) {
     __m512 acc[R][N];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int n = 0; n < N; ++n) acc[r][n] = _mm512_setzero_ps();
+    kvmesh_dp::zero(acc);
     for (int k = 0; k < nk; ++k) {
       const char* a = A + k * 64;
       const uint16_t* b = B + k * bk;
@@ -108,14 +105,7 @@ struct DpMul {
         __m512bh bv[N];
 #pragma GCC unroll 4
         for (int n = 0; n < N; ++n) bv[n] = (__m512bh)_mm512_load_si512(b + 512 * n + 32 * p);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, a + r * lda + 4 * p, 4);
-          const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-          for (int n = 0; n < N; ++n) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], av, bv[n]);
-        }
+        kvmesh_dp::step(acc, a + 4 * p, lda, bv);
       }
     }
 #pragma GCC unroll 6

@@ -22,6 +22,9 @@
 #endif
 #include "attn_args.h"
 #include "isa_name.h"
+#if KVMESH_ISA >= 3
+#include "dp_tile.h"
+#endif
 
 #define KVMESH_NS KVMESH_ISA_SYM(isa_)
 
@@ -84,6 +87,22 @@ struct Kernel {
       }
   }
 
+  // The register tiles of qk and pv: acc[r][c] += a[r * lda] * v[c] (one rank-1 update), and
+  // the tile stored at o[r * ld + c * W].
+  template <int RR, int NC>
+  static inline __attribute__((always_inline)) void rank1(V (&acc)[RR][NC], const float* a, int lda, const V (&v)[NC]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < RR; ++r) {
+      V b = Simd::set1(a[r * lda]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = Simd::fma(b, v[c], acc[r][c]);
+    }
+  }
+  template <int RR, int NC>
+  static inline __attribute__((always_inline)) void store_tile(const V (&acc)[RR][NC], float* o, int ld) {
+    for (int r = 0; r < RR; ++r)
+      for (int c = 0; c < NC; ++c) Simd::store(o + r * ld + c * W, acc[r][c]);
+  }
+
   template <int RR, int NJ>
   static inline void qk(const float* q, int D, const float* kt, int ld, float* s, int lds) {
     V acc[RR][NJ];
@@ -94,14 +113,9 @@ struct Kernel {
       V k[NJ];
 #pragma GCC unroll 4
       for (int j = 0; j < NJ; ++j) k[j] = Simd::load(kt + d * ld + j * W);
-#pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) {
-        V b = Simd::set1(q[r * D + d]);
-        for (int j = 0; j < NJ; ++j) acc[r][j] = Simd::fma(b, k[j], acc[r][j]);
-      }
+      rank1(acc, q + d, D, k);
     }
-    for (int r = 0; r < RR; ++r)
-      for (int j = 0; j < NJ; ++j) Simd::store(s + r * lds + j * W, acc[r][j]);
+    store_tile(acc, s, lds);
   }
 
   template <int RR>
@@ -128,14 +142,9 @@ struct Kernel {
       V v[ND];
 #pragma GCC unroll 4
       for (int c = 0; c < ND; ++c) v[c] = DIRECT ? cvt(kv, voff[j] + col + c * W) : Simd::load(vf + j * D + c * W);
-#pragma GCC unroll 8
-      for (int r = 0; r < RR; ++r) {
-        V b = Simd::set1(p[r * ldp + j]);
-        for (int c = 0; c < ND; ++c) acc[r][c] = Simd::fma(b, v[c], acc[r][c]);
-      }
+      rank1(acc, p + j, ldp, v);
     }
-    for (int r = 0; r < RR; ++r)
-      for (int c = 0; c < ND; ++c) Simd::store(o + r * D + c * W, acc[r][c]);
+    store_tile(acc, o, D);
   }
 
   // the first column pass issues the prefetches pf[0, npf) spread over the keys

@@ -2,6 +2,7 @@
 // (0 = scalar, 1 = AVX2+FMA+F16C, 2 = AVX-512F, 3 = AVX-512F with AVX512-BF16: the AVX-512
 // traits plus dots_bf16). Every function is static inline inside the
 // ISA's own namespace (see attn_kernel.h), so the per-ISA translation units share no symbols.
+// The members the AVX2 and AVX-512 traits share are written once, in isa_x86_ops.h.
 //
 // Element conversions (to float32, exact): bfloat16 = upper half of a float32 (shift left 16);
 // float16 via F16C (scalar: bit manipulation); int8 via sign extension; float8 e4m3fn:
@@ -79,9 +80,9 @@ struct Simd {
 };
 #else
 
-// The Cephes-style expf core of the AVX2 and AVX-512 traits (S: that ISA's Simd), for x
-// already clamped to [-87.3, 88.3] and n = round(x log2 e): r = x - n ln 2 (ln 2 in two parts),
-// returns p(r) ~ e^r; the caller scales it by 2^n (|rel err| ~ 2 ulp).
+// The polynomial of the AVX2 and AVX-512 traits' expf (isa_x86_ops.h; S: that ISA's Simd), for
+// x already clamped to [-87.3, 88.3] and n = round(x log2 e): r = x - n ln 2 (ln 2 in two
+// parts), returns p(r) ~ e^r; exp scales it by 2^n (|rel err| ~ 2 ulp).
 template <class S>
 static inline typename S::V exp_poly(typename S::V x, typename S::V n) {
   using V = typename S::V;
@@ -133,28 +134,9 @@ static inline void transpose_avx(const float* src, int R, int D, float* dst, int
 
 #if KVMESH_ISA == 1
 struct Simd {
-  using V = __m256;
-  static constexpr int W = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  // Cephes-style expf: 2^n * p(r), |rel err| ~ 2 ulp; x < -87.3 (incl. -inf) gives 0
-  static V exp(V x) {
-    const V lo = _mm256_set1_ps(-87.3f);
-    V under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
-    V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V p = exp_poly<Simd>(x, n);
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    V res = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, res);
-  }
+#define KVMESH_BITS 256
+#include "isa_x86_ops.h"
+#undef KVMESH_BITS
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -166,22 +148,6 @@ struct Simd {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
-  }
-  static V cvt_f32(const float* p) { return _mm256_loadu_ps(p); }
-  static V cvt_bf16(const uint16_t* p) {
-    __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-  }
-  static V cvt_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-  static V cvt_i8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-  }
-  static V cvt_fp8(const uint8_t* p) {
-    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-    __m256i mag = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
-    __m256i sgn = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-    V f = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
-    return _mm256_or_ps(f, _mm256_castsi256_ps(sgn));
   }
   static void store_bf16(uint16_t* p, V v) {
     alignas(32) float t[8]; _mm256_store_ps(t, v);
@@ -216,44 +182,11 @@ struct Simd {
 };
 #elif KVMESH_ISA >= 2
 struct Simd {
-  using V = __m512;
-  static constexpr int W = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static V exp(V x) {       // same polynomial as the AVX2 path
-    const V lo = _mm512_set1_ps(-87.3f);
-    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.3f));
-    V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V p = exp_poly<Simd>(x, n);
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-  }
+#define KVMESH_BITS 512
+#include "isa_x86_ops.h"
+#undef KVMESH_BITS
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
-  static V cvt_f32(const float* p) { return _mm512_loadu_ps(p); }
-  static V cvt_bf16(const uint16_t* p) {
-    __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-  }
-  static V cvt_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-  static V cvt_i8(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  }
-  static V cvt_fp8(const uint8_t* p) {
-    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    __m512i mag = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
-    __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-    V f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sgn));
-  }
   static void store_bf16(uint16_t* p, V v) {
 #if KVMESH_ISA >= 3
     // VCVTNEPS2BF16: round to nearest even as f32_bf16 (denormal inputs flushed to zero)

@@ -47,6 +47,22 @@ struct MicroBf16Table {
 };
 const MicroBf16Table& avx512bf16_table();
 
+// How the ISA files build their tables: fill_table sets t.fn[m][np] = K::fn<m, np>() for m in
+// [1, MR] and np in {1, 2} (T: MicroTable or MicroBf16Table); make_table returns a MicroTable
+// named `name` with mr_max = MR, so filled.
+template <class K, int MR, class T>
+constexpr void fill_table(T& t) {
+  t.fn[MR][1] = K::template fn<MR, 1>();
+  t.fn[MR][2] = K::template fn<MR, 2>();
+  if constexpr (MR > 1) fill_table<K, MR - 1>(t);
+}
+template <class K, int MR>
+MicroTable make_table(const char* name) {
+  MicroTable t{name, MR, {}};
+  fill_table<K, MR>(t);
+  return t;
+}
+
 // AMX-BF16 (micro_amx.cpp): fn[MB][NP] computes MB * 16 rows x NP panels of bf16 activations
 // (tile row stride NP * 16 floats; rows past the caller's count are computed from whatever x
 // holds there and must be readable). kp must be a multiple of 16. Only between

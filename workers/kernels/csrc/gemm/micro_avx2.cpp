@@ -22,40 +22,26 @@ namespace {
 #define KV_TARGET __attribute__((target("avx2,fma")))
 #define KV_INLINE static inline __attribute__((always_inline, target("avx2,fma")))
 
-struct Ops {
-  using V = __m256;
-  using VI = __m256i;
-  static constexpr int L = 8;
-  KV_INLINE V zero() { return _mm256_setzero_ps(); }
-  KV_INLINE V bcast(const float* p) { return _mm256_broadcast_ss(p); }
-  KV_INLINE VI load(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  KV_INLINE V lo(VI r) { return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16)); }
-  KV_INLINE V hi(VI r) { return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))); }
-  KV_INLINE V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  KV_INLINE V add(V a, V b) { return _mm256_add_ps(a, b); }
-  KV_INLINE void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  KV_INLINE void prefetch(const uint16_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
-};
-
+#define KV_BITS 256
 #include "micro_simd.h"
 
+#undef KV_BITS
 #undef KV_INLINE
 #undef KV_TARGET
 
-MicroTable make() {
-  MicroTable t{"avx2", 5, {}};
-  t.fn[1][1] = &micro<1, 1>; t.fn[1][2] = &micro<1, 2>;
-  t.fn[2][1] = &micro<2, 1>; t.fn[2][2] = &micro<2, 2>;
-  t.fn[3][1] = &micro<3, 1>; t.fn[3][2] = &micro<3, 2>;
-  t.fn[4][1] = &micro<4, 1>; t.fn[4][2] = &micro_split<4>;
-  t.fn[5][1] = &micro<5, 1>; t.fn[5][2] = &micro_split<5>;
-  return t;
-}
+// Two panels as two one-panel calls from MR = 4 up (see the file comment).
+struct Kernels {
+  template <int MR, int NP>
+  static constexpr MicroFn fn() {
+    if constexpr (NP == 2 && MR >= 4) return &micro_split<MR>;
+    else return &micro<MR, NP>;
+  }
+};
 
 }  // namespace
 
 const MicroTable& avx2_table() {
-  static const MicroTable t = make();
+  static const MicroTable t = make_table<Kernels, 5>("avx2");
   return t;
 }
 

@@ -11,6 +11,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include "../dp_tile.h"
 #include "micro.h"
 
 namespace kvmesh_gemm {
@@ -19,23 +20,10 @@ namespace {
 #define KV_TARGET __attribute__((target("avx512f,avx2,fma")))
 #define KV_INLINE static inline __attribute__((always_inline, target("avx512f,avx2,fma")))
 
-struct Ops {
-  using V = __m512;
-  using VI = __m512i;
-  static constexpr int L = 16;
-  KV_INLINE V zero() { return _mm512_setzero_ps(); }
-  KV_INLINE V bcast(const float* p) { return _mm512_set1_ps(*p); }
-  KV_INLINE VI load(const uint16_t* p) { return _mm512_loadu_si512(p); }
-  KV_INLINE V lo(VI r) { return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)); }
-  KV_INLINE V hi(VI r) { return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))); }
-  KV_INLINE V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  KV_INLINE V add(V a, V b) { return _mm512_add_ps(a, b); }
-  KV_INLINE void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  KV_INLINE void prefetch(const uint16_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
-};
-
+#define KV_BITS 512
 #include "micro_simd.h"
 
+#undef KV_BITS
 #undef KV_INLINE
 #undef KV_TARGET
 
@@ -46,10 +34,7 @@ template <int MR, int NP>
 KV_TARGET void micro_dp(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict w,
                         int64_t pstride, int64_t kp, float* __restrict tile) {
   __m512 acc[MR][NP];
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 2
-    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
+  kvmesh_dp::zero(acc);
   for (int64_t t = 0; t < kp; ++t) {
     const uint16_t* row = w + t * 2 * kPanel;
     __m512bh wv[NP];
@@ -58,14 +43,7 @@ KV_TARGET void micro_dp(const uint16_t* __restrict x, int64_t ldx, const uint16_
       _mm_prefetch(reinterpret_cast<const char*>(row + p * pstride + 8 * 2 * kPanel), _MM_HINT_T0);
       wv[p] = (__m512bh)_mm512_loadu_si512(row + p * pstride);
     }
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + m * ldx + 2 * t, sizeof pair);
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-#pragma GCC unroll 2
-      for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], wv[p], b);
-    }
+    kvmesh_dp::step(acc, x + 2 * t, 2 * ldx, wv);      // ldx in uint16, the step's in bytes
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -74,19 +52,19 @@ KV_TARGET void micro_dp(const uint16_t* __restrict x, int64_t ldx, const uint16_
 }
 #undef KV_TARGET
 
-template <int MR>
-constexpr void fill(MicroTable& t, MicroBf16Table& b) {
-  t.fn[MR][1] = &micro<MR, 1>;
-  t.fn[MR][2] = &micro<MR, 2>;
-  b.fn[MR][1] = &micro_dp<MR, 1>;
-  b.fn[MR][2] = &micro_dp<MR, 2>;
-  if constexpr (MR > 1) fill<MR - 1>(t, b);
-}
+struct F32Kernels {
+  template <int MR, int NP>
+  static constexpr MicroFn fn() { return &micro<MR, NP>; }
+};
+struct Bf16Kernels {
+  template <int MR, int NP>
+  static constexpr MicroBf16Fn fn() { return &micro_dp<MR, NP>; }
+};
 
 struct Tables {
-  MicroTable f32{"avx512", kMaxMR, {}};
+  MicroTable f32 = make_table<F32Kernels, kMaxMR>("avx512");
   MicroBf16Table bf16{kMaxMR, {}};
-  Tables() { fill<kMaxMR>(f32, bf16); }
+  Tables() { fill_table<Bf16Kernels, kMaxMR>(bf16); }
 };
 
 const Tables& tables() {

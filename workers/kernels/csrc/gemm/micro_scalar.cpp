@@ -37,25 +37,15 @@ void micro_scalar(const float* x, int64_t ldx, const uint16_t* w, int64_t pstrid
   for (int m = 0; m < MR; ++m) std::memcpy(tile + m * NC, acc[m], sizeof acc[m]);
 }
 
-constexpr int kScalarMR = 4;
-
-template <int MR>
-constexpr void fill(MicroTable& t) {
-  t.fn[MR][1] = &micro_scalar<MR, 1>;
-  t.fn[MR][2] = &micro_scalar<MR, 2>;
-  if constexpr (MR > 1) fill<MR - 1>(t);
-}
-
-MicroTable make() {
-  MicroTable t{"scalar", kScalarMR, {}};
-  fill<kScalarMR>(t);
-  return t;
-}
+struct Kernels {
+  template <int MR, int NP>
+  static constexpr MicroFn fn() { return &micro_scalar<MR, NP>; }
+};
 
 }  // namespace
 
 const MicroTable& scalar_table() {
-  static const MicroTable t = make();
+  static const MicroTable t = make_table<Kernels, 4>("scalar");
   return t;
 }
 

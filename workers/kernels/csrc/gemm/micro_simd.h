@@ -1,5 +1,6 @@
 // Register-blocked micro-kernel body shared by the AVX2 and AVX-512 files (included once by
-// each, with KV_TARGET = that file's __attribute__((target(...))) and Ops = its vector ops).
+// each, with KV_TARGET = that file's __attribute__((target(...))), KV_INLINE the same for
+// always-inline helpers, and KV_BITS = its vector width: 256 or 512).
 //
 // The technique is GotoBLAS/BLIS register blocking (Goto & van de Geijn, "Anatomy of
 // High-Performance Matrix Multiplication", TOMS 2008; Van Zee & van de Geijn, "BLIS", TOMS
@@ -10,9 +11,37 @@
 // latency (4 cycles, 2 pipes: 8 chains needed) the k-pair's two halves go into separate
 // accumulators (KS) that are summed at the end.
 //
-// Ops must provide: V (float vector of Ops::L lanes), VI (its integer type), zero(),
-// bcast(const float*), load(const uint16_t*) (L pairs = 2 L uint16), lo(VI) / hi(VI) (the
-// even / odd k of each pair as fp32), fma(a, b, c) = a * b + c, store(float*, V).
+// Ops, the vector ops the body is written in, for KV_BITS-bit vectors (the intrinsics of that
+// width: KV_MM(add_ps) is _mm256_add_ps or _mm512_add_ps): V (float vector of Ops::L lanes),
+// VI (its integer type), zero(), bcast(const float*), load(const uint16_t*) (L pairs = 2 L
+// uint16), lo(VI) / hi(VI) (the even / odd k of each pair as fp32), fma(a, b, c) = a * b + c,
+// add, store(float*, V), prefetch.
+#define KV_CAT_(a, b, c, d, e) a##b##c##d##e
+#define KV_CAT(a, b, c, d, e) KV_CAT_(a, b, c, d, e)
+#define KV_MM(op) KV_CAT(_mm, KV_BITS, _, op, )                       // _mm256_op
+#define KV_MM_SI(pre, post) KV_CAT(_mm, KV_BITS, _##pre##si, KV_BITS, post)   // _mm256_<pre>si256<post>
+
+struct Ops {
+  using V = KV_CAT(__m, KV_BITS, , , );
+  using VI = KV_CAT(__m, KV_BITS, i, , );
+  static constexpr int L = KV_BITS / 32;
+  KV_INLINE V zero() { return KV_MM(setzero_ps)(); }
+  KV_INLINE V bcast(const float* p) { return KV_MM(set1_ps)(*p); }
+  KV_INLINE VI load(const uint16_t* p) { return KV_MM_SI(loadu_, )(reinterpret_cast<const VI*>(p)); }
+  KV_INLINE V lo(VI r) { return KV_MM_SI(cast, _ps)(KV_MM(slli_epi32)(r, 16)); }
+  KV_INLINE V hi(VI r) {
+    return KV_MM_SI(cast, _ps)(KV_MM_SI(and_, )(r, KV_MM(set1_epi32)(static_cast<int>(0xffff0000u))));
+  }
+  KV_INLINE V fma(V a, V b, V c) { return KV_MM(fmadd_ps)(a, b, c); }
+  KV_INLINE V add(V a, V b) { return KV_MM(add_ps)(a, b); }
+  KV_INLINE void store(float* p, V v) { KV_MM(storeu_ps)(p, v); }
+  KV_INLINE void prefetch(const uint16_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+};
+
+#undef KV_MM_SI
+#undef KV_MM
+#undef KV_CAT
+#undef KV_CAT_
 
 // One half of k-pair t: widens the even (H = 0) or odd (H = 1) k of each pair in the panel
 // rows at `row` and FMAs it, times each row's x[2t + H], into the accumulators acc.
