@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -16,6 +17,17 @@ from kvmesh.core.errors import EngineError
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"      # what a benchmark runs unless told --model
+
+
+def parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of a ``python -m bench.MODULE`` with flags of its own (no ``add_arguments``):
+    described by the first paragraph of the module's docstring ``doc``, with ``--model``
+    (default :data:`DEFAULT_MODEL`)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    return p
 
 
 def add_parser(subparsers, name: str, help: str, description: str, add_arguments: AddArguments,
@@ -40,8 +52,32 @@ def answered_child(args: argparse.Namespace, run_child: Callable[[dict], dict]) 
     the parent and return True (the command then exits 0); otherwise False."""
     if not args.child:
         return False
-    print(json.dumps(run_child(json.loads(args.child))))
+    answer(run_child(json.loads(args.child)))
     return True
+
+
+def answer(result) -> int:
+    """In a row's child process: print ``result`` as one JSON line, the last of its output, for
+    the parent (:func:`child_answer`). Returns the child's exit code, 0."""
+    print(json.dumps(result))
+    return 0
+
+
+def child_answer(stdout: str):
+    """The answer of a row's child process: the JSON of the last line it printed (the lines
+    before it are its own progress output)."""
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def run_child(cmd: list[str]):
+    """Run a row's child process ``cmd`` (``python -m bench.MODULE --child ...``) to its end and
+    return its answer (:func:`child_answer`); None when it failed, after printing the last
+    3,000 characters of its stderr."""
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(res.stderr[-3000:], file=sys.stderr)
+        return None
+    return child_answer(res.stdout)
 
 
 def main(prog: str, description: str, add_arguments: AddArguments, run: Run, argv: list[str] | None) -> int:

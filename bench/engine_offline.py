@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default=command.DEFAULT_MODEL)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--naive-requests", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=48, help="batch size for static; sequence cap for continuous")
@@ -158,8 +157,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Each configuration in a child process (or, with ``--child``, one of them here); the table."""
     if args.child:
-        print(json.dumps(run_one(args)))
-        return 0
+        return command.answer(run_one(args))
     if print_saved_table(args, table):
         return 0
     rows = []
@@ -172,11 +170,10 @@ def run(args: argparse.Namespace) -> int:
                "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                "--kv-cache-memory", args.kv_cache_memory, "--threads", str(args.threads)] + (["--prefix"] if prefix else [])
         print(f"running {name} {dtype} ...", file=sys.stderr, flush=True)
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            print(res.stderr[-3000:], file=sys.stderr)
+        row = command.run_child(cmd)
+        if row is None:
             return 1
-        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        rows.append(row)
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         write_json(args.out, rows)       # keeps partial results if a later configuration fails
     print(table(rows))

@@ -42,7 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.machine import cpu_model, read_bandwidth
+from bench.machine import cpu_model, read_bandwidth, time_call
 
 from bench.markdown import add_output_args
 from workers.kernels import gemm
@@ -59,13 +59,7 @@ _stat = statistics.median
 
 
 def _time(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = _clock()
-        fn()
-        times.append(_clock() - t0)
-    return _stat(times)
+    return time_call(fn, runs, _clock, _stat)
 
 
 def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float,

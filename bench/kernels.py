@@ -29,13 +29,12 @@ are printed first. A second table times the KV cache write (``kvmesh::reshape_an
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.machine import cpu_model
+from bench.machine import cpu_model, time_call
 
 from workers.kv_cache import KVCache
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, paged_attention, set_decode_tables
@@ -48,13 +47,7 @@ CLOCK = time.perf_counter     # --cpu-time: time.process_time (CPU seconds of th
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = CLOCK()
-        fn()
-        times.append(CLOCK() - t)
-    return statistics.median(times) * 1e3
+    return time_call(fn, repeats, CLOCK) * 1e3
 
 
 def _cache(num_blocks: int, kvh: int, d: int, kv_dtype: torch.dtype, gen: torch.Generator) -> KVCache:

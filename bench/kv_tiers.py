@@ -28,7 +28,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -37,6 +36,7 @@ import time
 import uuid
 
 import policydesk
+from bench import command
 from bench.engine_offline import percentile
 from bench.machine import cpu_model
 from bench.markdown import add_output_args
@@ -156,8 +156,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.kv_tiers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = command.parser(__doc__, prog="python -m bench.kv_tiers")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--chats", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import command
 from bench.markdown import add_output_args
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def run_child(model: str, dtype: str, *, code: Path = _REPO, device: str = "cpu"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"load of {model} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]) if not prepare else {}
+    return command.child_answer(proc.stdout) if not prepare else {}
 
 
 def _mb(n: float) -> str:

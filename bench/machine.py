@@ -1,5 +1,6 @@
 """The machine a benchmark ran on: the CPU model with the ISA flags our kernels choose by, and
-the read bandwidth measured in the same run (the denominator of every roofline)."""
+the read bandwidth measured in the same run (the denominator of every roofline); and how the
+kernel benchmarks time a call on it (:func:`time_call`)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,19 @@ def cpu_model() -> str:
     return f"{name} ({os.cpu_count()} cpus; {', '.join(isa) or 'no avx2'})"
 
 
+def time_call(fn, repeats: int, clock=time.perf_counter, stat=statistics.median) -> float:
+    """Seconds one call of ``fn`` takes: ``stat`` of ``repeats`` calls timed by ``clock``, after
+    one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        times.append(clock() - t)
+    return stat(times)
+
+
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: median time of ``sum`` over a ``gib`` GiB float32 tensor."""
     x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        ts.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(ts)
+    return x.numel() * 4 / time_call(x.sum, repeats)

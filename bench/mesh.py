@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+from bench import command
 from bench.engine_offline import percentile, policydesk_conversations
 from bench.markdown import add_output_args, print_saved_table, write_json
 from bench.served import served
@@ -152,8 +151,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
@@ -163,8 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_engine:
-        print(json.dumps(run_engine(args)))
-        return 0
+        return command.answer(run_engine(args))
     if print_saved_table(args, table):
         return 0
     rows = []
@@ -172,11 +169,10 @@ def main(argv=None) -> int:
            str(args.requests), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
            "--concurrency", *map(str, args.concurrency)]
     print("running engine (in-process) ...", file=sys.stderr, flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        print(res.stderr[-3000:], file=sys.stderr)
+    engine_rows = command.run_child(cmd)
+    if engine_rows is None:
         return 1
-    rows += json.loads(res.stdout.strip().splitlines()[-1])
+    rows += engine_rows
     for pp in args.pp:
         print(f"running mesh pp={pp} ...", file=sys.stderr, flush=True)
         rows += run_mesh(args, pp)

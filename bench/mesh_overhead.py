@@ -15,13 +15,13 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
 import sys
 import time
 
+from bench import command
 from bench.markdown import add_output_args, md_table, write_json
 
 
@@ -81,8 +81,7 @@ async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--executor", nargs="+", default=["local", "ray"])
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=8)

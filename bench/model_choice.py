@@ -116,7 +116,7 @@ def run_config(model: str, fmt: str, args) -> dict:
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         return {**base, "available": False, "error": (lines[-1] if lines else "failed")[:240]}
-    return {**base, "available": True, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    return {**base, "available": True, **command.child_answer(proc.stdout)}
 
 
 def add_gates(rows: list[dict]) -> None:

@@ -27,7 +27,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
@@ -36,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import command
 from bench.markdown import add_output_args
 
 
@@ -139,8 +139,7 @@ def measure(model: str, batch: int, context: int, steps: int, penalties: bool, e
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=1600)
     ap.add_argument("--steps", type=int, default=40, help="measured steps per penalty setting (after 3 warm-up)")

@@ -25,7 +25,6 @@ Keep its tables in docs/engine.md ("Profile") with the CPU model it prints.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,6 +32,7 @@ import time
 
 import torch
 
+from bench import command
 from bench.machine import cpu_model, read_bandwidth
 from bench.markdown import add_output_args
 
@@ -150,8 +150,7 @@ def _ops(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__, prog="python -m bench.profile")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])

@@ -24,7 +24,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 import policydesk
+from bench import command
 from bench.markdown import add_output_args
 from kvmesh.core.config import EngineConfig
 
@@ -137,8 +137,7 @@ def evaluate(cfg: EngineConfig, texts: list[str], reference_cfg: EngineConfig | 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--dtype", default="auto", help="weights/activations dtype (also the reference's)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="KV dtypes to evaluate")
     ap.add_argument("--weight-format", nargs="+", default=["none"], help="weight formats to evaluate")

@@ -24,7 +24,7 @@ checkpoint, or 4 bytes x parameters for dense float32) plus the KV budget
 (``--kv-cache-memory``) plus ``--overhead`` (interpreter, torch, tokenizer, activations) must
 be under the cap; a format that does not fit is reported and not started. Formats that fit
 are served in a child process whose peak RSS (``VmHWM``: ``ru_maxrss`` would start at the parent's
-peak, carried over fork+exec; see :func:`bench.ablation.peak_rss`) is then compared with the cap:
+peak, carried over fork+exec; see :func:`bench.ablation_child.peak_rss`) is then compared with the cap:
 the cap is checked, not enforced (``RLIMIT_AS`` counts virtual reservations of torch's
 allocator and OpenMP threads, far above what a process touches, so it fails runs that fit).
 Quantization itself needs the dense float32 model once (it runs in the parent, before, with no
@@ -48,12 +48,12 @@ import math
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import policydesk
-from bench.ablation import peak_rss
+from bench import command
+from bench.ablation_child import peak_rss
 from bench.markdown import add_output_args
 
 DEFAULT_FORMATS = ["none:float32", "none:bfloat16", "int8", "int4", "fp8", "w8a8-int8"]
@@ -183,11 +183,7 @@ def _child(args, fmt: str, dtype: str) -> dict | None:
            "--group-size", str(args.group_size), "--kv-cache-memory", args.kv_cache_memory,
            "--threads", str(args.threads)] + (["--no-calibration"] if args.no_calibration else [])
     print(f"running {fmt}:{dtype} ...", file=sys.stderr, flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        print(res.stderr[-3000:], file=sys.stderr)
-        return None
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return command.run_child(cmd)
 
 
 def _agreement(tokens: list[int], ref: list[int]) -> int:
@@ -244,8 +240,7 @@ def _numel(shape) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, help="format[:dtype] ...")
     ap.add_argument("--dtype", default="float32", help="serving dtype of formats given without one")
     ap.add_argument("--group-size", type=int, default=128)
@@ -265,8 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--format", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run_one(args)))
-        return 0
+        return command.answer(run_one(args))
     from kvmesh.core.config import _parse_bytes
     specs = [parse_format(s, args.dtype) for s in args.formats]
     if args.quality:

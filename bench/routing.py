@@ -33,7 +33,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -42,6 +41,7 @@ import sys
 import time
 
 import policydesk
+from bench import command
 from bench.engine_offline import percentile
 from bench.markdown import add_output_args, command_line, run_meta, saved_rows, write_json, write_markdown
 from bench.served import served
@@ -191,8 +191,7 @@ def targets(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)

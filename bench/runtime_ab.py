@@ -29,12 +29,12 @@ the work measured.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from bench import command
 from bench.machine import cpu_model
 
 CLOCK = time.perf_counter     # --cpu-time: time.process_time
@@ -112,8 +112,7 @@ def _offline(model: str, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--only", nargs="+", default=["ttft", "decode", "offline"], choices=["ttft", "decode", "offline"])

@@ -34,7 +34,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -42,6 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import command
 from bench.machine import cpu_model
 from bench.markdown import add_output_args
 from bench.serve import RequestRecord, StreamTimer, load_requests, run_benchmark, summarize
@@ -152,8 +152,7 @@ def _ratios(res: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = command.parser(__doc__, prog="python -m bench.serving")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--loads", default=",".join(LOADS))

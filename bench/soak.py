@@ -36,7 +36,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import json
@@ -45,6 +44,7 @@ import random
 import sys
 import time
 
+from bench import command
 from bench.machine import cpu_model
 from bench.markdown import add_output_args
 
@@ -291,8 +291,7 @@ async def soak(address: str, sched_address: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = command.parser(__doc__, prog="python -m bench.soak")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--warmup", type=int, default=200, help="requests before the warm RSS sample (200)")

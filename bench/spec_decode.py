@@ -39,12 +39,12 @@ import json
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import policydesk
+from bench import command
 from bench.engine_offline import percentile, policydesk_conversations
 from bench.markdown import add_output_args
 
@@ -197,8 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(run_child(args)))
-        return 0
+        return command.answer(run_child(args))
     if args.table:
         print(table(json.loads(Path(args.table).read_text())["summary"]))
         return 0
@@ -214,11 +213,10 @@ def main(argv=None) -> int:
                    "--max-model-len", str(args.max_model_len), "--threads", str(args.threads)]
             cmd += ["--fixed-k"] if args.fixed_k else []
             print(f"round {rnd + 1}/{args.reps}: {cfg} ...", file=sys.stderr, flush=True)
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                print(res.stderr[-3000:], file=sys.stderr)
+            answer = command.run_child(cmd)
+            if answer is None:
                 return 1
-            rows = json.loads(res.stdout.strip().splitlines()[-1])["rows"]
+            rows = answer["rows"]
             runs += [dict(r, round=rnd) for r in rows]
             for r in rows:
                 print(json.dumps(r), file=sys.stderr, flush=True)

@@ -29,7 +29,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -37,6 +36,7 @@ import statistics
 import sys
 import time
 
+from bench import command
 from bench.machine import cpu_model
 from bench.markdown import add_output_args
 
@@ -129,8 +129,7 @@ async def run(address: str, args, proc=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.stop_lists", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p = command.parser(__doc__, prog="python -m bench.stop_lists")
     p.add_argument("--address", default="", help="a running gateway (default: start `kvmesh serve`)")
     p.add_argument("--serve-args", default="", help="extra `kvmesh serve` flags, e.g. '--max-stop-strings 100000'")
     p.add_argument("--clients", type=int, default=8)

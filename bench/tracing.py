@@ -11,7 +11,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -22,6 +21,7 @@ from concurrent import futures
 
 import grpc
 
+from bench import command
 from bench.markdown import add_output_args, md_table, write_json
 from bench.mesh import _mesh_passes
 from bench.served import served
@@ -63,8 +63,7 @@ def run(args, tracing: bool, collector: CountingCollector) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = command.parser(__doc__)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16])

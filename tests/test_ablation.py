@@ -11,6 +11,7 @@ import os
 import pytest
 
 from bench import ablation as A
+from bench import ablation_child
 from bench import faithfulness
 
 
@@ -32,7 +33,7 @@ def test_rows_cover_the_menu_with_a_symptom_each():
     assert A.ROWS[5].scheduler == {"replicas": 2, "routing": "prefix"}
     ref = A.ROWS[-1]                    # the reference runtime: row 5's settings without native kernels
     assert ref.key == "reference-runtime" and ref.engine["attention_backend"] == "torch"
-    env = A._env({"model": "m", "attention_backend": "torch"}, {"replicas": 1}, ref.env)
+    env = ablation_child._env({"model": "m", "attention_backend": "torch"}, {"replicas": 1}, ref.env)
     assert env["KVMESH_NATIVE_KERNELS"] == "0" and env["KVMESH_ATTENTION_BACKEND"] == "torch"
 
 
@@ -57,7 +58,7 @@ def test_row_settings():
     assert engine["draft_model"] == "d" and engine["speculative_method"] == "draft" and "draft_num_layers" not in engine
     args.draft_num_layers = 6                                    # a self-speculative draft: the first 6 layers
     assert A.row_settings(next(r for r in A.ROWS if r.key == "spec-draft"), args)[0]["draft_num_layers"] == 6
-    env = A._env({"model": "m", "enable_prefix_caching": False}, {"replicas": 2})
+    env = ablation_child._env({"model": "m", "enable_prefix_caching": False}, {"replicas": 2})
     assert env["KVMESH_MODEL"] == "m" and env["KVMESH_ENABLE_PREFIX_CACHING"] == "0"
     assert env["KVMESH_SCHEDULER_REPLICAS"] == "2" and "KVMESH_DTYPE" not in env   # the caller's is dropped
 
@@ -88,8 +89,8 @@ def test_ratios_are_to_the_first_available_row():
 
 
 def test_peak_rss_of_this_process():
-    assert A.peak_rss(os.getpid()) > 10 * 2**20
-    assert A.peak_rss(2**22 + 12345) is None           # no such process
+    assert ablation_child.peak_rss(os.getpid()) > 10 * 2**20
+    assert ablation_child.peak_rss(2**22 + 12345) is None           # no such process
 
 
 def test_ablation_smollm2_two_rows(smollm2_dir, tmp_path, capsys, monkeypatch):
