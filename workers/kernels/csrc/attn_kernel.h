@@ -334,6 +334,9 @@ struct Kernel {
 #if KVMESH_ISA >= 3
 #include "attn_flash.h"
 #endif
+#if KVMESH_ISA == 3
+#include "attn_decode.h"
+#endif
 #if KVMESH_ISA >= 4
 #include "attn_amx.h"
 #endif
@@ -353,6 +356,13 @@ static void run_items(const AttnArgs& a, const WorkItem* items, int64_t begin, i
 #elif KVMESH_ISA == 3
     if (flash_item(a, items[i])) {
       run_flash<DpMul>(a, items[i]);
+      continue;
+    }
+    if (decode_item(a, items[i])) {
+      int64_t e = i + 1;
+      while (e < end && decode_joins(items[i], items[e], int(e - i))) ++e;
+      run_decode(a, items + i, int(e - i));
+      i = e - 1;
       continue;
     }
 #endif
