@@ -228,8 +228,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
   a.out = out.data_ptr();
   a.part_o = part_o.data_ptr<float>();
   a.part_lse = part_lse.data_ptr<float>();
-  a.legacy_decode = std::getenv("KVMESH_ATTN_LEGACY_DECODE") != nullptr;
-  a.tune = std::getenv("KVMESH_ATTN_TUNE") ? std::atoi(std::getenv("KVMESH_ATTN_TUNE")) : 0;
 
   const WorkItem* items = plan.items.data();
   const bool tiles = run == run_items_amx;

@@ -52,8 +52,6 @@ struct AttnArgs {
   void* out;                   // [T, H, D] contiguous in q's dtype
   float* part_o;               // [rows, D]
   float* part_lse;             // [rows]
-  int32_t legacy_decode;       // A/B measurement only: 1 = old decode kernel
-  int32_t tune;                // A/B measurement only
 };
 
 }  // namespace kvmesh

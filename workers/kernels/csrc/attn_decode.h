@@ -17,11 +17,12 @@
 // (This replaced the row-dot kernel of Kernel::run for these items: that one reduced every
 // key's products horizontally and read each head's third of the token rows in its own pass.)
 
-constexpr int kDecodePF = 1;      // prefetch distance in 16-key chunks
+constexpr int kDecodePF = 1;      // software prefetch distances in 16-key chunks: into L1
+constexpr int kDecodePF2 = 3;     // and into L2 (measured best of 1-8 / 0-8 on a Zen 5)
 
 static inline bool decode_item(const AttnArgs& a, const WorkItem& it) {
   return a.q_dtype == BF16 && a.kv_dtype == BF16 && it.nrows <= 8 && a.D % 32 == 0 && a.D <= 256 &&
-         a.BS % 16 == 0 && !a.legacy_decode;
+         a.BS % 16 == 0;
 }
 
 // y runs with x in one pass: same rows and keys, the KV head `off` after x's
@@ -98,17 +99,15 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
   const int64_t tok_st = int64_t(a.KVH) * D;
   const __m512 scale = _mm512_set1_ps(a.scale);
   const uint16_t* kv = (const uint16_t*)a.kv;
-  const int pfd = a.tune > 0 ? a.tune % 10 : kDecodePF;
-  const int pfd2 = a.tune > 0 ? a.tune / 10 : 0;
   constexpr int NQ = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;     // accumulators per row (q K^T)
   for (int b0 = it.key0; b0 < key_end; b0 += 16) {
     const int n = key_end - b0 < 16 ? key_end - b0 : 16;
     const uint16_t* kb = kv + (int64_t(table[b0 / BS]) * BS + b0 % BS) * tok_st;
-    const int bp = b0 + 16 * pfd;      // the chunk prefetched while this one is used
-    // (0, a prefetch of the line just read, past the item's last chunk)
-    const int64_t pf = pfd > 0 && bp < key_end ? (int64_t(table[bp / BS]) * BS + bp % BS) * tok_st - (kb - kv) : 0;
-    const int bp2 = b0 + 16 * pfd2;
-    const int64_t pf2 = pfd2 > 0 && bp2 < key_end ? (int64_t(table[bp2 / BS]) * BS + bp2 % BS) * tok_st - (kb - kv) : 0;
+    // offsets (elements) from this chunk's lines to the same lines of the chunks prefetched
+    // while it is used (0, a prefetch of the line just read, past the item's last chunk)
+    const int bp = b0 + 16 * kDecodePF, bp2 = b0 + 16 * kDecodePF2;
+    const int64_t pf = bp < key_end ? (int64_t(table[bp / BS]) * BS + bp % BS) * tok_st - (kb - kv) : 0;
+    const int64_t pf2 = bp2 < key_end ? (int64_t(table[bp2 / BS]) * BS + bp2 % BS) * tok_st - (kb - kv) : 0;
     __mmask16 vis[MR];
     for (int r = 0; r < MR; ++r) {
       const int nv = lim[r] - b0 + 1 < n ? lim[r] - b0 + 1 : n;
