@@ -241,7 +241,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
   std::atomic<int64_t> next{0};
   // decode-only batches: one thread takes the KVH items of a key range (each cost class holds
   // whole head triples in plan order, so they stay adjacent after the stable sort): one core
-  // reads the range's whole token rows, not a third of each (measured 3-8% on a Zen 5)
+  // reads the range's whole token rows, not a third of each (measured 3-8% on a Zen 5); the
+  // group goes to the kernel as one range, which the avx512bf16 decode pass runs as one pass
+  // over the keys for all its heads (attn_decode.h), the other paths item by item
   bool few_rows = true;
   for (const WorkItem& w : plan.items) few_rows = few_rows && w.nrows <= 8;
   const int64_t grp = few_rows && n_items % KVH == 0 ? KVH : 1;
