@@ -2,8 +2,8 @@
 // items of at most 8 query rows of a bfloat16 q against a bfloat16 cache, D a multiple of 32,
 // blocks of a multiple of 16 tokens. Several items that differ only in their (consecutive) KV
 // head run as one pass over the keys, so every 16-token chunk's K and V token rows are read
-// whole (all heads of the pass), once, and software-prefetched PF chunks ahead line by line
-// as the current chunk's lines are loaded.
+// whole (all heads of the pass), once; each line of the next chunk is software-prefetched
+// into L1, and of the third next into L2, as the same line of the current chunk is loaded.
 //
 // Per 16 keys and KV head:
 // - S = q K^T with vdpbf16ps and no horizontal sums: the 16 key rows, as 32-bit (dimension
@@ -18,7 +18,7 @@
 // key's products horizontally and read each head's third of the token rows in its own pass.)
 
 constexpr int kDecodePF = 1;      // software prefetch distances in 16-key chunks: into L1
-constexpr int kDecodePF2 = 3;     // and into L2 (measured best of 1-8 / 0-8 on a Zen 5)
+constexpr int kDecodePF2 = 3;     // and into L2 (best measured on a Zen 5 of L1 1-4, L2 0-8)
 
 static inline bool decode_item(const AttnArgs& a, const WorkItem& it) {
   return a.q_dtype == BF16 && a.kv_dtype == BF16 && it.nrows <= 8 && a.D % 32 == 0 && a.D <= 256 &&
