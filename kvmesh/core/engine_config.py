@@ -122,6 +122,9 @@ class EngineConfig(Settings):
     enable_prefix_caching: bool = setting(True, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = setting(True, "split long prompts across steps (--no-chunked-prefill: each "
                                            "prompt in one step)")
+    max_prefill_tokens_with_decodes: int = setting(0, "with chunked prefill: the most prompt tokens a step that "
+                                                   "also decodes may prefill (0 = the whole token budget); smaller "
+                                                   "shortens the decode steps that a long prompt shares")
     device: str = setting("cpu", "cpu, cuda, cuda:1 ...", metavar="DEVICE")
     num_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
     attention_backend: str = setting("auto", "native (C++ paged-attention kernels, CPU), torch (PyTorch "

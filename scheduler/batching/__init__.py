@@ -19,9 +19,10 @@ assert POLICIES == _SETTING_CHOICES, "kvmesh.core.config.POLICIES (the --policy 
 
 def make_scheduler(block_manager: BlockManager, policy: str = "continuous", *, max_num_seqs: int = 64,
                    max_num_batched_tokens: int = 2048, max_model_len: int = 2048, enable_chunked_prefill: bool = True,
-                   speculative_method: str = "", num_speculative_tokens: int = 0,
+                   max_prefill_tokens_with_decodes: int = 0, speculative_method: str = "", num_speculative_tokens: int = 0,
                    speculative_adaptive: bool = True) -> Scheduler:
-    """The scheduler of ``policy`` (one of :data:`POLICIES`). Chunked prefill and speculation
+    """The scheduler of ``policy`` (one of :data:`POLICIES`). Chunked prefill (with its cap
+    ``max_prefill_tokens_with_decodes``) and speculation
     (``speculative_method`` ``""``, ``ngram`` or ``draft``; ``num_speculative_tokens`` proposals
     at most; ``speculative_adaptive``) are knobs of the continuous policy; the other arguments
     are :class:`scheduler.scheduler.Scheduler`'s.
@@ -35,6 +36,7 @@ def make_scheduler(block_manager: BlockManager, policy: str = "continuous", *, m
                   max_model_len=max_model_len)
     if policy == "continuous":
         return ContinuousBatching(block_manager, **limits, enable_chunked_prefill=enable_chunked_prefill,
+                                  max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                                   speculative_method=speculative_method,
                                   num_speculative_tokens=num_speculative_tokens,
                                   speculative_adaptive=speculative_adaptive)

@@ -18,7 +18,7 @@ step, :meth:`Scheduler.update` rolls back rejected proposals and lookahead slots
 from __future__ import annotations
 
 from scheduler.block_manager import BlockManager
-from kvmesh.core.errors import CapacityError
+from kvmesh.core.errors import CapacityError, SettingsError
 from scheduler.request import FinishReason, Request
 from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
@@ -26,6 +26,13 @@ from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 class ContinuousBatching(Scheduler):
     """Args (besides :class:`Scheduler`'s):
         enable_chunked_prefill: split long prompts across steps.
+        max_prefill_tokens_with_decodes: with chunked prefill, the most prompt tokens (running
+            chunked prefills and admitted requests together) of a step that has a decode row;
+            0 = no cap beyond the token budget. A long prompt admitted next to running decodes
+            then takes several shorter steps, each giving the decodes a token (the time between
+            their tokens, ITL/TPOT, stays near a decode step's), instead of one long step; a
+            step without decodes (a cold start) still prefills the whole budget (vLLM's
+            ``long_prefill_token_threshold`` caps every step; this caps only the shared ones).
         speculative_method: ``""`` (off), ``ngram`` or ``draft``.
         num_speculative_tokens: the most proposals verified per request and step (k).
         speculative_adaptive: adapt each request's k to its acceptance (docs/spec_decode.md).
@@ -34,11 +41,15 @@ class ContinuousBatching(Scheduler):
     supports_micro_batches = True
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 2048, enable_chunked_prefill: bool = True, speculative_method: str = "",
+                 max_model_len: int = 2048, enable_chunked_prefill: bool = True,
+                 max_prefill_tokens_with_decodes: int = 0, speculative_method: str = "",
                  num_speculative_tokens: int = 0, speculative_adaptive: bool = True):
         super().__init__(block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len)
         self.enable_chunked_prefill = enable_chunked_prefill
+        if max_prefill_tokens_with_decodes < 0:
+            raise SettingsError(f"max_prefill_tokens_with_decodes must be >= 0, got {max_prefill_tokens_with_decodes}")
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes if enable_chunked_prefill else 0
         self.speculative_method = speculative_method
         self.num_speculative_tokens = num_speculative_tokens if speculative_method else 0
         self.speculative_adaptive = speculative_adaptive
@@ -59,24 +70,34 @@ class ContinuousBatching(Scheduler):
     def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
         """Running requests (those not ``busy``), then waiting ones unless this step had to preempt."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, busy)
+        budget, prefill_left = self._schedule_running(out, busy)
         if not out.preempted:
-            self._admit(out, budget)
+            self._admit(out, budget, prefill_left)
         out.num_batched_tokens = sum(s.num_scheduled_tokens for s in out.seqs)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, busy) -> int:
+    def _prefill_cap(self, busy) -> int:
+        """The prompt tokens this step may prefill: ``max_prefill_tokens_with_decodes`` when a
+        running request (not ``busy``) decodes this step, else the whole token budget."""
+        cap = self.max_prefill_tokens_with_decodes
+        if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running if r.request_id not in busy):
+            return cap
+        return self.max_num_batched_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, busy) -> tuple[int, int]:
         """Decodes and unfinished chunked prefills, in admission order, while the budget lasts;
         a request short of blocks preempts the most recently admitted idle one (itself last).
-        Returns the budget left."""
+        Returns the budget left and the prompt tokens still allowed (:meth:`_prefill_cap`)."""
         budget = self.max_num_batched_tokens
+        prefill_left = self._prefill_cap(busy)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.request_id in busy:
+            left = req.num_tokens - req.num_computed_tokens
+            if req.request_id in busy or (left > 1 and prefill_left == 0):
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(left, budget) if left == 1 else min(left, budget, prefill_left)
             sample = req.num_computed_tokens + n == req.num_tokens
             spec, m = self._speculation(req, n, budget, sample)
             done = bool(spec or m) and self.bm.allocate(req, n + len(spec) + (1 + m if m else 0))
@@ -90,8 +111,10 @@ class ContinuousBatching(Scheduler):
             else:
                 out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, sample, False, spec, m))
                 budget -= n + len(spec)
+                if left > 1:
+                    prefill_left -= n
                 i += 1
-        return budget
+        return budget, prefill_left
 
     def _speculation(self, req: Request, n: int, budget: int, sample: bool) -> tuple[list[int], int]:
         """What a row of ``n`` real tokens of ``req`` speculates this step: the proposals it
@@ -110,14 +133,14 @@ class ContinuousBatching(Scheduler):
             m = max(0, min(req.spec_k, left - 2))
         return spec, m
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Move waiting requests into the batch (FCFS) while budget, sequence cap and blocks
-        allow. With prefix caching, a request whose next uncached block is being computed
+    def _admit(self, out: SchedulerOutput, budget: int, prefill_left: int) -> None:
+        """Move waiting requests into the batch (FCFS) while budget, the step's prompt tokens
+        (``prefill_left``), sequence cap and blocks allow. With prefix caching, a request whose next uncached block is being computed
         right now by another request waits for it (prefix-aware admission) instead of
         computing the same K/V twice; requests behind it may go first."""
         inflight = self._inflight_hashes() if self.bm.enable_prefix_caching else set()
         deferred = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits = self.bm.find_cached_prefix(req)
             if len(hits) < len(req.block_hashes) and req.block_hashes[len(hits)] in inflight:
@@ -125,7 +148,7 @@ class ContinuousBatching(Scheduler):
                 continue
             loaded = self._from_lower_tiers(req, len(hits))
             remaining = req.num_tokens - (len(hits) + len(loaded)) * self.bm.block_size
-            n = min(remaining, budget)
+            n = min(remaining, budget, prefill_left)
             if n < remaining and not self.enable_chunked_prefill:
                 break
             # a prefill that samples may ask the draft for proposals (lookahead slots)
@@ -143,6 +166,7 @@ class ContinuousBatching(Scheduler):
             out.seqs.append(ScheduledSeq(req, req.num_computed_tokens, n, req.num_computed_tokens + n == req.num_tokens,
                                          num_proposals=m))
             budget -= n
+            prefill_left -= n
             if self.bm.enable_prefix_caching:
                 inflight.update(req.block_hashes[len(hits):])
         self.waiting.extendleft(reversed(deferred))
