@@ -31,32 +31,6 @@ static inline bool decode_joins(const WorkItem& x, const WorkItem& y, int off) {
          y.key1 == x.key1 && y.head == x.head + off;
 }
 
-// 16 x 16 transpose of 32-bit elements: r[p] lane j <- r[j] lane p
-static inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < 4; ++g) {       // rows 4g..4g+3: u[4g + i] lane L = column 4L + i
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    const __m512i v = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88), w = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
-    const __m512i x = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88), y = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
-    r[i] = _mm512_shuffle_i32x4(v, x, 0x88);
-    r[8 + i] = _mm512_shuffle_i32x4(v, x, 0xdd);
-    r[4 + i] = _mm512_shuffle_i32x4(w, y, 0x88);
-    r[12 + i] = _mm512_shuffle_i32x4(w, y, 0xdd);
-  }
-}
-
 template <int MR>
 static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
   const WorkItem& it = its[0];

@@ -56,32 +56,40 @@ static inline __m512 exp_nonpos(__m512 x) {
   return _mm512_maskz_scalef_ps(fin, p, n);
 }
 
-// dst[p * 16 + j] = src[j][p] for a 16 x 16 matrix of 32-bit words; src row j at rows[j].
-static inline void transpose16_u32(const uint32_t* const* rows, uint32_t* dst) {
-  __m512i r[16], t[16];
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j]);
+// 16 x 16 transpose of 32-bit elements: r[p] lane j <- r[j] lane p
+static inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {       // rows 4g..4g+3: u[4g + i] lane L = column 4L + i
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {
-    t[4 * i] = _mm512_unpacklo_epi32(r[4 * i], r[4 * i + 1]);
-    t[4 * i + 1] = _mm512_unpackhi_epi32(r[4 * i], r[4 * i + 1]);
-    t[4 * i + 2] = _mm512_unpacklo_epi32(r[4 * i + 2], r[4 * i + 3]);
-    t[4 * i + 3] = _mm512_unpackhi_epi32(r[4 * i + 2], r[4 * i + 3]);
-    // r[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    const __m512i v = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88), w = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xdd);
+    const __m512i x = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88), y = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xdd);
+    r[i] = _mm512_shuffle_i32x4(v, x, 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(v, x, 0xdd);
+    r[4 + i] = _mm512_shuffle_i32x4(w, y, 0x88);
+    r[12 + i] = _mm512_shuffle_i32x4(w, y, 0xdd);
   }
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k) {
-    const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
-    const __m512i u2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88), u3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-    _mm512_store_si512(dst + (0 + k) * 16, _mm512_shuffle_i32x4(u0, u2, 0x88));
-    _mm512_store_si512(dst + (8 + k) * 16, _mm512_shuffle_i32x4(u0, u2, 0xdd));
-    _mm512_store_si512(dst + (4 + k) * 16, _mm512_shuffle_i32x4(u1, u3, 0x88));
-    _mm512_store_si512(dst + (12 + k) * 16, _mm512_shuffle_i32x4(u1, u3, 0xdd));
-  }
+}
+
+// dst[p * 16 + j] = src[j][p] for a 16 x 16 matrix of 32-bit words; src row j at rows[j].
+static inline void transpose16_u32(const uint32_t* const* rows, uint32_t* dst) {
+  __m512i r[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j]);
+  transpose16(r);
+#pragma GCC unroll 16
+  for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + p * 16, r[p]);
 }
 
 // C[16, 64] (row stride 64 floats) = A x B with VDPBF16PS on registers: the product of AMX's
