@@ -1,7 +1,9 @@
 """``kvmesh bench serve`` (bench/serve/): metrics from synthetic timelines (hand-computed),
 the arrival process, max-concurrency, multi-turn sessions (fake backends), the openai-chat backend
 against a real aiohttp SSE server on loopback, data sets and workload files, and one smoke run of
-the command against a real mesh (``kvmesh serve`` subprocess, SmolLM2, executor local)."""
+the command against a real mesh (``kvmesh serve`` subprocess, SmolLM2, executor local).
+
+Over ~450 lines: one command's tests (metrics, arrivals, backends, data sets, the smoke run)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ a deployment:
 
 Nothing here builds an image or starts a container: no Docker engine or Kubernetes cluster runs
 in CI (see deploy/README.md for what is not verified).
+
+One concept (the deploy/ files agree with the code) in one module; over ~450 lines because each
+deployment file (compose, KubeRay manifests, Dockerfile) gets its own group of checks.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ a cap of 5 tokens (default max_tokens 3), so the cap is tested with few decode s
 ``kvmesh.LLM`` on the same checkpoint is the reference for tokens and text. A fake scheduler
 (GetModelInfo copied from the real one) covers status pass-through, a vanished scheduler and
 ``GatewayServer.stop`` with a stream in flight.
+
+Over ~450 lines because its tests share one module-scoped scheduler and its two gateways;
+splitting the module would start them twice.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ The same contract tests run against MemoryIndex and RedisIndex. RedisIndex uses 
 ``REDIS_URL`` (default redis://127.0.0.1:6379/0) under a unique key prefix per test, and
 deletes only that prefix's keys afterwards; the outage tests start a private redis-server
 on a free port. No model weights: events are built directly.
+
+Over ~450 lines because one contract runs against both index implementations (parametrized
+over MemoryIndex and RedisIndex) plus the Redis-only outage and tier tests.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ budget, pipeline parallelism and the acceptance metrics (real SmolLM2 weights, f
 Exactness of the rejection sampler is checked on synthetic distributions with fixed seeds:
 chi-square statistics against the 0.999 quantile of their chi-square distribution (df=5:
 20.52, df=35: 66.62), so the tests are deterministic and would fail for a sampler off by a
-few percent of probability mass on any token."""
+few percent of probability mass on any token.
+
+Over ~450 lines because its tests share module-scoped float32 engines (target and draft);
+splitting the module would load them twice."""
 
 from __future__ import annotations
 
