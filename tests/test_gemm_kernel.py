@@ -201,3 +201,50 @@ def test_torch_compile_fullgraph(best_isa):
     expect = torch.relu(2.0 * ref - b.double()) + 1.0   # (2 x) W^T + b; x * 2 is exact
     err = (y.double() - expect).abs()
     assert (err <= 2e-4 * scale).all(), (err / scale).max()
+
+
+def _vma_flags(addr: int) -> dict:
+    """The /proc/self/smaps fields of the mapping holding ``addr``."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside:
+            k, _, v = line.partition(":")
+            fields[k] = v.strip()
+    return fields
+
+
+def test_packed_panels_move_to_huge_pages_unchanged(best_isa, monkeypatch):
+    """pack_bf16_linears puts the panels in one mapping advised MADV_HUGEPAGE (workers/huge_pages.py):
+    same values, same outputs; KVMESH_HUGE_PAGES=0 leaves them where they are."""
+    from workers import huge_pages
+    from workers.layers.linear import Linear, pack_bf16_linears
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages here (THP never, or not Linux)")
+
+    def model():
+        torch.manual_seed(3)
+        m = torch.nn.Sequential(Linear(96, 160, bias=False), Linear(160, 64, bias=True))
+        for lin in m:
+            lin.weight = torch.nn.Parameter(torch.randn(lin.in_features, lin.out_features).to(torch.bfloat16),
+                                            requires_grad=False)
+            if lin.bias is not None:
+                lin.bias = torch.nn.Parameter(torch.randn(lin.out_features), requires_grad=False)
+        return m
+
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    monkeypatch.setenv("KVMESH_HUGE_PAGES", "0")
+    plain = model()
+    assert pack_bf16_linears(plain, torch.bfloat16, torch.device("cpu")) == 2
+    monkeypatch.delenv("KVMESH_HUGE_PAGES")
+    huge = model()
+    assert pack_bf16_linears(huge, torch.bfloat16, torch.device("cpu")) == 2
+    for a, b in zip(plain, huge):
+        assert torch.equal(a.bf16_panels, b.bf16_panels)
+        assert b.bf16_panels.data_ptr() % 4096 == 0
+        assert _vma_flags(b.bf16_panels.data_ptr()).get("VmFlags", "").split().count("hg") == 1   # MADV_HUGEPAGE
+        assert "hg" not in _vma_flags(a.bf16_panels.data_ptr()).get("VmFlags", "").split()
+    assert torch.equal(plain(x), huge(x))

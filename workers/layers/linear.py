@@ -303,6 +303,7 @@ def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device
       595 ms at M = 1 / 8 / 32 / 256 / 1024 against 25-31 / 31-102 / 40-77 / 195 / 647 ms for
       ATen (whose bf16 matmul on that CPU reads weights at 7-8 GB/s at M=1).
 
+    The packed panels are then moved onto 2 MiB pages (:mod:`workers.huge_pages`).
     ``KVMESH_NATIVE_KERNELS=0`` keeps ATen. Returns how many layers were packed."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return 0
@@ -312,4 +313,9 @@ def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.format == "none" and m.weight is not None]
     for lin in layers:
         lin.pack_bf16()
+    # the panels on 2 MiB pages: decode streams them every step (workers/huge_pages.py)
+    from workers.huge_pages import empty_on_huge_pages
+    views = empty_on_huge_pages([(lin.bf16_panels.shape, lin.bf16_panels.dtype) for lin in layers])
+    for lin, view in zip(layers, views or []):
+        lin.bf16_panels = view.copy_(lin.bf16_panels)     # one at a time: the original is freed
     return len(layers)
