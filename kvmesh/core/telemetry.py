@@ -38,7 +38,6 @@ _providers: dict[str, object] = {}          # service name -> TracerProvider (on
 _lock = threading.Lock()
 # monotonic seconds -> epoch ns: one offset per process, so spans built from the engine's
 # monotonic timestamps line up with each other
-_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
 
 
 def exporters() -> list[str]:
@@ -142,8 +141,10 @@ def parent_context(traceparent_value: str) -> Context:
 
 
 def epoch_ns(monotonic_s: float) -> int:
-    """A ``time.monotonic()`` reading of this process as epoch nanoseconds (span timestamps)."""
-    return int(monotonic_s * 1e9) + _EPOCH_OFFSET_NS
+    """A ``time.monotonic()`` reading of this process as epoch nanoseconds (span timestamps).
+    The wall-clock offset is read at each call, not once at import: a wall clock stepped while
+    the process runs (NTP, a VM resumed) would otherwise date every later span wrongly."""
+    return int(monotonic_s * 1e9) + time.time_ns() - time.monotonic_ns()
 
 
 # ---- worker spans -------------------------------------------------------------------------------
