@@ -75,6 +75,15 @@ def test_metadata_round_trip_and_epoch_clock(monkeypatch):
     assert abs(telemetry.epoch_ns(now) - time.time_ns()) < 50e6
 
 
+def test_epoch_clock_follows_a_stepped_wall_clock_and_stays_exact(monkeypatch):
+    """A wall clock stepped after import (offset 0.8 s stale) is picked up; one reading converts
+    to one timestamp every time (phase spans share their boundaries exactly)."""
+    monkeypatch.setattr(telemetry, "_epoch_offset_ns", telemetry._epoch_offset_ns - 800_000_000)
+    now = time.monotonic()
+    assert abs(telemetry.epoch_ns(now) - time.time_ns()) < 50e6
+    assert len({telemetry.epoch_ns(now) for _ in range(1000)}) == 1
+
+
 # ---- end to end: the mesh exporting to a collector stub ------------------------------------------
 
 class Collector:

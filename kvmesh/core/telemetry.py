@@ -140,11 +140,21 @@ def parent_context(traceparent_value: str) -> Context:
     return _PROPAGATOR.extract({"traceparent": traceparent_value})
 
 
+_epoch_offset_ns = time.time_ns() - time.monotonic_ns()
+_EPOCH_STEP_NS = 10_000_000
+
+
 def epoch_ns(monotonic_s: float) -> int:
     """A ``time.monotonic()`` reading of this process as epoch nanoseconds (span timestamps).
-    The wall-clock offset is read at each call, not once at import: a wall clock stepped while
-    the process runs (NTP, a VM resumed) would otherwise date every later span wrongly."""
-    return int(monotonic_s * 1e9) + time.time_ns() - time.monotonic_ns()
+    One wall-clock offset converts every reading (so the same reading, e.g. the end of one
+    phase and the start of the next, always gives the same timestamp); it is re-read when the
+    wall clock has moved more than 10 ms away from it (NTP, a VM resumed), which would
+    otherwise date every later span wrongly."""
+    global _epoch_offset_ns
+    now = time.time_ns() - time.monotonic_ns()
+    if abs(now - _epoch_offset_ns) > _EPOCH_STEP_NS:
+        _epoch_offset_ns = now
+    return int(monotonic_s * 1e9) + _epoch_offset_ns
 
 
 # ---- worker spans -------------------------------------------------------------------------------
