@@ -5,7 +5,8 @@ Why: batch-1 decode streams every weight once per step; on 4 KiB pages that is ~
 (SmolLM2-135M, 270 MB) whose TLB misses and page-bounded hardware prefetch slow the read.
 Measured with ``python -m bench.huge_pages`` (the two layouts alternated in one process) on an
 AMD EPYC Zen 5 (family 26 model 2, 2 threads, other jobs running): SmolLM2's 120 projection
-GEMMs through ``kvmesh::bf16_linear`` 1.13-1.42x faster at M = 1 and 0.95-1.17x at M = 8.
+GEMMs through ``kvmesh::bf16_linear`` 1.05-1.50x faster at M = 1 and 0.95-1.17x at M = 8 over
+four runs (docs/engine.md, "Weights on huge pages").
 
 Used only where the kernel reads the weights (CPU, the native bf16 GEMM); a no-op where the
 kernel's THP setting is ``never``, ``mmap.MADV_HUGEPAGE`` is missing (not Linux) or
