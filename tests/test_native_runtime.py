@@ -166,29 +166,63 @@ FLASH_ISA = kernels.cpu_isa() in ("amx", "avx512bf16")
 
 
 @pytest.mark.skipif(not FLASH_ISA, reason="prefill chunks go through the kernel only on its flash paths (AMX, AVX512-BF16)")
-def test_bf16_prefill_through_the_flash_kernel_matches_sdpa(smollm2_dir, prose_ids, h):
-    """On the flash paths (AMX tiles, AVX512-BF16 registers), a bfloat16 model prefills through ``paged_attention`` (every chunk, cached
-    context or not) instead of SDPA: against the float32 model's logits (a cold and a chunked
-    prefill), its error is no larger than the SDPA path's (both round P to bfloat16), with
-    the same greedy tokens."""
+def test_bf16_prefill_through_the_flash_kernel_matches_sdpa(smollm2_dir, prose_ids, h, monkeypatch):
+    """On the flash paths (AMX tiles, AVX512-BF16 registers), a bfloat16 model prefills through
+    ``paged_attention`` (every chunk, cached context or not) instead of SDPA. Its accuracy is
+    measured where it is made: at every layer's attention call of real prompts (a cold prefill
+    and a chunked one, whose later chunks attend over cached context), the kernel's output and
+    SDPA's in bfloat16 on the same q/K/V are compared with float32 attention of those inputs;
+    the kernel's error is no larger than SDPA's (mean <= 1.1x, max <= 1.25x), on the prefill
+    rows and on the decode rows of the same steps (the AVX512-BF16 decode pass rounds P to
+    bfloat16 as SDPA does; measured on a Zen 5: 1.00x and 0.99x). End to end, the greedy tokens
+    equal those of the SDPA prefill.
+
+    (The per-call comparison replaced one of the final logits' error against a float32 model:
+    with bfloat16 activations through 30 layers that error is chaotic, two paths of equal
+    accuracy differed 0.2x-8x per prompt, so a ratio over a few prompts tested luck.)"""
+    from workers.kernels.reference import paged_attention_ref
+    from workers.layers import attention
+
+    errs = {"prefill": ([], []), "decode": ([], [])}
+    native_attention = attention._native_attention
+
+    def spy(q, k, v, kv_cache, md, scale):
+        o = native_attention(q, k, v, kv_cache, md, scale)
+        nm = md.native
+        n = nm.num_tokens
+        rows = {"prefill": [slice(p.q_start, p.q_end) for p in md.prefills if p.q_start < n],
+                "decode": [slice(0, md.num_decode_tokens)] if md.num_decode_tokens else []}
+        if n and (rows["prefill"] or rows["decode"]):
+            args = (kv_cache.data, kv_cache.scales, nm.query_start_loc, nm.seq_lens, nm.block_tables, scale)
+            ref = paged_attention_ref(q[:n].float(), *args, compute_dtype=torch.float32)
+            sdpa = paged_attention_ref(q[:n], *args)         # F.scaled_dot_product_attention in bf16
+            for kind, sl in rows.items():
+                for r in sl:
+                    errs[kind][0].append((o[r].float() - ref[r]).abs().flatten())
+                    errs[kind][1].append((sdpa[r].float() - ref[r]).abs().flatten())
+        return o
+
     reqs = [("cold", prose_ids[10:90], h.greedy(4)), ("chunked", prose_ids[100:300], h.greedy(4))]
-    logits = {}
-    ref = h.make_engine(smollm2_dir, dtype="float32", max_num_batched_tokens=96, enable_prefix_caching=False)
-    captured = h.capture_logits(ref)
-    h.run(ref, reqs)
-    logits["float32"] = torch.cat(captured)
     eng = h.make_engine(smollm2_dir, dtype="bfloat16", attention_backend="native", max_num_batched_tokens=96,
                         enable_prefix_caching=False)
     runner = eng.executor.runner
     assert runner.prefill_native
+    tokens = {}
     for flag in (True, False):
         runner.prefill_native = flag
-        captured = h.capture_logits(eng)
-        h.run(eng, [(f"{rid}-{flag}", ids, p) for rid, ids, p in reqs])
-        logits[flag] = torch.cat(captured)
-    err = {f: (logits[f] - logits["float32"]).abs() for f in (True, False)}
-    assert err[True].mean() <= 1.1 * err[False].mean() and err[True].max() <= 1.25 * err[False].max()
-    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
+        if flag:
+            monkeypatch.setattr(attention, "_native_attention", spy)
+        done = h.run(eng, [(f"{rid}-{flag}", ids, p) for rid, ids, p in reqs])
+        tokens[flag] = [r.output_token_ids for r in done.values()]
+        monkeypatch.setattr(attention, "_native_attention", native_attention)
+    # SmolLM2's 30 layers: prefill rows in >= 3 steps (the cold prompt, the chunks after context),
+    # decode rows in 4 steps and more
+    assert len(errs["prefill"][0]) >= 3 * 30 and len(errs["decode"][0]) >= 3 * 30
+    for kind, (native, sdpa) in errs.items():
+        native, sdpa = torch.cat(native), torch.cat(sdpa)
+        assert native.mean() <= 1.1 * sdpa.mean(), (kind, native.mean().item(), sdpa.mean().item())
+        assert native.max() <= 1.25 * sdpa.max(), (kind, native.max().item(), sdpa.max().item())
+    assert tokens[True] == tokens[False]
 
 
 @pytest.mark.skipif(not FLASH_ISA, reason="native cascade groups run only on the kernel's flash paths (AMX, AVX512-BF16)")

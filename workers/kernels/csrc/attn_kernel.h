@@ -196,8 +196,9 @@ struct Kernel {
     uint16_t* zrow = Qb + M * D;
     const char** pfl = (const char**)(((uintptr_t)(zrow + D) + 7) & ~uintptr_t(7));   // next chunk's lines
     // bfloat16 q and cache on AVX512-BF16: q K^T by vdpbf16ps on the cache rows as stored
-    // (q kept unscaled in Qb, the scale applied to the scores); P V as on AVX-512 (float32 P:
-    // a bfloat16 P with vdpbf16ps measured no faster, the step being bound by reading K/V)
+    // (q kept unscaled in Qb, the scale applied to the scores); P V as on AVX-512 (float32 P).
+    // Used by the amx path and, on the avx512bf16 path, only where the decode pass of
+    // attn_decode.h does not apply (D not a multiple of 32, blocks not of a multiple of 16)
 #if KVMESH_ISA >= 3
     const bool kbf16 = KVD == BF16 && a.q_dtype == BF16 && M <= 8;
 #else
@@ -347,6 +348,9 @@ struct Kernel {
 #if KVMESH_ISA >= 3
 #include "attn_flash.h"
 #endif
+#if KVMESH_ISA == 3
+#include "attn_decode.h"
+#endif
 #if KVMESH_ISA >= 4
 #include "attn_amx.h"
 #endif
@@ -366,6 +370,13 @@ static void run_items(const AttnArgs& a, const WorkItem* items, int64_t begin, i
 #elif KVMESH_ISA == 3
     if (flash_item(a, items[i])) {
       run_flash<DpMul>(a, items[i]);
+      continue;
+    }
+    if (decode_item(a, items[i])) {
+      int64_t e = i + 1;
+      while (e < end && decode_joins(items[i], items[e], int(e - i))) ++e;
+      run_decode(a, items + i, int(e - i));
+      i = e - 1;
       continue;
     }
 #endif
