@@ -90,7 +90,8 @@ def check(out, ref, low_precision, bf16_probs=False):
 # (H, KVH, D, BS): GQA ratios 1, 3, 4, 8; head dims 64, 128; block sizes 16, 32
 SHAPES = [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 32), (8, 1, 64, 32), (12, 4, 128, 16)]
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-          (torch.bfloat16, torch.int8), (torch.float32, torch.int8), (torch.float32, torch.float8_e4m3fn)]
+          (torch.bfloat16, torch.int8), (torch.float32, torch.int8), (torch.float32, torch.float8_e4m3fn),
+          (torch.bfloat16, torch.float8_e4m3fn)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}KVH{}D{}BS{}".format(*s))
@@ -217,29 +218,35 @@ def test_decode_attends_only_to_its_own_tokens():
 
 @pytest.mark.parametrize("shape", [(4, 4, 64, 16), (9, 3, 64, 16), (8, 2, 128, 32), (8, 1, 64, 16), (12, 4, 128, 16)],
                          ids=lambda s: "H{}KVH{}D{}BS{}".format(*s))
-def test_bf16_decode_ignores_unwritten_slots(isa, shape):
+@pytest.mark.parametrize("kvdt", [torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
+def test_bf16_decode_ignores_unwritten_slots(isa, shape, kvdt):
     """bfloat16 decode rows (<= 8 per KV head: the avx512bf16 decode pass reads K and V in
-    whole 16-token chunks): NaN in every slot past a sequence's length (the tail of its last
-    block) and in unused blocks changes nothing, bit for bit; the result matches the reference.
-    Lengths 1, 15, 16, 17, 33, 1,030 and 1,601; 2-token verify rows where G <= 4."""
+    whole 16-token chunks, widening an int8 / float8 cache to bfloat16 in registers): NaN
+    (int8: 127) in every slot past a sequence's length (the tail of its last block) and in
+    unused blocks changes nothing, bit for bit; the result matches the reference. Lengths 1,
+    15, 16, 17, 33, 1,030 and 1,601; 2-token verify rows where G <= 4."""
     h, kvh, d, bs = shape
     g = h // kvh
-    gen = torch.Generator().manual_seed(hash(shape) % 2 ** 31)
+    gen = torch.Generator().manual_seed(hash((shape, str(kvdt))) % 2 ** 31)
     lens = [1, 15, 16, 17, 33, 1030, 1601] + ([40, 18] if g <= 4 else [])
     ns = [1] * 7 + ([2, 2] if g <= 4 else [])
     nb = sum((n + bs - 1) // bs for n in lens) + 6
-    cache = make_cache(nb, bs, kvh, d, torch.bfloat16, gen)
+    cache = make_cache(nb, bs, kvh, d, kvdt, gen)
     qsl, sl, bt = make_batch(lens, ns, bs, nb, gen)
     q = torch.randn(int(qsl[-1]), h, d, generator=gen).to(torch.bfloat16)
-    clean = kernels.paged_attention(q, cache.data, None, qsl, sl, bt, d ** -0.5)
+    clean = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5)
     used = torch.zeros(nb * bs, dtype=torch.bool)
     for s, n in enumerate(sl.tolist()):
         for p in range(n):
             used[int(bt[s, p // bs]) * bs + p % bs] = True
-    cache.data.view(2, nb * bs, kvh, d)[:, ~used] = float("nan")
-    out = kernels.paged_attention(q, cache.data, None, qsl, sl, bt, d ** -0.5)
+    if kvdt in QUANT:         # byte 0x7f: int8 127, float8 e4m3fn NaN
+        cache.data.view(torch.uint8).view(2, nb * bs, kvh, d)[:, ~used] = 0x7F
+    else:
+        cache.data.view(2, nb * bs, kvh, d)[:, ~used] = float("nan")
+    out = kernels.paged_attention(q, cache.data, cache.scales, qsl, sl, bt, d ** -0.5)
     torch.testing.assert_close(out, clean, rtol=0, atol=0)
-    ref = paged_attention_ref(q.float(), cache.data, None, qsl, sl, bt, d ** -0.5, compute_dtype=torch.float32)
+    ref = paged_attention_ref(q.float(), cache.data, cache.scales, qsl, sl, bt, d ** -0.5,
+                              compute_dtype=torch.float32)
     check(out, ref, True, isa in FLASH)
 
 

@@ -1,6 +1,6 @@
 // Decode path of the avx512bf16 kernel (included by attn_kernel.h for KVMESH_ISA == 3): work
-// items of at most 8 query rows of a bfloat16 q against a bfloat16 cache, D a multiple of 32,
-// blocks of a multiple of 16 tokens. Several items that differ only in their (consecutive) KV
+// items of at most 8 query rows of a bfloat16 q against a bfloat16, int8 or float8 (e4m3)
+// cache, D a multiple of 32, blocks of a multiple of 16 tokens. Several items that differ only in their (consecutive) KV
 // head run as one pass over the keys, so every 16-token chunk's K and V token rows are read
 // whole (all heads of the pass), once; each line of the next chunk is software-prefetched
 // into L1, and of the third next into L2, as the same line of the current chunk is loaded.
@@ -14,6 +14,11 @@
 // - O += P V with vdpbf16ps on key pairs: V rows j and j+1 interleaved by 16-bit unpacks, each
 //   row's (p_j, p_j+1) pair broadcast. The unpacks permute the dimensions within each group
 //   of 32 (fixed); O is kept so permuted and put back in order once at the end.
+// An int8 / float8 cache: each 32 values of a row widened to bfloat16 in registers (exact:
+// int8 and e4m3 values are bfloat16 values), so the same vdpbf16ps code runs on them; a
+// 16-key chunk lies in one block, whose per-(block, head) scales go into S (the K scale, with
+// the softmax scale) and into P before its rounding (the V scale; the softmax sum takes the
+// unscaled P).
 // (This replaced the row-dot kernel of Kernel::run for these items: that one reduced every
 // key's products horizontally and read each head's third of the token rows in its own pass.)
 
@@ -21,7 +26,7 @@ constexpr int kDecodePF = 1;      // software prefetch distances in 16-key chunk
 constexpr int kDecodePF2 = 3;     // and into L2 (best measured on a Zen 5 of L1 1-4, L2 0-8)
 
 static inline bool decode_item(const AttnArgs& a, const WorkItem& it) {
-  return a.q_dtype == BF16 && a.kv_dtype == BF16 && it.nrows <= 8 && a.D % 32 == 0 && a.D <= 256 &&
+  return a.q_dtype == BF16 && (a.kv_dtype == BF16 || a.kv_dtype == I8 || a.kv_dtype == FP8) && it.nrows <= 8 && a.D % 32 == 0 && a.D <= 256 &&
          a.BS % 16 == 0;
 }
 
@@ -31,8 +36,21 @@ static inline bool decode_joins(const WorkItem& x, const WorkItem& y, int off) {
          y.key1 == x.key1 && y.head == x.head + off;
 }
 
-template <int MR>
+// 32 values of a cache row from p as 32 bfloat16 (dimension pairs as 32-bit elements)
+template <int KVD>
+static inline __attribute__((always_inline)) __m512i load32(const void* p) {
+  if constexpr (KVD == BF16) return _mm512_loadu_si512(p);
+  else {
+    const int8_t* b = (const int8_t*)p;
+    const __m512 lo = KVD == I8 ? Simd::cvt_i8(b) : Simd::cvt_fp8((const uint8_t*)b);
+    const __m512 hi = KVD == I8 ? Simd::cvt_i8(b + 16) : Simd::cvt_fp8((const uint8_t*)b + 16);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+template <int KVD, int MR>
 static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
+  using T = std::conditional_t<KVD == BF16, uint16_t, uint8_t>;     // one cache element
   const WorkItem& it = its[0];
   const int D = a.D, G = a.G, BS = a.BS, ND = D / 32, DP = D / 2, NX = nh * MR;
   const bool own = it.kind == 0;
@@ -72,11 +90,13 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
   const int key_end = max_lim + 1 < it.key1 ? max_lim + 1 : it.key1;
   const int64_t tok_st = int64_t(a.KVH) * D;
   const __m512 scale = _mm512_set1_ps(a.scale);
-  const uint16_t* kv = (const uint16_t*)a.kv;
+  const T* kv = (const T*)a.kv;
+  constexpr bool quant = KVD != BF16;
   constexpr int NQ = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;     // accumulators per row (q K^T)
   for (int b0 = it.key0; b0 < key_end; b0 += 16) {
     const int n = key_end - b0 < 16 ? key_end - b0 : 16;
-    const uint16_t* kb = kv + (int64_t(table[b0 / BS]) * BS + b0 % BS) * tok_st;
+    const int64_t pb = table[b0 / BS];
+    const T* kb = kv + (pb * BS + b0 % BS) * tok_st;
     // offsets (elements) from this chunk's lines to the same lines of the chunks prefetched
     // while it is used (0, a prefetch of the line just read, past the item's last chunk)
     const int bp = b0 + 16 * kDecodePF, bp2 = b0 + 16 * kDecodePF2;
@@ -89,7 +109,8 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
     }
     // S = q K^T, every head
     for (int h = 0; h < nh; ++h) {
-      const uint16_t* kh = kb + int64_t(its[h].head) * D;
+      const T* kh = kb + int64_t(its[h].head) * D;
+      const __m512 sc = quant ? _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[pb * a.KVH + its[h].head])) : scale;
       const uint32_t* qp = QP + size_t(h) * MR * DP;
       __m512 acc[MR][NQ];
 #pragma GCC unroll 8
@@ -98,10 +119,10 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
         for (int u = 0; u < NQ; ++u) acc[r][u] = _mm512_setzero_ps();
       for (int c = 0; c < ND; ++c) {
         __m512i k[16];
-        const uint16_t* rp = kh + c * 32;
+        const T* rp = kh + c * 32;
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
-          k[j] = _mm512_loadu_si512(rp);
+          k[j] = load32<KVD>(rp);
           __builtin_prefetch(rp + pf, 0, 3);
           __builtin_prefetch(rp + pf2, 0, 2);
           rp += tok_st;
@@ -120,7 +141,7 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
         __m512 t = acc[r][0];
 #pragma GCC unroll 4
         for (int u = 1; u < NQ; ++u) t = _mm512_add_ps(t, acc[r][u]);
-        _mm512_store_ps(S + (h * MR + r) * 16, _mm512_mul_ps(t, scale));
+        _mm512_store_ps(S + (h * MR + r) * 16, _mm512_mul_ps(t, sc));
       }
     }
     // online softmax of every head's rows: P (bfloat16 pairs), sums, the rescale exponents
@@ -139,7 +160,8 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
       mx[x] = mnew;
       const __m512 p = _mm512_maskz_mov_ps(vm, Simd::exp(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
       ps[x] = _mm512_reduce_add_ps(p);
-      _mm256_store_si256((__m256i*)(PP + x * 8), (__m256i)_mm512_cvtneps_pbh(p));
+      const __m512 pv = quant ? _mm512_mul_ps(p, _mm512_set1_ps(a.scales[a.sc_half + pb * a.KVH + its[x / MR].head])) : p;
+      _mm256_store_si256((__m256i*)(PP + x * 8), (__m256i)_mm512_cvtneps_pbh(pv));
     }
     for (int x = 0; x < NX; x += 16) {
       const __m512 al = Simd::exp(_mm512_load_ps(dm + x));
@@ -149,7 +171,7 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
     // O = O * alpha + P V, key pairs (2i, 2i + 1); a missing key 2i + 1 (n odd) reads zeros
     const int np = (n + 1) / 2;
     for (int h = 0; h < nh; ++h) {
-      const uint16_t* vh = kb + a.kv_half + int64_t(its[h].head) * D;
+      const T* vh = kb + a.kv_half + int64_t(its[h].head) * D;
       const uint32_t* pp = PP + h * MR * 8;
       float* o = O + size_t(h) * MR * D;
       for (int c = 0; c < ND; ++c) {
@@ -161,13 +183,13 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
           o0[r][1] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c * 32 + 16), al);
           o1[r][0] = o1[r][1] = _mm512_setzero_ps();
         }
-        const uint16_t* vc = vh + c * 32;
+        const T* vc = vh + c * 32;
         auto step = [&](int i, __m512 (&acc)[MR][2]) __attribute__((always_inline)) {
-          const uint16_t* p0 = vc;
+          const T* p0 = vc;
           vc += 2 * tok_st;
           asm("" : "+r"(vc));
-          const __m512i v0 = _mm512_loadu_si512(p0);
-          const __m512i v1 = 2 * i + 1 < n ? _mm512_loadu_si512(p0 + tok_st) : _mm512_setzero_si512();
+          const __m512i v0 = load32<KVD>(p0);
+          const __m512i v1 = 2 * i + 1 < n ? load32<KVD>(p0 + tok_st) : _mm512_setzero_si512();
           __builtin_prefetch(p0 + pf, 0, 3);
           __builtin_prefetch(p0 + tok_st + pf, 0, 3);
           __builtin_prefetch(p0 + pf2, 0, 2);
@@ -208,16 +230,25 @@ static void decode_pass(const AttnArgs& a, const WorkItem* its, int nh) {
   std::free(buf);
 }
 
+template <int KVD>
+static void run_decode_rows(const AttnArgs& a, const WorkItem* items, int nh) {
+  switch (items[0].nrows) {
+    case 1: decode_pass<KVD, 1>(a, items, nh); break;
+    case 2: decode_pass<KVD, 2>(a, items, nh); break;
+    case 3: decode_pass<KVD, 3>(a, items, nh); break;
+    case 4: decode_pass<KVD, 4>(a, items, nh); break;
+    case 5: decode_pass<KVD, 5>(a, items, nh); break;
+    case 6: decode_pass<KVD, 6>(a, items, nh); break;
+    case 7: decode_pass<KVD, 7>(a, items, nh); break;
+    default: decode_pass<KVD, 8>(a, items, nh);
+  }
+}
+
 // items[0, nh): decode_item and each joining the first (decode_joins)
 static void run_decode(const AttnArgs& a, const WorkItem* items, int nh) {
-  switch (items[0].nrows) {
-    case 1: decode_pass<1>(a, items, nh); break;
-    case 2: decode_pass<2>(a, items, nh); break;
-    case 3: decode_pass<3>(a, items, nh); break;
-    case 4: decode_pass<4>(a, items, nh); break;
-    case 5: decode_pass<5>(a, items, nh); break;
-    case 6: decode_pass<6>(a, items, nh); break;
-    case 7: decode_pass<7>(a, items, nh); break;
-    default: decode_pass<8>(a, items, nh);
+  switch (a.kv_dtype) {
+    case BF16: run_decode_rows<BF16>(a, items, nh); break;
+    case I8: run_decode_rows<I8>(a, items, nh); break;
+    default: run_decode_rows<FP8>(a, items, nh);
   }
 }

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #if KVMESH_ISA > 0
 #include <immintrin.h>
 #endif
