@@ -52,6 +52,10 @@ def _register_fakes() -> None:
         n, k = w.shape
         return w.new_empty(((n + 15) // 16, (k + 31) // 32 * 16, 16, 2), dtype=torch.bfloat16)
 
+    @torch.library.register_fake("kvmesh::int4_linear")
+    def _int4_fake(x: torch.Tensor, panels: torch.Tensor, sz: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
     @torch.library.register_fake("kvmesh::bf16_linear")
     def _linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,3 +121,68 @@ def isa() -> str:
     ``avx512bf16`` or ``amx`` (the CPU's best, or ``KVMESH_KERNEL_ISA`` if set)."""
     _require()
     return torch.ops.kvmesh.gemm_isa()
+
+
+# ---- int4 weights (csrc/gemm/int4_gemv.cpp) ---------------------------------------------------
+
+def int4_available() -> bool:
+    """True when :func:`int4_linear` runs here: the kernels are built and the GEMM's kernel
+    path (:func:`isa`: the CPU's best, or ``KVMESH_KERNEL_ISA``) has AVX512-BF16."""
+    return available() and isa() in ("avx512bf16", "amx")
+
+
+def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of :func:`int4_linear` from the canonical int4 tensors
+    (``W = (q - 8) * scale + zero`` per group of ``group_size`` along K,
+    :func:`workers.layers.quant.quantize_int4`).
+
+    Args:
+        q: uint8 ``[N, K]`` values in [0, 15] (unpacked).
+        scales, zeros: float ``[N, K / group_size]``.
+        group_size: a multiple of 8 dividing K.
+    Returns:
+        ``(panels uint8 [N16 / 16, 8 K], scales_and_zeros bfloat16 [N16 / 16, K / g, 2, 16])``
+        with N16 = N rounded up to 16 (padding columns: q = 8, scale 1, zero 0, i.e. W = 0).
+        Panel p, k-octet o: 32 little-endian 16-bit lanes, lane ``2n + j`` holding
+        ``q[16p + n, 8o + 2s + j]`` in bits ``4s .. 4s + 3`` (s = 0..3).
+    Raises:
+        ValueError: shapes that do not fit that layout.
+    """
+    n, k = q.shape
+    if group_size % 8 or k % group_size or scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
+        raise ValueError(f"int4 panels: q {tuple(q.shape)}, scales {tuple(scales.shape)}, zeros "
+                         f"{tuple(zeros.shape)}, group size {group_size}: K must be a multiple of the group "
+                         f"size, itself a multiple of 8, and scales/zeros [N, K / group]")
+    pad = (-n) % 16
+    q = q.to(torch.int16)
+    scales, zeros = scales.float(), zeros.float()
+    if pad:
+        q = torch.cat([q, q.new_full((pad, k), 8)])
+        scales = torch.cat([scales, scales.new_ones(pad, scales.shape[1])])
+        zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
+    np_ = (n + pad) // 16
+    qb = q.view(np_, 16, k // 8, 4, 2).permute(0, 2, 1, 4, 3)          # [p, o, n, j, s]
+    lanes = qb[..., 0] | (qb[..., 1] << 4) | (qb[..., 2] << 8) | (qb[..., 3] << 12)     # int16 [p, o, n, j]
+    panels = lanes.contiguous().view(torch.uint8).reshape(np_, 8 * k)
+    sz = torch.stack([scales, zeros], dim=-1).view(np_, 16, k // group_size, 2).permute(0, 2, 3, 1)
+    return panels, sz.to(torch.bfloat16).contiguous()
+
+
+def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                n: int) -> torch.Tensor:
+    """``x @ W.T`` for int4 weights packed by :func:`pack_int4_panels`: per 16 output columns and
+    group, ``vdpbf16ps`` of x with ``128 + q`` (exact in bfloat16), then
+    ``* scale + (zero - 136 scale) * sum(x)`` in float32 (the group-wise form of
+    ``(q - 8) * scale + zero``).
+
+    Args:
+        x: bfloat16 ``[M, K]``.
+        n: output features (<= the panels' padded N).
+    Returns:
+        bfloat16 ``[M, n]`` (a view of ``[M, N16]`` when n is not a multiple of 16).
+    Raises:
+        RuntimeError: kernels unavailable, the CPU lacks AVX512-BF16, or shapes mismatch.
+    """
+    _require()
+    return torch.ops.kvmesh.int4_linear.default(x, panels, scales_and_zeros, group_size, n)

@@ -12,8 +12,10 @@ model code does not change (docs/quantization.md).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels import gemm
 from workers.layers import quant
 
 
@@ -88,6 +90,23 @@ class Int4Packed(Quantized):
         return quant.int4_packed_mm(x, layer.packed, layer.scales_and_zeros, layer.group_size, layer.out_features)
 
 
+class Int4Native(Quantized):
+    """Weight-only int4 in the native kernel's panels (``int4_panels``, ``int4_panel_sz``;
+    :func:`workers.kernels.gemm.int4_linear`), on CPUs with AVX512-BF16: x goes through bfloat16
+    as with ATen's int4 kernel, which the CPU uses otherwise (:class:`Int4Packed`)."""
+
+    format = "int4"
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        k_pad = layer.int4_panels.shape[1] // 8
+        if xb.shape[-1] != k_pad:
+            xb = F.pad(xb, (0, k_pad - xb.shape[-1]))
+        y = gemm.int4_linear(xb.reshape(-1, k_pad), layer.int4_panels, layer.int4_panel_sz, layer.group_size,
+                             layer.out_features)
+        return y.reshape(*x.shape[:-1], layer.out_features).to(x.dtype)
+
+
 class Int4Dequantized(Quantized):
     """Weight-only int4 in canonical tensors (``qweight``, ``scales``, ``zeros``), dequantized
     at each call: a CUDA shape the kernel does not take."""
@@ -118,13 +137,15 @@ class W8A8Int8(Quantized):
 
 DENSE, BF16_PANELS = Dense(), DenseBF16Panels()
 _QUANTIZED = {m.format: m for m in (Int8(), FP8(), W8A8Int8())}
-INT4_PACKED, INT4_DEQUANTIZED = Int4Packed(), Int4Dequantized()
+INT4_PACKED, INT4_NATIVE, INT4_DEQUANTIZED = Int4Packed(), Int4Native(), Int4Dequantized()
 
 
 def quantized_method(fmt: str, runtime: dict[str, torch.Tensor]) -> Quantized:
     """The method of a layer quantized to ``fmt`` with the tensors ``runtime`` of
     :func:`workers.layers.quant.to_runtime`. Raises ValueError for an unknown format."""
     if fmt == "int4":
+        if "int4_panels" in runtime:
+            return INT4_NATIVE
         return INT4_PACKED if "packed" in runtime else INT4_DEQUANTIZED
     if fmt not in _QUANTIZED:
         raise ValueError(f"no quantized weight format {fmt!r}")
@@ -279,7 +300,6 @@ class Linear(nn.Module):
         (:mod:`workers.kernels.gemm`): the weight is re-laid out into its panels (``packed``,
         ``[ceil(N/16), ceil(K/2), 16, 2]`` bf16 in ``bf16_panels``) and the ATen layout dropped.
         For CPUs where the kernel beats ATen's bf16 matmul (see :func:`pack_bf16_linears`)."""
-        from workers.kernels import gemm
         if self.format != "none" or self.weight is None or self.weight.dtype != torch.bfloat16:
             raise ValueError("pack_bf16 needs a dense bfloat16 layer")
         self.bf16_panels = gemm.pack_bf16_weight(self.weight.data.t())     # stored [in, out]: W = .t()
@@ -307,7 +327,6 @@ def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device
     ``KVMESH_NATIVE_KERNELS=0`` keeps ATen. Returns how many layers were packed."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return 0
-    from workers.kernels import gemm
     if not gemm.available():
         return 0
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.format == "none" and m.weight is not None]

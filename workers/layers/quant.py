@@ -152,7 +152,9 @@ def to_runtime(fmt: str, t: dict[str, torch.Tensor], device: torch.device) -> di
 
     int8 on CPU: scales in bf16 (the kernel wants x's dtype, and x goes through bf16).
     int4 on CPU: ``packed`` = ``_convert_weight_to_int4pack_for_cpu`` of the rows padded to a
-    multiple of 16, ``scales_and_zeros`` bf16 [K/g, N_pad, 2]; on CUDA the CUDA packing when
+    multiple of 16, ``scales_and_zeros`` bf16 [K/g, N_pad, 2], or, where the native int4 kernel
+    runs (AVX512-BF16), ``int4_panels`` / ``int4_panel_sz`` of
+    :func:`workers.kernels.gemm.pack_int4_panels` instead; on CUDA the CUDA packing when
     the shape allows (``N % 8 == 0``, ``K % 128 == 0``), else the canonical tensors
     (dequantize fallback)."""
     device = torch.device(device)
@@ -171,10 +173,14 @@ def to_runtime(fmt: str, t: dict[str, torch.Tensor], device: torch.device) -> di
                 q = F.pad(q, (0, 0, 0, pad), value=0x88)                        # (8-8)*1+0 = 0
                 sz = torch.cat([sz, torch.tensor([1.0, 0.0]).expand(pad, sz.shape[1], 2)], dim=0)
             sz = sz.transpose(0, 1).contiguous().to(torch.bfloat16).to(device)  # [K/g, N_pad, 2]
-            if device.type == "cpu":
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q).to(torch.int32), 1)
-            else:
+            if device.type != "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack(q.to(device), CUDA_INT4_INNER_K_TILES)
+                return {"packed": packed, "scales_and_zeros": sz}
+            from workers.kernels import gemm
+            if gemm.int4_available() and K % (8 * scales.shape[1]) == 0:
+                panels, psz = gemm.pack_int4_panels(unpack_int4(t["qweight"]), scales, zeros, K // scales.shape[1])
+                return {"int4_panels": panels, "int4_panel_sz": psz}
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q).to(torch.int32), 1)
             return {"packed": packed, "scales_and_zeros": sz}
         return {"qweight": q.to(device), "scales": scales.to(device), "zeros": zeros.to(device)}
     raise ValueError(f"no quantized weight format {fmt!r}")
