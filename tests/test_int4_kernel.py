@@ -63,6 +63,18 @@ def test_int4_linear_matches_the_dequantized_reference(n, k, g, m):
     assert ((ya.float() - ref).abs() <= 2 * bound).all()
 
 
+def test_int4_linear_input_scale_is_the_bf16_product():
+    """The op's ``input_scale`` (AWQ's per-input-channel 1/s) gives bit for bit what multiplying
+    x by it in PyTorch first gives."""
+    t, x = _case(576, 1536, 32, 5, 3)
+    panels, sz = gemm.pack_int4_panels(quant.unpack_int4(t["qweight"]), t["scales"], t["zeros"], 32)
+    s = (torch.rand(1536, generator=torch.Generator().manual_seed(4)) * 3 + 0.1).to(torch.bfloat16)
+    y = gemm.int4_linear(x, panels, sz, 32, 576, input_scale=s)
+    assert torch.equal(y, gemm.int4_linear(x * s, panels, sz, 32, 576))
+    with pytest.raises(RuntimeError, match="input_scale"):
+        gemm.int4_linear(x, panels, sz, 32, 576, input_scale=s[:100])
+
+
 def test_int4_panels_layout_and_errors():
     t, x = _case(40, 64, 32, 2, 0)
     q = quant.unpack_int4(t["qweight"])
@@ -86,8 +98,15 @@ def test_int4_model_runs_through_the_kernel(smollm2_dir, prose_ids, h, monkeypat
     model loaded for ATen's int4 kernel (the two differ only by float32 summation order)."""
     from workers.layers import linear
     calls = []
-    real = gemm.int4_linear
-    monkeypatch.setattr(gemm, "int4_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = torch.ops.kvmesh.int4_linear
+
+    class Spy:
+        @staticmethod
+        def default(*a):
+            calls.append(a[0].shape[0])
+            return real.default(*a)
+
+    monkeypatch.setattr(torch.ops.kvmesh, "int4_linear", Spy)
     reqs = [("a", prose_ids[10:90], h.greedy(12)), ("b", prose_ids[120:150], h.greedy(12))]
     tokens = {}
     for native in (True, False):

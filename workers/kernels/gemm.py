@@ -53,7 +53,8 @@ def _register_fakes() -> None:
         return w.new_empty(((n + 15) // 16, (k + 31) // 32 * 16, 16, 2), dtype=torch.bfloat16)
 
     @torch.library.register_fake("kvmesh::int4_linear")
-    def _int4_fake(x: torch.Tensor, panels: torch.Tensor, sz: torch.Tensor, group_size: int, n: int) -> torch.Tensor:
+    def _int4_fake(x: torch.Tensor, panels: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
+                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("kvmesh::bf16_linear")
@@ -170,7 +171,7 @@ def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 
 def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                n: int) -> torch.Tensor:
+                n: int, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` for int4 weights packed by :func:`pack_int4_panels`: per 16 output columns and
     group, ``vdpbf16ps`` of x with ``128 + q`` (exact in bfloat16), then
     ``* scale + (zero - 136 scale) * sum(x)`` in float32 (the group-wise form of
@@ -178,6 +179,8 @@ def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales_and_zeros: torch.T
 
     Args:
         x: bfloat16 ``[M, K]``.
+        input_scale: bfloat16 ``[K]`` or None: x is first multiplied by it, rounded to bfloat16
+            (bit-identical to ``x * input_scale`` in PyTorch).
         n: output features (<= the panels' padded N).
     Returns:
         bfloat16 ``[M, n]`` (a view of ``[M, N16]`` when n is not a multiple of 16).
@@ -185,4 +188,4 @@ def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales_and_zeros: torch.T
         RuntimeError: kernels unavailable, the CPU lacks AVX512-BF16, or shapes mismatch.
     """
     _require()
-    return torch.ops.kvmesh.int4_linear.default(x, panels, scales_and_zeros, group_size, n)
+    return torch.ops.kvmesh.int4_linear.default(x, panels, scales_and_zeros, group_size, n, input_scale)

@@ -97,6 +97,14 @@ class Int4Native(Quantized):
 
     format = "int4"
 
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        # the decode/prefill path of a bfloat16 model: one op (the input scale inside it), no reshapes
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and layer.bias is None and x.shape[1] * 8 == layer.int4_panels.shape[1]
+                and (layer.input_scale is None or layer.input_scale.dtype == torch.bfloat16)):
+            return torch.ops.kvmesh.int4_linear.default(x, layer.int4_panels, layer.int4_panel_sz, layer.group_size,
+                                                        layer.out_features, layer.input_scale)
+        return super().apply(layer, x)
+
     def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
         k_pad = layer.int4_panels.shape[1] // 8

@@ -129,10 +129,24 @@ bool cpu_has_int4_path() {
 bool cpu_has_int4_path() { return false; }
 #endif
 
-// x bf16 [M, K] (K % G == 0, G % 8 == 0), panels uint8 [N16 / 16, 8 K], sz bf16 [N16 / 16, K / G, 2, 16]
-// -> y bf16 [M, N] (the first N of the N16 columns)
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t b = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {    // round to nearest even, as c10::BFloat16 (finite values)
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+// x bf16 [M, K] (K % G == 0, G % 8 == 0), panels uint8 [N16 / 16, 8 K], sz bf16 [N16 / 16, K / G, 2, 16],
+// input_scale bf16 [K] or none (x * input_scale rounded to bf16 first, as the bf16 product in
+// ATen) -> y bf16 [M, N] (the first N of the N16 columns)
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& sz, int64_t group_size,
-                           int64_t n) {
+                           int64_t n, const std::optional<at::Tensor>& input_scale) {
   TORCH_CHECK(cpu_has_int4_path(), "int4_linear: this CPU lacks AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_linear: x must be bfloat16 [M, K]");
   TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous(),
@@ -147,17 +161,23 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
   TORCH_CHECK(n > 0 && n <= np * 16, "int4_linear: N (", n, ") must be in (0, ", np * 16, "]");
   const at::Tensor xc = x.contiguous();
   const uint16_t* xd = (const uint16_t*)xc.data_ptr<at::BFloat16>();
+  std::vector<uint16_t> scaled;
+  if (input_scale.has_value()) {
+    const at::Tensor& is = *input_scale;
+    TORCH_CHECK(is.scalar_type() == at::kBFloat16 && is.is_contiguous() && is.numel() == K,
+                "int4_linear: input_scale must be contiguous bfloat16 [K]");
+    const uint16_t* sd = (const uint16_t*)is.data_ptr<at::BFloat16>();
+    scaled.resize(M * K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) scaled[m * K + k] = f32_to_bf16(bf16_to_f32(xd[m * K + k]) * bf16_to_f32(sd[k]));
+    xd = scaled.data();
+  }
   // sum of each row's x over each group, float32 [M, K / G] (a plain loop: ATen ops here cost
   // more than the whole product at M = 1)
   std::vector<float> xsum(M * (K / G));
   for (int64_t i = 0; i < M * (K / G); ++i) {
     float t = 0.f;
-    for (int64_t k = 0; k < G; ++k) {
-      uint32_t b = uint32_t(xd[i * G + k]) << 16;
-      float f;
-      std::memcpy(&f, &b, 4);
-      t += f;
-    }
+    for (int64_t k = 0; k < G; ++k) t += bf16_to_f32(xd[i * G + k]);
     xsum[i] = t;
   }
   at::Tensor y = at::empty({M, np * 16}, x.options());
@@ -173,7 +193,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
 }  // namespace kvmesh_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  m.def("int4_linear(Tensor x, Tensor panels, Tensor scales_and_zeros, int group_size, int N) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor panels, Tensor scales_and_zeros, int group_size, int N, "
+        "Tensor? input_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("int4_linear", &kvmesh_gemm::int4_linear_cpu); }
