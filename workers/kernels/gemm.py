@@ -57,6 +57,10 @@ def _register_fakes() -> None:
                    input_scale: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
+    @torch.library.register_fake("kvmesh::int8_linear")
+    def _int8_fake(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
     @torch.library.register_fake("kvmesh::bf16_linear")
     def _linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,11 +128,11 @@ def isa() -> str:
     return torch.ops.kvmesh.gemm_isa()
 
 
-# ---- int4 weights (csrc/gemm/int4_gemv.cpp) ---------------------------------------------------
+# ---- int4 and int8 weights (csrc/gemm/int4_gemv.cpp, int8_gemv.cpp) ------------------------------
 
 def int4_available() -> bool:
-    """True when :func:`int4_linear` runs here: the kernels are built and the GEMM's kernel
-    path (:func:`isa`: the CPU's best, or ``KVMESH_KERNEL_ISA``) has AVX512-BF16."""
+    """True when :func:`int4_linear` and :func:`int8_linear` run here: the kernels are built and
+    the GEMM's kernel path (:func:`isa`: the CPU's best, or ``KVMESH_KERNEL_ISA``) has AVX512-BF16."""
     return available() and isa() in ("avx512bf16", "amx")
 
 
@@ -189,3 +193,38 @@ def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales_and_zeros: torch.T
     """
     _require()
     return torch.ops.kvmesh.int4_linear.default(x, panels, scales_and_zeros, group_size, n, input_scale)
+
+
+def pack_int8_panels(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of :func:`int8_linear` from the canonical int8 tensors (``W = q * scale`` per
+    output column, :func:`workers.layers.quant.quantize_int8`).
+
+    Args:
+        qweight: int8 ``[N, K]``.
+        scales: float ``[N]``.
+    Returns:
+        ``(panels int8 [N16 / 16, 16 K], scales bfloat16 [N16])``, N16 = N rounded up to 16
+        (padding columns: q = 0); panel p holds ``q[16p + c, k]`` at ``16 k + c``.
+    """
+    n, k = qweight.shape
+    pad = (-n) % 16
+    q = torch.cat([qweight, qweight.new_zeros(pad, k)]) if pad else qweight
+    s = torch.cat([scales.float(), scales.new_ones(pad).float()]) if pad else scales.float()
+    panels = q.view((n + pad) // 16, 16, k).transpose(1, 2).contiguous().view((n + pad) // 16, 16 * k)
+    return panels, s.to(torch.bfloat16).contiguous()
+
+
+def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``(x @ q.T) * scale`` for int8 weights packed by :func:`pack_int8_panels` (float32 sums of
+    x times the exact weights, then the column scale).
+
+    Args:
+        x: bfloat16 ``[M, K]``.
+        n: output features (<= the panels' padded N).
+    Returns:
+        bfloat16 ``[M, n]``.
+    Raises:
+        RuntimeError: kernels unavailable, the CPU lacks AVX512-BF16, or shapes mismatch.
+    """
+    _require()
+    return torch.ops.kvmesh.int8_linear.default(x, panels, scales, n)

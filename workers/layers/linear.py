@@ -80,6 +80,24 @@ class Int8(Quantized):
         return quant.int8_mm(x, layer.qweight, layer.scales)
 
 
+class Int8Native(Quantized):
+    """Weight-only int8 in the native kernel's panels (``int8_panels``, ``int8_panel_scales``;
+    :func:`workers.kernels.gemm.int8_linear`), on CPUs with AVX512-BF16; x goes through bfloat16
+    as with ATen's int8 kernel (:class:`Int8`), which other CPUs use."""
+
+    format = "int8"
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and layer.bias is None and layer.input_scale is None:
+            return torch.ops.kvmesh.int8_linear.default(x, layer.int8_panels, layer.int8_panel_scales, layer.out_features)
+        return super().apply(layer, x)
+
+    def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        y = gemm.int8_linear(x.to(torch.bfloat16).reshape(-1, x.shape[-1]), layer.int8_panels,
+                             layer.int8_panel_scales, layer.out_features)
+        return y.reshape(*x.shape[:-1], layer.out_features).to(x.dtype)
+
+
 class Int4Packed(Quantized):
     """Weight-only int4 in the CPU or CUDA kernel's packed layout (``packed``,
     ``scales_and_zeros``)."""
@@ -146,6 +164,7 @@ class W8A8Int8(Quantized):
 DENSE, BF16_PANELS = Dense(), DenseBF16Panels()
 _QUANTIZED = {m.format: m for m in (Int8(), FP8(), W8A8Int8())}
 INT4_PACKED, INT4_NATIVE, INT4_DEQUANTIZED = Int4Packed(), Int4Native(), Int4Dequantized()
+INT8_NATIVE = Int8Native()
 
 
 def quantized_method(fmt: str, runtime: dict[str, torch.Tensor]) -> Quantized:
@@ -155,6 +174,8 @@ def quantized_method(fmt: str, runtime: dict[str, torch.Tensor]) -> Quantized:
         if "int4_panels" in runtime:
             return INT4_NATIVE
         return INT4_PACKED if "packed" in runtime else INT4_DEQUANTIZED
+    if fmt == "int8" and "int8_panels" in runtime:
+        return INT8_NATIVE
     if fmt not in _QUANTIZED:
         raise ValueError(f"no quantized weight format {fmt!r}")
     return _QUANTIZED[fmt]

@@ -150,7 +150,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def to_runtime(fmt: str, t: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Canonical tensors (CPU) → the tensors the matmul of ``fmt`` uses on ``device``.
 
-    int8 on CPU: scales in bf16 (the kernel wants x's dtype, and x goes through bf16).
+    int8 on CPU: scales in bf16 (the kernel wants x's dtype, and x goes through bf16); where the
+    native kernels run (AVX512-BF16), ``int8_panels`` / ``int8_panel_scales`` of
+    :func:`workers.kernels.gemm.pack_int8_panels` instead.
     int4 on CPU: ``packed`` = ``_convert_weight_to_int4pack_for_cpu`` of the rows padded to a
     multiple of 16, ``scales_and_zeros`` bf16 [K/g, N_pad, 2], or, where the native int4 kernel
     runs (AVX512-BF16), ``int4_panels`` / ``int4_panel_sz`` of
@@ -158,6 +160,11 @@ def to_runtime(fmt: str, t: dict[str, torch.Tensor], device: torch.device) -> di
     the shape allows (``N % 8 == 0``, ``K % 128 == 0``), else the canonical tensors
     (dequantize fallback)."""
     device = torch.device(device)
+    if fmt == "int8" and device.type == "cpu":
+        from workers.kernels import gemm
+        if gemm.int4_available():
+            panels, scales = gemm.pack_int8_panels(t["qweight"], t["scales"])
+            return {"int8_panels": panels, "int8_panel_scales": scales}
     if fmt in ("int8", "w8a8-int8", "fp8"):
         out = {"qweight": _aligned(t["qweight"].to(device)), "scales": _aligned(t["scales"].float().to(device))}
         if fmt == "int8" and device.type == "cpu":

@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include "../bf16_bits.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -129,19 +131,6 @@ bool cpu_has_int4_path() {
 bool cpu_has_int4_path() { return false; }
 #endif
 
-static inline float bf16_to_f32(uint16_t h) {
-  const uint32_t b = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {    // round to nearest even, as c10::BFloat16 (finite values)
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
-}
-
 // x bf16 [M, K] (K % G == 0, G % 8 == 0), panels uint8 [N16 / 16, 8 K], sz bf16 [N16 / 16, K / G, 2, 16],
 // input_scale bf16 [K] or none (x * input_scale rounded to bf16 first, as the bf16 product in
 // ATen) -> y bf16 [M, N] (the first N of the N16 columns)
@@ -169,7 +158,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
     const uint16_t* sd = (const uint16_t*)is.data_ptr<at::BFloat16>();
     scaled.resize(M * K);
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) scaled[m * K + k] = f32_to_bf16(bf16_to_f32(xd[m * K + k]) * bf16_to_f32(sd[k]));
+      for (int64_t k = 0; k < K; ++k) scaled[m * K + k] = kvmesh::f2b(kvmesh::b2f(xd[m * K + k]) * kvmesh::b2f(sd[k]));
     xd = scaled.data();
   }
   // sum of each row's x over each group, float32 [M, K / G] (a plain loop: ATen ops here cost
@@ -177,7 +166,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
   std::vector<float> xsum(M * (K / G));
   for (int64_t i = 0; i < M * (K / G); ++i) {
     float t = 0.f;
-    for (int64_t k = 0; k < G; ++k) t += bf16_to_f32(xd[i * G + k]);
+    for (int64_t k = 0; k < G; ++k) t += kvmesh::b2f(xd[i * G + k]);
     xsum[i] = t;
   }
   at::Tensor y = at::empty({M, np * 16}, x.options());
