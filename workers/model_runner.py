@@ -27,7 +27,7 @@ from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
 from workers.input_batch import CASCADE_MIN_BLOCKS, InputBatch, cascade_groups  # noqa: F401 (re-exported)
-from workers.layers.linear import pack_bf16_linears
+from workers.layers.linear import bind_fast_paths, pack_bf16_linears
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.loader import load_model, weight_bytes
 from workers.models.llama import use_native_ops
@@ -165,6 +165,7 @@ class ModelRunner:
                                 calibration_data=cfg.calibration_data)
         pack_bf16_linears(self.model, self.dtype, self.device)   # the native bf16 GEMM where it beats ATen
         use_native_ops(self.model, self.dtype, self.device)      # fused add + RMSNorm, rotary (bf16 on the CPU)
+        bind_fast_paths(self.model)                              # the Linears' kernel arguments as plain tuples
         self.weight_bytes = weight_bytes(self.model)   # stored weights incl. scales/zeros (bytes)
         m = self.model.cfg
         self.vocab_size = m.vocab_size

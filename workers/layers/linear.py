@@ -53,6 +53,9 @@ class DenseBF16Panels(LinearMethod):
     :meth:`Linear.pack_bf16`); the bias goes into the kernel."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        f = layer.fast
+        if f is not None:
+            return torch.ops.kvmesh.bf16_linear(x, *f)
         return torch.ops.kvmesh.bf16_linear(x, layer.bf16_panels, layer.out_features, layer.bias)
 
 
@@ -88,8 +91,9 @@ class Int8Native(Quantized):
     format = "int8"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and layer.bias is None and layer.input_scale is None:
-            return torch.ops.kvmesh.int8_linear.default(x, layer.int8_panels, layer.int8_panel_scales, layer.out_features)
+        f = layer.fast
+        if f is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == layer.fast_k:
+            return torch.ops.kvmesh.int8_linear.default(x, *f)
         return super().apply(layer, x)
 
     def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +120,10 @@ class Int4Native(Quantized):
     format = "int4"
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        # the decode/prefill path of a bfloat16 model: one op (the input scale inside it), no reshapes
-        if (x.dtype == torch.bfloat16 and x.dim() == 2 and layer.bias is None and x.shape[1] * 8 == layer.int4_panels.shape[1]
-                and (layer.input_scale is None or layer.input_scale.dtype == torch.bfloat16)):
-            return torch.ops.kvmesh.int4_linear.default(x, layer.int4_panels, layer.int4_panel_sz, layer.group_size,
-                                                        layer.out_features, layer.input_scale)
+        # the steps of a bfloat16 model: one op (the input scale inside it), no reshapes
+        f = layer.fast
+        if f is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == layer.fast_k:
+            return torch.ops.kvmesh.int4_linear.default(x, *f)
         return super().apply(layer, x)
 
     def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -221,6 +224,10 @@ class Linear(nn.Module):
         self.register_buffer("input_scale", None)     # [in_features]: x * input_scale first
         self.register_buffer("bf16_panels", None)     # weight panels of the native bf16 GEMM (pack_bf16)
         self._qnames: list[str] = []
+        # the native kernel's arguments as a plain tuple (bind_fast_path): a decode step calls
+        # ~120 Linears, and each read of a buffer through nn.Module.__getattr__ costs ~0.5 us
+        self.fast: tuple | None = None
+        self.fast_k = 0
 
     @property
     def format(self) -> str:
@@ -305,6 +312,7 @@ class Linear(nn.Module):
         scale = tensors.get("input_scale")
         self.input_scale = None if scale is None else scale.to(device=device, dtype=dtype)
         self.method, self.group_size = method, group_size
+        self.fast = None
 
     def weight_bytes(self) -> int:
         """Bytes of the stored weight: dense weight or quantized tensors incl. scales/zeros,
@@ -334,10 +342,38 @@ class Linear(nn.Module):
         self.bf16_panels = gemm.pack_bf16_weight(self.weight.data.t())     # stored [in, out]: W = .t()
         self.weight = None
         self.method = BF16_PANELS
+        self.fast = None
+
+    def bind_fast_path(self) -> None:
+        """Keep the native kernel's arguments in :attr:`fast` (bf16 panels, int4 or int8 panels
+        without a bias), read by the method without ``nn.Module.__getattr__``. Call after the
+        layer's tensors took their final place (:func:`bind_fast_paths`); :meth:`pack_bf16` and
+        :meth:`set_quantized` clear it (the method then takes its general path)."""
+        self.fast, self.fast_k = None, 0
+        if self.method is BF16_PANELS:
+            self.fast = (self.bf16_panels, self.out_features, self.bias)
+        elif self.method is INT4_NATIVE and self.bias is None and (
+                self.input_scale is None or self.input_scale.dtype == torch.bfloat16):
+            self.fast = (self.int4_panels, self.int4_panel_sz, self.group_size, self.out_features, self.input_scale)
+            self.fast_k = self.int4_panels.shape[1] // 8
+        elif self.method is INT8_NATIVE and self.bias is None and self.input_scale is None:
+            self.fast = (self.int8_panels, self.int8_panel_scales, self.out_features)
+            self.fast_k = self.int8_panels.shape[1] // 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[T, in_features]`` → ``[T, out_features]`` in x's dtype."""
         return self.method.apply(self, x)
+
+
+def bind_fast_paths(model: nn.Module) -> int:
+    """:meth:`Linear.bind_fast_path` on every Linear of ``model`` (call once its weights are
+    final: packed, quantized, on huge pages). Returns how many layers have one."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.bind_fast_path()
+            n += m.fast is not None
+    return n
 
 
 def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
