@@ -11,6 +11,8 @@ model code does not change (docs/quantization.md).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,18 +85,31 @@ class Int8(Quantized):
         return quant.int8_mm(x, layer.qweight, layer.scales)
 
 
-class Int8Native(Quantized):
-    """Weight-only int8 in the native kernel's panels (``int8_panels``, ``int8_panel_scales``;
-    :func:`workers.kernels.gemm.int8_linear`), on CPUs with AVX512-BF16; x goes through bfloat16
-    as with ATen's int8 kernel (:class:`Int8`), which other CPUs use."""
+class NativeQuantized(Quantized):
+    """A format with its own native kernel ``torch.ops.kvmesh.<op_name>``: the steps of a
+    bfloat16 model call it once with the layer's bound arguments (:attr:`Linear.fast`: no
+    reshapes, no buffer lookups; an input scale goes into the op); other inputs take
+    :meth:`Quantized.apply` with the format's :meth:`mm`."""
 
-    format = "int8"
+    op_name = ""
+
+    @functools.cached_property
+    def op(self):
+        return getattr(torch.ops.kvmesh, self.op_name).default
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         f = layer.fast
         if f is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == layer.fast_k:
-            return torch.ops.kvmesh.int8_linear.default(x, *f)
+            return self.op(x, *f)
         return super().apply(layer, x)
+
+
+class Int8Native(NativeQuantized):
+    """Weight-only int8 in the native kernel's panels (``int8_panels``, ``int8_panel_scales``;
+    :func:`workers.kernels.gemm.int8_linear`), on CPUs with AVX512-BF16; x goes through bfloat16
+    as with ATen's int8 kernel (:class:`Int8`), which other CPUs use."""
+
+    format, op_name = "int8", "int8_linear"
 
     def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         y = gemm.int8_linear(x.to(torch.bfloat16).reshape(-1, x.shape[-1]), layer.int8_panels,
@@ -112,19 +127,12 @@ class Int4Packed(Quantized):
         return quant.int4_packed_mm(x, layer.packed, layer.scales_and_zeros, layer.group_size, layer.out_features)
 
 
-class Int4Native(Quantized):
+class Int4Native(NativeQuantized):
     """Weight-only int4 in the native kernel's panels (``int4_panels``, ``int4_panel_sz``;
     :func:`workers.kernels.gemm.int4_linear`), on CPUs with AVX512-BF16: x goes through bfloat16
     as with ATen's int4 kernel, which the CPU uses otherwise (:class:`Int4Packed`)."""
 
-    format = "int4"
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        # the steps of a bfloat16 model: one op (the input scale inside it), no reshapes
-        f = layer.fast
-        if f is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == layer.fast_k:
-            return torch.ops.kvmesh.int4_linear.default(x, *f)
-        return super().apply(layer, x)
+    format, op_name = "int4", "int4_linear"
 
     def mm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16)
