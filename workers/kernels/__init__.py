@@ -19,7 +19,7 @@ AVX512-BF16 and an AMX attention path (each translation unit compiled with ``#pr
 target``; avx512bf16 computes q K^T of a bfloat16 cache with ``vdpbf16ps``, and work items of
 at least 9 query rows of a bfloat16 q (prefill and verify chunks, cascade groups) run the flash
 path of ``csrc/attn_flash.h`` with ``vdpbf16ps`` register tiles, items of at most 8 such rows
-over a bfloat16 cache the decode pass of ``csrc/attn_decode.h``, all KV heads of a key range
+over a bfloat16, int8 or fp8 cache the decode pass of ``csrc/attn_decode.h``, all KV heads of a key range
 at once; amx runs the flash path on AMX-BF16 tiles, ``csrc/attn_amx.h``); the best one the CPU supports is
 chosen at run time (``__builtin_cpu_supports``, CPUID and the kernel's permission for the tile
 state). ``KVMESH_KERNEL_ISA=scalar|avx2|avx512|avx512bf16|amx`` selects a lower path (a path
