@@ -145,7 +145,7 @@ def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     Args:
         q: uint8 ``[N, K]`` values in [0, 15] (unpacked).
         scales, zeros: float ``[N, K / group_size]``.
-        group_size: a multiple of 8 dividing K.
+        group_size: a multiple of 16 dividing K (the kernel sums x over groups 16 at a time).
     Returns:
         ``(panels uint8 [N16 / 16, 8 K], scales_and_zeros bfloat16 [N16 / 16, K / g, 2, 16])``
         with N16 = N rounded up to 16 (padding columns: q = 8, scale 1, zero 0, i.e. W = 0).
@@ -155,10 +155,10 @@ def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         ValueError: shapes that do not fit that layout.
     """
     n, k = q.shape
-    if group_size % 8 or k % group_size or scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
+    if group_size % 16 or k % group_size or scales.shape != (n, k // group_size) or zeros.shape != scales.shape:
         raise ValueError(f"int4 panels: q {tuple(q.shape)}, scales {tuple(scales.shape)}, zeros "
                          f"{tuple(zeros.shape)}, group size {group_size}: K must be a multiple of the group "
-                         f"size, itself a multiple of 8, and scales/zeros [N, K / group]")
+                         f"size, itself a multiple of 16, and scales/zeros [N, K / group]")
     pad = (-n) % 16
     q = q.to(torch.int16)
     scales, zeros = scales.float(), zeros.float()

@@ -184,7 +184,7 @@ def to_runtime(fmt: str, t: dict[str, torch.Tensor], device: torch.device) -> di
                 packed = torch.ops.aten._convert_weight_to_int4pack(q.to(device), CUDA_INT4_INNER_K_TILES)
                 return {"packed": packed, "scales_and_zeros": sz}
             from workers.kernels import gemm
-            if gemm.int4_available() and K % (8 * scales.shape[1]) == 0:
+            if gemm.int4_available() and K % (16 * scales.shape[1]) == 0:
                 panels, psz = gemm.pack_int4_panels(unpack_int4(t["qweight"]), scales, zeros, K // scales.shape[1])
                 return {"int4_panels": panels, "int4_panel_sz": psz}
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(q).to(torch.int32), 1)

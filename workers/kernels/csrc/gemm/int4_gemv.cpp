@@ -25,8 +25,6 @@
 #include <cstring>
 #include <vector>
 
-#include "../bf16_bits.h"
-
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -37,6 +35,10 @@ namespace {
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512dq")
+
+static inline __m512 bf16x16(const uint16_t* p) {     // 16 bfloat16 -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
 
 // rows [m0, m0 + MR) of x (bf16 [M, K]) against panel p: y rows (bf16 [M, N16]) columns 16p..16p+15
 template <int MR>
@@ -77,9 +79,7 @@ static void int4_panel_rows(const uint16_t* x, int64_t K, const float* xsum, int
     }
     // sum x (q - 8) s + z = s * sum x (128 + q) + (z - 136 s) * sum x
     const uint16_t* s = sz + g * 32;
-    const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16));
-    const __m512 zv = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + 16))), 16));
+    const __m512 sv = bf16x16(s), zv = bf16x16(s + 16);
     const __m512 cv = _mm512_fmadd_ps(m136, sv, zv);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -117,6 +117,32 @@ static void int4_gemv_avx512bf16(const uint16_t* x, int64_t M, int64_t K, const 
   });
 }
 
+// x * scale rounded to bfloat16 into xs when scale is given (vcvtneps2bf16: round to nearest
+// even, as ATen's bf16 product, for all but denormal products, which it flushes to zero), and
+// each row's sums of the (scaled) x over its groups into xsum [M, K / G] (G % 16 == 0); rows
+// split among threads
+static void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int G, const uint16_t* scale, uint16_t* xs,
+                         float* xsum) {
+  const int64_t ng = K / G;
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t g = 0; g < ng; ++g) {
+        const int64_t base = m * K + g * G;
+        __m512 acc = _mm512_setzero_ps();
+        for (int k = 0; k < G; k += 16) {
+          __m512 v = bf16x16(x + base + k);
+          if (scale != nullptr) {
+            const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, bf16x16(scale + g * G + k)));
+            _mm256_storeu_si256((__m256i*)(xs + base + k), r);
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+          }
+          acc = _mm512_add_ps(acc, v);
+        }
+        xsum[m * ng + g] = _mm512_reduce_add_ps(acc);
+      }
+  });
+}
+
 #pragma GCC pop_options
 
 bool cpu_has_int4_path() {
@@ -131,7 +157,7 @@ bool cpu_has_int4_path() {
 bool cpu_has_int4_path() { return false; }
 #endif
 
-// x bf16 [M, K] (K % G == 0, G % 8 == 0), panels uint8 [N16 / 16, 8 K], sz bf16 [N16 / 16, K / G, 2, 16],
+// x bf16 [M, K] (K % G == 0, G % 16 == 0), panels uint8 [N16 / 16, 8 K], sz bf16 [N16 / 16, K / G, 2, 16],
 // input_scale bf16 [K] or none (x * input_scale rounded to bf16 first, as the bf16 product in
 // ATen) -> y bf16 [M, N] (the first N of the N16 columns)
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& sz, int64_t group_size,
@@ -141,8 +167,8 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
   TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous(),
               "int4_linear: panels must be contiguous uint8 [N16 / 16, 8 K]");
   const int64_t M = x.size(0), K = x.size(1), G = group_size, np = panels.size(0);
-  TORCH_CHECK(G > 0 && G % 8 == 0 && K % G == 0, "int4_linear: K (", K, ") must be a multiple of the group size (", G,
-              "), itself a multiple of 8");
+  TORCH_CHECK(G > 0 && G % 16 == 0 && K % G == 0, "int4_linear: K (", K, ") must be a multiple of the group size (",
+              G, "), itself a multiple of 16");
   TORCH_CHECK(panels.size(1) == K * 8, "int4_linear: panels hold K = ", panels.size(1) / 8, ", x has ", K);
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 && sz.size(0) == np &&
                   sz.size(1) == K / G && sz.size(2) == 2 && sz.size(3) == 16,
@@ -150,27 +176,20 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
   TORCH_CHECK(n > 0 && n <= np * 16, "int4_linear: N (", n, ") must be in (0, ", np * 16, "]");
   const at::Tensor xc = x.contiguous();
   const uint16_t* xd = (const uint16_t*)xc.data_ptr<at::BFloat16>();
+  const uint16_t* sd = nullptr;
   std::vector<uint16_t> scaled;
   if (input_scale.has_value()) {
     const at::Tensor& is = *input_scale;
     TORCH_CHECK(is.scalar_type() == at::kBFloat16 && is.is_contiguous() && is.numel() == K,
                 "int4_linear: input_scale must be contiguous bfloat16 [K]");
-    const uint16_t* sd = (const uint16_t*)is.data_ptr<at::BFloat16>();
+    sd = (const uint16_t*)is.data_ptr<at::BFloat16>();
     scaled.resize(M * K);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) scaled[m * K + k] = kvmesh::f2b(kvmesh::b2f(xd[m * K + k]) * kvmesh::b2f(sd[k]));
-    xd = scaled.data();
   }
-  // sum of each row's x over each group, float32 [M, K / G] (a plain loop: ATen ops here cost
-  // more than the whole product at M = 1)
-  std::vector<float> xsum(M * (K / G));
-  for (int64_t i = 0; i < M * (K / G); ++i) {
-    float t = 0.f;
-    for (int64_t k = 0; k < G; ++k) t += kvmesh::b2f(xd[i * G + k]);
-    xsum[i] = t;
-  }
+  std::vector<float> xsum(M * (K / G));     // float32 [M, K / G]
   at::Tensor y = at::empty({M, np * 16}, x.options());
 #if defined(__x86_64__)
+  int4_prepare(xd, M, K, (int)G, sd, scaled.data(), xsum.data());
+  if (sd != nullptr) xd = scaled.data();
   int4_gemv_avx512bf16(xd, M, K, xsum.data(),
                        panels.data_ptr<uint8_t>(), (const uint16_t*)sz.data_ptr<at::BFloat16>(), np, (int)G,
                        (uint16_t*)y.data_ptr<at::BFloat16>());

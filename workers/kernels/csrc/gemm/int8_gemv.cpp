@@ -5,9 +5,9 @@
 // Layout (workers/kernels/gemm.py pack_int8_panels): 16-column panels of 16 K bytes, k-major
 // (16 bytes per k: the panel's 16 columns), so that one vpmovsxbd from memory and vcvtdq2ps give
 // the 16 weights of a k as float32 (exact), multiplied into float32 accumulators with x[k]
-// broadcast (x widened from bfloat16 once per call); the column scales (bfloat16, as ATen's
+// broadcast (widened from bfloat16 in the broadcast); the column scales (bfloat16, as ATen's
 // int8 CPU kernel keeps them) multiply the sums at the end. Threads split the panels; rows go in
-// blocks of 128 (their float32 x stays in L2) and 4 at a time per panel. Decode reads 1 byte per
+// blocks of 128 (their x stays in L2) and 4 at a time per panel. Decode reads 1 byte per
 // weight plus a scale per column (the int4 format's lm_head: 28 MB for SmolLM2).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,13 +15,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-
-#include "../bf16_bits.h"
 
 namespace kvmesh_gemm {
 namespace {
@@ -30,9 +27,14 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-// rows [0, MR) of x (float32, row stride K) against one panel -> y (bf16, row stride ldy), 16 columns
+// x[i] (bfloat16) as float32 in every lane
+static inline __m512 bcast_bf16(const uint16_t* x, int64_t i) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32(x[i]), 16));
+}
+
+// rows [0, MR) of x (bfloat16, row stride K) against one panel -> y (bf16, row stride ldy), 16 columns
 template <int MR>
-static void int8_panel_rows(const float* x, int64_t K, const int8_t* panel, const uint16_t* scales, uint16_t* y,
+static void int8_panel_rows(const uint16_t* x, int64_t K, const int8_t* panel, const uint16_t* scales, uint16_t* y,
                             int64_t ldy) {
   constexpr int U = MR == 1 ? 4 : MR == 2 ? 2 : 1;     // independent accumulators per row
   __m512 acc[MR][U];
@@ -46,13 +48,13 @@ static void int8_panel_rows(const float* x, int64_t K, const int8_t* panel, cons
     for (int j = 0; j < 4; ++j) {
       const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(panel + (k + j) * 16))));
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) acc[r][j % U] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + j]), w, acc[r][j % U]);
+      for (int r = 0; r < MR; ++r) acc[r][j % U] = _mm512_fmadd_ps(bcast_bf16(x, r * K + k + j), w, acc[r][j % U]);
     }
   }
   for (; k < K; ++k) {
     const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(panel + k * 16))));
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, acc[r][0]);
+    for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_fmadd_ps(bcast_bf16(x, r * K + k), w, acc[r][0]);
   }
   const __m512 sv =
       _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)scales)), 16));
@@ -67,7 +69,7 @@ static void int8_panel_rows(const float* x, int64_t K, const int8_t* panel, cons
 
 #pragma GCC pop_options
 
-static void int8_rows(const float* x, int64_t K, const int8_t* panel, const uint16_t* scales, uint16_t* y, int64_t ldy,
+static void int8_rows(const uint16_t* x, int64_t K, const int8_t* panel, const uint16_t* scales, uint16_t* y, int64_t ldy,
                       int64_t mr) {
   switch (mr) {
     case 1: int8_panel_rows<1>(x, K, panel, scales, y, ldy); break;
@@ -103,8 +105,6 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
   TORCH_CHECK(n > 0 && n <= np * 16, "int8_linear: N (", n, ") must be in (0, ", np * 16, "]");
   const at::Tensor xc = x.contiguous();
   const uint16_t* xd = (const uint16_t*)xc.data_ptr<at::BFloat16>();
-  std::vector<float> xf(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = kvmesh::b2f(xd[i]);
   at::Tensor y = at::empty({M, np * 16}, x.options());
 #if defined(__x86_64__)
   const int8_t* pd = panels.data_ptr<int8_t>();
@@ -116,7 +116,7 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
     for (int64_t mb = 0; mb < M; mb += MC)
       for (int64_t p = p0; p < p1; ++p)
         for (int64_t m = mb; m < std::min(M, mb + MC); m += 4)
-          int8_rows(xf.data() + m * K, K, pd + p * K * 16, sd + p * 16, yd + m * ldy + p * 16, ldy,
+          int8_rows(xd + m * K, K, pd + p * K * 16, sd + p * 16, yd + m * ldy + p * 16, ldy,
                     std::min<int64_t>(4, M - m));
   });
 #endif
