@@ -10,7 +10,8 @@ import torch
 
 from kvmesh.core.errors import SettingsError
 from workers.checkpoint import load_config, load_dense
-from workers.models.llama import LlamaForCausalLM
+from workers.layers.linear import bind_fast_paths, pack_bf16_linears
+from workers.models.llama import LlamaForCausalLM, use_native_ops
 from workers.quant.store import ensure_quantized, load_quantized
 
 
@@ -62,3 +63,13 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
                               start_layer=start_layer, end_layer=end_layer)
     return load_dense(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
                       end_layer=end_layer, num_layers=num_layers)
+
+
+def use_serving_kernels(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """After :func:`load_model`, for serving: the native bf16 GEMM where it beats ATen
+    (:func:`workers.layers.linear.pack_bf16_linears`), the fused norm / rotary / SiLU-and-mul
+    ops (:func:`workers.models.llama.use_native_ops`), then each Linear's kernel arguments bound
+    once the weights are final (:func:`workers.layers.linear.bind_fast_paths`)."""
+    pack_bf16_linears(model, dtype, device)
+    use_native_ops(model, dtype, device)
+    bind_fast_paths(model)

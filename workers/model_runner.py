@@ -27,10 +27,8 @@ from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
 from workers.input_batch import CASCADE_MIN_BLOCKS, InputBatch, cascade_groups  # noqa: F401 (re-exported)
-from workers.layers.linear import bind_fast_paths, pack_bf16_linears
 from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
-from workers.loader import load_model, weight_bytes
-from workers.models.llama import use_native_ops
+from workers.loader import load_model, use_serving_kernels, weight_bytes
 from workers.spec_decode.rejection import VerifyRow, verify
 
 if TYPE_CHECKING:     # the scheduler's step type, only named in annotations (workers sit below the scheduler)
@@ -163,9 +161,7 @@ class ModelRunner:
                                 start_layer=start_layer, end_layer=end_layer, weight_format=cfg.weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
-        pack_bf16_linears(self.model, self.dtype, self.device)   # the native bf16 GEMM where it beats ATen
-        use_native_ops(self.model, self.dtype, self.device)      # fused add + RMSNorm, rotary (bf16 on the CPU)
-        bind_fast_paths(self.model)                              # the Linears' kernel arguments as plain tuples
+        use_serving_kernels(self.model, self.dtype, self.device)   # native GEMM / fused ops, bound Linear arguments
         self.weight_bytes = weight_bytes(self.model)   # stored weights incl. scales/zeros (bytes)
         m = self.model.cfg
         self.vocab_size = m.vocab_size

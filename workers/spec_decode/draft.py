@@ -33,10 +33,8 @@ from kvmesh.core.sampling import SamplingParams
 from workers.checkpoint import load_config
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
-from workers.layers.linear import pack_bf16_linears
 from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
-from workers.loader import load_model
-from workers.models.llama import use_native_ops
+from workers.loader import load_model, use_serving_kernels
 
 
 @dataclass
@@ -131,8 +129,7 @@ class DraftProposer:
                                 num_layers=cfg.draft_num_layers or None, weight_format=cfg.weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
-        pack_bf16_linears(self.model, self.dtype, self.device)
-        use_native_ops(self.model, self.dtype, self.device)
+        use_serving_kernels(self.model, self.dtype, self.device)   # native GEMM / fused ops, bound Linear arguments
         m = self.model.cfg
         self.vocab_size = m.vocab_size
         self.kv_cache_bytes = num_blocks * bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim,
