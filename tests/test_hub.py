@@ -324,7 +324,9 @@ def test_pull_smollm2_stores_bfloat16_matrices(smollm2_dir):
     """Format 2: every matrix bfloat16, every vector float32 (the GGUF's F32 tensors, one to
     one), so the weights take about half the bytes of the format-1 float32 conversion."""
     marker = json.loads((smollm2_dir / MARKER).read_text())
-    assert marker["format_version"] == FORMAT_VERSION == 2
+    assert marker["format_version"] == FORMAT_VERSION == 3
+    gguf = smollm2_dir / "model.gguf"        # the published file itself, kept for --weight-format gguf
+    assert gguf.stat().st_size == KNOWN_MODELS[DEFAULT_MODEL].gguf_size and gguf.read_bytes()[:4] == b"GGUF"
     assert marker["gguf_tensor_types"] == {"F32 1d": 61, "Q4_1 2d": 210, "Q8_0 2d": 1}
     stored = convert.stored_tensors(list(smollm2_dir.glob("*.safetensors")))
     matrices = {k: shape for k, d, shape in stored if len(shape) >= 2 and d == "BF16"}

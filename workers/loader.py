@@ -40,7 +40,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         start_layer, end_layer: the decoder layers this process holds.
         num_layers: keep only the checkpoint's first ``num_layers`` decoder layers (plus the
             final norm and lm_head: a full model of that depth; a truncated draft model).
-        weight_format: ``none`` (dense ``dtype``) or a quantized format (``int8``, ``int4``,
+        weight_format: ``gguf`` (the published GGUF's own block-quantized weights,
+            :mod:`workers.gguf_checkpoint`), ``none`` (dense ``dtype``) or a format quantized here (``int8``, ``int4``,
             ``fp8``, ``w8a8-int8``): the weights then come from the quantized checkpoint cached
             by :func:`workers.quant.store.ensure_quantized` (built on first use from the whole
             dense model; docs/quantization.md). Not combined with ``num_layers``.
@@ -54,6 +55,10 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
             malformed weight file.
     """
     model_dir = Path(model_dir)
+    if weight_format == "gguf":
+        from workers.gguf_checkpoint import load_gguf
+        return load_gguf(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
+                         end_layer=end_layer, num_layers=num_layers)
     if weight_format != "none":
         if num_layers is not None:
             raise SettingsError("num_layers cannot be combined with a quantized weight_format")

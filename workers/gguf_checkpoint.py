@@ -1,0 +1,236 @@
+"""A GGUF file → our model with its block-quantized weights kept (weight format ``gguf``).
+
+The known models are published as GGUF files (:mod:`kvmesh.hub`); ``kvmesh models pull``
+keeps the file as ``<model dir>/model.gguf`` beside ``config.json`` and the tokenizer. Here it
+is memory-mapped (``gguf.GGUFReader``) and each tensor is read from the map only while it is
+turned into its serving form, so pages of the file are not held once loading returns:
+
+- every Linear (q/k/v and gate/up stacked as in :mod:`workers.models.llama`) keeps its GGUF
+  integers and scales in the ``gguf_linear`` kernel's representation
+  (:mod:`workers.quant.gguf_blocks`, :meth:`workers.layers.linear.Linear.set_gguf`);
+  a Linear whose parts share no exact common representation, or that is stored in a float
+  type, is served dense (dequantized once, logged);
+- the token embedding keeps its raw GGUF rows and dequantizes the rows a step looks up
+  (:class:`GGUFEmbedding`); a tied lm_head is built from the same tensor;
+- norm weights and biases (F32 in the file) load as float32 / the serving dtype.
+
+Names: llama.cpp's (``blk.{i}.attn_q.weight`` ...; llama.cpp ``src/llama-arch.cpp``). For the
+``llama`` architecture llama.cpp's converter permutes the rows of q and k (its
+``LlamaModel.permute``: rotary pairs interleaved); the inverse row permutation restores the
+Hugging Face order the model's RoPE expects. Qwen2 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvmesh.core.errors import SettingsError
+from kvmesh.hub.cache import GGUF_FILE
+from workers.layers.linear import GGUF_DENSE, Linear
+from workers.models.llama import LlamaForCausalLM, ModelConfig
+from workers.quant import gguf_blocks
+
+log = logging.getLogger("kvmesh.loader")
+
+#: llama.cpp tensor names within a block → (our module path, shard)
+_LAYER_TENSORS = {
+    "attn_q": ("self_attn.qkv_proj", "q"), "attn_k": ("self_attn.qkv_proj", "k"),
+    "attn_v": ("self_attn.qkv_proj", "v"), "attn_output": ("self_attn.o_proj", ""),
+    "ffn_gate": ("mlp.gate_up_proj", "gate"), "ffn_up": ("mlp.gate_up_proj", "up"),
+    "ffn_down": ("mlp.down_proj", ""),
+}
+_LAYER_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def gguf_path(model_dir: str | Path) -> Path:
+    """``<model_dir>/model.gguf`` (may not exist)."""
+    return Path(model_dir) / GGUF_FILE
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embedding kept as the GGUF's raw rows: ``raw`` uint8 ``[vocab, row bytes]`` of GGML
+    type ``ggml_type``; ``forward(ids [T]) -> [T, hidden]`` of ``dtype`` dequantizes the T rows
+    (:func:`workers.quant.gguf_blocks.dequantize_rows`)."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: str, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("raw", raw)
+        self.ggml_type, self.hidden, self.dtype = ggml_type, hidden, dtype
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.raw.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.raw.index_select(0, ids.reshape(-1))
+        out = gguf_blocks.dequantize_rows(self.ggml_type, rows.cpu(), self.hidden).to(self.dtype)
+        return out.to(ids.device).reshape(*ids.shape, self.hidden)
+
+
+class _Reader:
+    """The GGUF's tensors by name: ``raw(name) -> (type name, uint8 [rows, row bytes] or float
+    tensor, K)`` read out of the memory map (a copy)."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+        try:
+            self._r = GGUFReader(str(path))
+        except (ValueError, OSError) as e:
+            raise SettingsError(f"{path}: not a readable GGUF file ({e})") from None
+        self.path = path
+        self.tensors = {t.name: t for t in self._r.tensors}
+        arch = self._r.fields.get("general.architecture")
+        self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def raw(self, name: str) -> tuple[str, torch.Tensor, int]:
+        t = self.tensors.get(name)
+        if t is None:
+            raise SettingsError(f"{self.path}: GGUF lacks tensor {name!r}")
+        k = int(t.shape[0])
+        data = np.asarray(t.data)
+        ty = t.tensor_type.name
+        rows = int(np.prod([int(d) for d in t.shape[1:]])) if len(t.shape) > 1 else 1
+        if ty in gguf_blocks.FLOAT_TYPES:
+            return ty, torch.from_numpy(np.array(data)).reshape(rows, k) if rows > 1 else torch.from_numpy(np.array(data)).reshape(k), k
+        return ty, torch.from_numpy(np.array(data)).view(torch.uint8).reshape(rows, -1), k
+
+
+def _qk_rows(n_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation: ``hf[r] = gguf[idx[r]]``."""
+    n = n_heads * head_dim
+    return torch.arange(n).view(n_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _linear_parts(rd: _Reader, cfg: ModelConfig, lin: Linear, names: dict[str, str]):
+    """Unpacked parts of ``lin`` in shard order, or None (then dense) with the reason."""
+    parts, dense = [], None
+    for shard in lin.shards:
+        ty, raw, k = rd.raw(names[shard])
+        if ty in gguf_blocks.FLOAT_TYPES:
+            dense = f"{names[shard]} is {ty}"
+            break
+        u = gguf_blocks.unpack(ty, raw, k)
+        if rd.arch == "llama" and shard in ("q", "k"):
+            u = u.rows(_qk_rows(cfg.num_heads if shard == "q" else cfg.num_kv_heads, cfg.head_dim))
+        parts.append(u)
+    if dense is None:
+        try:
+            return gguf_blocks.stack(parts), None
+        except ValueError as e:
+            dense = str(e)
+    return None, dense
+
+
+def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device, max_positions: int,
+              start_layer: int = 0, end_layer: int | None = None, num_layers: int | None = None) -> LlamaForCausalLM:
+    """Build the model (or a pipeline stage, or its first ``num_layers`` layers) from
+    ``<model_dir>/model.gguf`` with config.json from ``model_dir``; arguments as
+    :func:`workers.loader.load_model`. Raises SettingsError: no GGUF file, unreadable file,
+    missing tensor, unsupported GGML type or shape mismatch."""
+    import dataclasses
+
+    from workers.checkpoint import check_servable, load_config
+    model_dir = Path(model_dir)
+    path = gguf_path(model_dir)
+    if not path.is_file():
+        raise SettingsError(f"{model_dir}: no {GGUF_FILE} (weight format gguf needs the published GGUF; "
+                            "`kvmesh models pull` keeps it for known models)")
+    cfg = load_config(model_dir)
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise SettingsError(f"{model_dir}: cannot keep {num_layers} of its {cfg.num_layers} decoder layers")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    check_servable(model_dir, cfg, max_positions)
+    rd = _Reader(path)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
+    try:
+        _load_linears(rd, cfg, model, dtype, device)
+        model.allocate_weights(dtype, device)       # norms, RoPE; the embedding is replaced below
+        _load_rest(rd, cfg, model, dtype, device)
+    except ValueError as e:
+        raise SettingsError(f"{path}: {e}") from None
+    return model.eval()
+
+
+def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype, device) -> None:
+    jobs: list[tuple[Linear, dict[str, str], dict[str, str]]] = []      # (layer, weight names, bias names)
+    for li, layer in enumerate(model.layers):
+        i = model.start_layer + li
+        by_mod: dict[str, tuple[dict, dict]] = {}
+        for short, (mod, shard) in _LAYER_TENSORS.items():
+            w, b = by_mod.setdefault(mod, ({}, {}))
+            w[shard] = f"blk.{i}.{short}.weight"
+            if f"blk.{i}.{short}.bias" in rd:
+                b[shard] = f"blk.{i}.{short}.bias"
+        for mod, (w, b) in by_mod.items():
+            jobs.append((layer.get_submodule(mod), w, b))
+    if model.is_last:
+        head = "output.weight" if "output.weight" in rd else "token_embd.weight"     # tied
+        jobs.append((model.lm_head, {"": head}, {}))
+    for lin, wnames, bnames in jobs:
+        u, why_dense = _linear_parts(rd, cfg, lin, wnames)
+        bias = None
+        if lin.bias is not None:
+            if set(bnames) != set(lin.shards):
+                raise ValueError(f"GGUF lacks the biases of {sorted(wnames.values())}")
+            bias = torch.cat([rd.raw(bnames[s])[1].float().reshape(-1) for s in lin.shards])
+        if u is not None:
+            if u.shape != (lin.out_features, lin.in_features):
+                raise ValueError(f"{sorted(wnames.values())}: shape {list(u.shape)}, model expects "
+                                 f"{[lin.out_features, lin.in_features]}")
+            lin.set_gguf(u, bias, dtype, device)
+            continue
+        log.info("kvmesh: %s served dense (%s)", sorted(wnames.values()), why_dense)
+        lin.allocate(dtype, device)
+        start = 0
+        for shard, name in wnames.items():
+            ty, raw, k = rd.raw(name)
+            w = gguf_blocks.dequantize_rows(ty, raw, k)
+            if rd.arch == "llama" and shard in ("q", "k"):
+                w = w[_qk_rows(cfg.num_heads if shard == "q" else cfg.num_kv_heads, cfg.head_dim)]
+            lin.load_shard("weight", shard, w)
+            if bias is not None:
+                lin.load_shard("bias", shard, bias[start:start + w.shape[0]])
+            start += w.shape[0]
+        lin.finalize(dtype)
+        lin.method = GGUF_DENSE         # loaded: allocate_weights must not replace it
+
+
+def _load_rest(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype, device) -> None:
+    def vec(name: str, like: torch.Tensor) -> None:
+        t = rd.raw(name)[1].reshape(-1)
+        if t.numel() != like.numel():
+            raise ValueError(f"{name}: {t.numel()} values, model expects {like.numel()}")
+        like.data.copy_(t)
+
+    for li, layer in enumerate(model.layers):
+        i = model.start_layer + li
+        for short, attr in _LAYER_NORMS.items():
+            vec(f"blk.{i}.{short}.weight", getattr(layer, attr).weight)
+    if model.is_last:
+        vec("output_norm.weight", model.norm.weight)
+    if model.is_first:
+        ty, raw, k = rd.raw("token_embd.weight")
+        if raw.shape[0] != cfg.vocab_size or k != cfg.hidden_size:
+            raise ValueError(f"token_embd.weight: [{raw.shape[0]}, {k}], model expects "
+                             f"[{cfg.vocab_size}, {cfg.hidden_size}]")
+        if ty not in gguf_blocks.FLOAT_TYPES and ty not in gguf_blocks.BLOCK:
+            raise ValueError(f"token_embd.weight: GGUF type {ty} is not supported")
+        raw = raw if ty not in gguf_blocks.FLOAT_TYPES else raw.contiguous().view(torch.uint8).reshape(raw.shape[0], -1)
+        model.embed_tokens = GGUFEmbedding(raw.to(device), ty, cfg.hidden_size, dtype)
+
+
+def is_gguf_model(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds a GGUF file the ``gguf`` weight format can serve."""
+    return gguf_path(model_dir).is_file()
+
