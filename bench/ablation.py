@@ -96,17 +96,22 @@ class Row:
     env: dict = field(default_factory=dict)
 
 
-_CONT = {"policy": "continuous", "enable_prefix_caching": False}
-_PREFIX = {"policy": "continuous", "enable_prefix_caching": True}
+# The ladder starts from dense weights (weight_format none); the weight-format rows change only that.
+_DENSE = {"weight_format": "none"}
+_CONT = {**_DENSE, "policy": "continuous", "enable_prefix_caching": False}
+_PREFIX = {**_DENSE, "policy": "continuous", "enable_prefix_caching": True}
 
 ROWS: list[Row] = [
-    Row("naive", "naive loop (recompute everything, batch 1)", "baseline", {"policy": "naive", "max_num_seqs": 1}),
+    Row("naive", "naive loop (recompute everything, batch 1)", "baseline",
+        {**_DENSE, "policy": "naive", "max_num_seqs": 1}),
     Row("kv-cache", "+ KV cache, batch 1", "latency (ITL)", {**_CONT, "max_num_seqs": 1}),
-    Row("static", "static batching", "throughput", {"policy": "static", "enable_prefix_caching": False}),
+    Row("static", "static batching", "throughput", {**_DENSE, "policy": "static", "enable_prefix_caching": False}),
     Row("continuous", "continuous batching", "throughput, TTFT under load", _CONT),
     Row("prefix-caching", "+ prefix caching", "TTFT (shared policy prefixes)", _PREFIX),
     Row("prefix-routing", "+ prefix-aware routing, 2 replicas", "TTFT / throughput at scale", _PREFIX,
         {"replicas": 2, "routing": "prefix"}),
+    Row("gguf-weights", "+ the published GGUF's quantized weights", "memory (weights), decode speed",
+        {**_PREFIX, "weight_format": "gguf"}),
     Row("int8-weights", "+ int8 weights", "memory (weights), decode speed", {**_PREFIX, "weight_format": "int8"}),
     Row("int4-awq", "+ int4 weights (AWQ)", "memory (weights), decode speed",
         {**_PREFIX, "weight_format": "int4", "enable_calibration": True}),

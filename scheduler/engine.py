@@ -42,9 +42,11 @@ def model_identity(model_dir: Path, name: str, cfg: EngineConfig, kv_dtype: torc
     """Stable identity of the KV contents: model (name, or directory name + config digest),
     weight dtype/format (with int4 group size and calibration, workers.quant.store.weight_identity)
     and KV dtype. Seeds the prefix-cache block hashes."""
+    from workers.loader import resolve_weight_format
     from workers.quant.store import weight_identity
     digest = xxhash.xxh3_64_hexdigest((model_dir / "config.json").read_bytes())
-    wf = weight_identity(cfg.weight_format, cfg.quant_group_size, cfg.enable_calibration, cfg.calibration_data)
+    wf = weight_identity(resolve_weight_format(cfg.weight_format, model_dir), cfg.quant_group_size,
+                         cfg.enable_calibration, cfg.calibration_data)
     weights = f"{cfg.torch_dtype}" + ("" if wf == "none" else f"/{wf}")
     return f"model={name}:{digest};weights={weights};kv={kv_dtype}"
 

@@ -35,6 +35,8 @@ from workers.executor import Completed
 torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
 # Parity with transformers is checked in float32; `auto` picks bfloat16 on CPUs with native bf16.
 os.environ.setdefault("KVMESH_DTYPE", "float32")
+# ... and on the dense weights (the parity reference); the gguf format's tests ask for it.
+os.environ.setdefault("KVMESH_WEIGHT_FORMAT", "none")
 
 BLOCK = 16
 

@@ -29,7 +29,7 @@ def test_rows_cover_the_menu_with_a_symptom_each():
     assert keys[:6] == ["naive", "kv-cache", "static", "continuous", "prefix-caching", "prefix-routing"]
     assert {"int8-weights", "int4-awq", "int4-rtn", "int8-kv", "fp8-kv", "spec-ngram", "spec-draft"} <= set(keys)
     assert len(set(keys)) == len(keys) and all(r.symptom and r.name for r in A.ROWS)
-    assert A.ROWS[0].engine == {"policy": "naive", "max_num_seqs": 1}
+    assert A.ROWS[0].engine == {"weight_format": "none", "policy": "naive", "max_num_seqs": 1}
     assert A.ROWS[5].scheduler == {"replicas": 2, "routing": "prefix"}
     ref = A.ROWS[-1]                    # the reference runtime: row 5's settings without native kernels
     assert ref.key == "reference-runtime" and ref.engine["attention_backend"] == "torch"

@@ -2,7 +2,7 @@
 
 The known models are published as GGUF files (:mod:`kvmesh.hub`); ``kvmesh models pull``
 keeps the file as ``<model dir>/model.gguf`` beside ``config.json`` and the tokenizer. Here it
-is memory-mapped (``gguf.GGUFReader``) and each tensor is read from the map only while it is
+is memory-mapped (:class:`_Reader`) and each tensor is read from the map only while it is
 turned into its serving form, so pages of the file are not held once loading returns:
 
 - every Linear (q/k/v and gate/up stacked as in :mod:`workers.models.llama`) keeps its GGUF
@@ -23,6 +23,7 @@ Hugging Face order the model's RoPE expects. Qwen2 files are not permuted.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -72,35 +73,122 @@ class GGUFEmbedding(nn.Module):
         return out.to(ids.device).reshape(*ids.shape, self.hidden)
 
 
+#: GGML type ids (ggml.h ``enum ggml_type``) of the types kvmesh reads
+_GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K",
+               14: "Q6_K", 30: "BF16"}
+# GGUF metadata value types (gguf.h): fixed sizes; 8 = string, 9 = array
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
 class _Reader:
-    """The GGUF's tensors by name: ``raw(name) -> (type name, uint8 [rows, row bytes] or float
-    tensor, K)`` read out of the memory map (a copy)."""
+    """The tensors of a GGUF file (format versions 2 and 3, https://github.com/ggml-org/ggml
+    docs/gguf.md), memory-mapped. Only what loading needs is parsed: ``general.architecture``,
+    ``general.alignment`` and the tensor table; metadata arrays (the tokenizer's ~150k strings)
+    are skipped over, not decoded (``gguf.GGUFReader`` decodes them: ~9 s for Qwen2.5's file).
+
+    ``raw(name) -> (type name, tensor, K)``: a block type's rows as uint8 ``[rows, row bytes]``,
+    a float type as ``[rows, K]`` (``[K]`` for a vector), both views of the map (read-only:
+    copy what must outlive the reader). Raises SettingsError naming the file for a file that
+    is not GGUF, is cut short, or lacks a tensor."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-        try:
-            self._r = GGUFReader(str(path))
-        except (ValueError, OSError) as e:
-            raise SettingsError(f"{path}: not a readable GGUF file ({e})") from None
+        import mmap
+        import struct
         self.path = path
-        self.tensors = {t.name: t for t in self._r.tensors}
-        arch = self._r.fields.get("general.architecture")
-        self.arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+        try:
+            with open(path, "rb") as fh:
+                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise SettingsError(f"{path}: cannot map the GGUF file ({e})") from None
+        mm, pos = self._mm, 0
+
+        def take(fmt: str):
+            nonlocal pos
+            vals = struct.unpack_from("<" + fmt, mm, pos)
+            pos += struct.calcsize("<" + fmt)
+            return vals if len(vals) > 1 else vals[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return bytes(mm[pos - n:pos]).decode("utf-8", errors="replace")
+
+        def skip(vtype: int) -> None:
+            nonlocal pos
+            if vtype in _GGUF_SCALAR:
+                pos += struct.calcsize(_GGUF_SCALAR[vtype])
+            elif vtype == 8:
+                pos += 8 + struct.unpack_from("<Q", mm, pos)[0]
+            elif vtype == 9:
+                etype, count = take("IQ")
+                if etype in _GGUF_SCALAR:
+                    pos += count * struct.calcsize(_GGUF_SCALAR[etype])
+                else:
+                    for _ in range(count):
+                        skip(etype)
+            else:
+                raise ValueError(f"unknown metadata value type {vtype}")
+
+        try:
+            if mm[:4] != b"GGUF":
+                raise ValueError("no GGUF magic")
+            pos = 4
+            version, n_tensors, n_kv = take("IQQ")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version}")
+            self.arch, alignment = "", 32
+            for _ in range(n_kv):
+                key, vtype = string(), take("I")
+                if key == "general.architecture" and vtype == 8:
+                    self.arch = string()
+                elif key == "general.alignment" and vtype == 4:
+                    alignment = take("I")
+                else:
+                    skip(vtype)
+            infos = []
+            for _ in range(n_tensors):
+                name, ndim = string(), take("I")
+                dims = [take("Q") for _ in range(ndim)]
+                ttype, offset = take("IQ")
+                infos.append((name, dims, ttype, offset))
+            base = (pos + alignment - 1) // alignment * alignment
+            self.tensors = {}
+            for name, dims, ttype, offset in infos:
+                ty = _GGML_TYPES.get(ttype, f"GGML type {ttype}")
+                k, rows = dims[0], 1
+                for d in dims[1:]:
+                    rows *= d
+                if ty in gguf_blocks.FLOAT_TYPES:
+                    nbytes = k * rows * gguf_blocks.FLOAT_TYPES[ty].itemsize
+                elif ty in gguf_blocks.BLOCK:
+                    bv, bb = gguf_blocks.BLOCK[ty]
+                    nbytes = k // bv * bb * rows
+                else:
+                    nbytes = 0                  # unsupported: refused if a loader asks for it
+                if base + offset + nbytes > len(mm):
+                    raise ValueError(f"tensor {name!r} ends past the end of the file")
+                self.tensors[name] = (ty, k, rows, base + offset, nbytes)
+        except (ValueError, struct.error, UnicodeDecodeError) as e:
+            raise SettingsError(f"{path}: not a readable GGUF file ({e})") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
     def raw(self, name: str) -> tuple[str, torch.Tensor, int]:
-        t = self.tensors.get(name)
-        if t is None:
+        if name not in self.tensors:
             raise SettingsError(f"{self.path}: GGUF lacks tensor {name!r}")
-        k = int(t.shape[0])
-        data = np.asarray(t.data)
-        ty = t.tensor_type.name
-        rows = int(np.prod([int(d) for d in t.shape[1:]])) if len(t.shape) > 1 else 1
+        ty, k, rows, offset, nbytes = self.tensors[name]
+        if ty not in gguf_blocks.FLOAT_TYPES and ty not in gguf_blocks.BLOCK:
+            raise SettingsError(f"{self.path}: tensor {name!r} is {ty}, which kvmesh does not serve "
+                                f"(it serves {', '.join([*gguf_blocks.FLOAT_TYPES, *gguf_blocks.BLOCK])})")
+        with warnings.catch_warnings():       # a read-only view of the map: never written
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset))
         if ty in gguf_blocks.FLOAT_TYPES:
-            return ty, torch.from_numpy(np.array(data)).reshape(rows, k) if rows > 1 else torch.from_numpy(np.array(data)).reshape(k), k
-        return ty, torch.from_numpy(np.array(data)).view(torch.uint8).reshape(rows, -1), k
+            t = data.view(gguf_blocks.FLOAT_TYPES[ty])
+            return ty, (t.reshape(rows, k) if rows > 1 else t), k
+        return ty, data.reshape(rows, -1), k
 
 
 def _qk_rows(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -183,7 +271,7 @@ def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype,
         if lin.bias is not None:
             if set(bnames) != set(lin.shards):
                 raise ValueError(f"GGUF lacks the biases of {sorted(wnames.values())}")
-            bias = torch.cat([rd.raw(bnames[s])[1].float().reshape(-1) for s in lin.shards])
+            bias = torch.cat([rd.raw(bnames[s])[1].float().reshape(-1) for s in lin.shards])     # cat: a copy, not the map
         if u is not None:
             if u.shape != (lin.out_features, lin.in_features):
                 raise ValueError(f"{sorted(wnames.values())}: shape {list(u.shape)}, model expects "
@@ -227,7 +315,7 @@ def _load_rest(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype, de
         if ty not in gguf_blocks.FLOAT_TYPES and ty not in gguf_blocks.BLOCK:
             raise ValueError(f"token_embd.weight: GGUF type {ty} is not supported")
         raw = raw if ty not in gguf_blocks.FLOAT_TYPES else raw.contiguous().view(torch.uint8).reshape(raw.shape[0], -1)
-        model.embed_tokens = GGUFEmbedding(raw.to(device), ty, cfg.hidden_size, dtype)
+        model.embed_tokens = GGUFEmbedding(raw.to(device, copy=True), ty, cfg.hidden_size, dtype)
 
 
 def is_gguf_model(model_dir: str | Path) -> bool:

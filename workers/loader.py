@@ -25,6 +25,15 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return rest + sum(m.weight_bytes() for m in linears)
 
 
+def resolve_weight_format(weight_format: str, model_dir: str | Path) -> str:
+    """The format ``auto`` stands for with this model: ``gguf`` where ``model_dir`` holds the
+    published GGUF (``model.gguf``: the known models), else ``none``; other formats as they are."""
+    if weight_format != "auto":
+        return weight_format
+    from workers.gguf_checkpoint import is_gguf_model
+    return "gguf" if is_gguf_model(model_dir) else "none"
+
+
 def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,
                max_positions: int, start_layer: int = 0, end_layer: int | None = None,
                num_layers: int | None = None, weight_format: str = "none", group_size: int = 128,
@@ -55,6 +64,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
             malformed weight file.
     """
     model_dir = Path(model_dir)
+    weight_format = resolve_weight_format(weight_format, model_dir)
     if weight_format == "gguf":
         from workers.gguf_checkpoint import load_gguf
         return load_gguf(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,

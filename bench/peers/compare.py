@@ -20,7 +20,7 @@ What it does:
    concurrency cap: kvmesh/vLLM ``max_num_seqs``, transformers' static batch size; llama.cpp
    is single-sequence, B=1 only), and one request alone on a cold cache (TTFT, decode tok/s).
    llama.cpp runs the GGUF's own quantization (SmolLM2: Q4_1), so with ``llamacpp`` kvmesh also
-   runs its closest format (``--weight-format int4 --quant-group-size 32``) for the single request.
+   runs the very same weights (``--weight-format gguf``) for the single request.
 3. ``--serve``: serving latency (TTFT, ITL) through ``kvmesh bench serve`` on the same
    ``workload.jsonl``: against ``kvmesh serve`` (gRPC), ``vllm serve`` and
    ``python -m llama_cpp.server`` (``--backend openai-chat``).
@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PEERS = ("hf", "vllm", "llamacpp")
 SETUP = {p: f"bench/peers/setup_{p}.sh" for p in PEERS}
-LABEL = {"kvmesh": "kvmesh", "kvmesh-int4": "kvmesh int4 g32", "hf": "transformers", "vllm": "vLLM (CPU)",
+LABEL = {"kvmesh": "kvmesh", "kvmesh-gguf": "kvmesh gguf", "hf": "transformers", "vllm": "vLLM (CPU)",
          "llamacpp": "llama.cpp"}
 
 
@@ -136,11 +136,11 @@ def offline(args, model_dir: Path, prompts: Path, workdir: Path) -> dict[str, di
             gguf = ensure_gguf(args.model)
             results[peer] = run_runner(peer, py, "run_llamacpp.py", common + ["--gguf", str(gguf)],
                                        workdir, args.timeout)
-            # kvmesh's closest format to the GGUF's 4-bit blocks (Q4_1: 32 weights, scale + min)
-            results["kvmesh-int4"] = run_runner("kvmesh-int4", sys.executable, "run_kvmesh.py", [
+            # kvmesh on the very weights llama.cpp runs: the GGUF's own blocks (weight format gguf)
+            results["kvmesh-gguf"] = run_runner("kvmesh-gguf", sys.executable, "run_kvmesh.py", [
                 "--prompts", str(prompts), "--batch-sizes", "", "--decode-tokens", str(args.decode_tokens),
                 "--threads", str(args.threads), "--model", args.model, "--dtype", args.dtype,
-                "--weight-format", "int4", "--quant-group-size", "32"], workdir, args.timeout)
+                "--weight-format", "gguf"], workdir, args.timeout)
     return results
 
 
@@ -300,11 +300,14 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
         s, ks = res.get("single", {}), km.get("single", {})
         add("single request TTFT s (cold)", peer, ks.get("ttft_s"), s.get("ttft_s"), False, note)
         add("single request decode tok/s", peer, ks.get("decode_tok_s"), s.get("decode_tok_s"), True, note)
-        if peer == "llamacpp" and "error" not in offline_res.get("kvmesh-int4", {"error": 1}):
-            k4 = offline_res["kvmesh-int4"]["single"]
-            note = "kvmesh int4 g32 vs GGUF quantization (closest formats, not the same numerics)"
-            add("single request TTFT s (cold), int4", peer, k4.get("ttft_s"), s.get("ttft_s"), False, note)
-            add("single request decode tok/s, int4", peer, k4.get("decode_tok_s"), s.get("decode_tok_s"), True, note)
+        if peer == "llamacpp" and "error" not in offline_res.get("kvmesh-gguf", {"error": 1}):
+            kg = offline_res["kvmesh-gguf"]["single"]
+            note = "the same GGUF file: kvmesh --weight-format gguf vs llama.cpp"
+            gib = lambda v: None if v is None else v / 2 ** 30
+            add("single request TTFT s (cold), gguf", peer, kg.get("ttft_s"), s.get("ttft_s"), False, note)
+            add("single request decode tok/s, gguf", peer, kg.get("decode_tok_s"), s.get("decode_tok_s"), True, note)
+            add("start-up to ready s, gguf", peer, kg.get("startup_s"), s.get("startup_s"), False, note)
+            add("peak RSS GiB, gguf", peer, gib(kg.get("peak_rss_bytes")), gib(s.get("peak_rss_bytes")), False, note)
     ksv = serve_res.get("kvmesh", {})
     for peer, res in serve_res.items():
         if peer == "kvmesh" or "error" in res or "error" in ksv:

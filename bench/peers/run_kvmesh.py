@@ -19,6 +19,10 @@ import time
 
 import runner_common as rc
 
+# This script's directory (sys.path[0], for runner_common) holds bench/peers/gguf.py, which would
+# shadow the `gguf` package the gguf weight format reads files with.
+sys.path.remove(sys.path[0])
+
 startup_s = 0.0      # of the last engine() call
 
 

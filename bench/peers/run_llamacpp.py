@@ -2,7 +2,7 @@
 
 It runs the GGUF file kvmesh's safetensors were converted from (``--gguf``, re-joined by
 bench/peers/gguf.py), in that file's own quantization (SmolLM2-135M: Q4_1 blocks, Q8_0 token
-embedding): not kvmesh's numerics; compare against kvmesh's closest format (int4, group 32).
+embedding): the weights kvmesh serves with ``--weight-format gguf``.
 ``Llama`` is one sequence at a time, so the throughput pass serves the prompts one after
 another (B=1; other batch sizes are skipped); llama-cpp-python keeps the previous prompt's KV and
 reuses the longest common prefix, its form of prefix caching. The single-request run starts from
@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     rows = rc.load_prompts(args.prompts)
     longest = max(len(r["prompt_token_ids"]) + int(r["max_tokens"]) for r in rows)
     n_ctx = max(longest, len(rows[0]["prompt_token_ids"]) + args.decode_tokens) + 16
+    rss = rc.PeakRss()
+    t_start = time.perf_counter()
     llm = Llama(model_path=args.gguf, n_ctx=n_ctx, n_batch=args.n_batch, n_ubatch=args.n_batch,
                 n_threads=args.threads, n_threads_batch=args.threads, flash_attn=args.flash_attn,
                 seed=0, verbose=False)
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
 
     run(rows[0]["prompt_token_ids"][:64], 4)            # warm-up, not timed
     llm.reset()
+    startup_s = time.perf_counter() - t_start            # start-up to ready: load + warm-up
 
     throughput = []
     for b in rc.batch_sizes(args.batch_sizes):
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ids, stamps = run(rows[0]["prompt_token_ids"], n1)
     single = {"prompt_tokens": len(rows[0]["prompt_token_ids"]), "ttft_s": stamps[0] - t0, "decode_tokens": n1,
-              "decode_tok_s": (n1 - 1) / (stamps[-1] - stamps[0]), "token_ids": ids}
+              "decode_tok_s": (n1 - 1) / (stamps[-1] - stamps[0]), "token_ids": ids,
+              "startup_s": startup_s, "peak_rss_bytes": rss.stop()}
 
     meta = llm.metadata
     env = rc.environment("llama_cpp_python")

@@ -19,7 +19,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
           "float16": "float16", "fp16": "float16"}
 
 
-WEIGHT_FORMATS = ("none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
+WEIGHT_FORMATS = ("auto", "none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
 SPECULATIVE_METHODS = ("", "ngram", "draft")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
@@ -45,7 +45,10 @@ class EngineConfig(Settings):
             :attr:`torch_dtype`).
         kv_cache_dtype: ``auto`` (= dtype), ``float32``, ``bfloat16``, or a quantized KV cache:
             ``int8`` or ``fp8`` (e4m3) with a scale per block and KV head.
-        weight_format: ``none`` (dense ``dtype``), or weights quantized at load time: ``int8``
+        weight_format: ``gguf`` (the published GGUF's block-quantized weights as they are, run by
+            the ``gguf_linear`` kernel; activations in ``dtype``), ``none`` (dense ``dtype``), ``auto``
+            (``gguf`` where the model directory holds ``model.gguf``, else ``none``;
+            :func:`workers.loader.resolve_weight_format`), or weights quantized at load time: ``int8``
             (weight-only, per output channel), ``int4`` (weight-only, group-wise asymmetric),
             ``fp8`` (e4m3, per output channel), ``w8a8-int8`` (int8 weights and activations,
             SmoothQuant).
@@ -95,8 +98,10 @@ class EngineConfig(Settings):
                          "on CUDA and on CPUs with AVX512-BF16/AMX, else float32", metavar="DTYPE")
     kv_cache_dtype: str = setting("auto", "KV cache: auto (= dtype), float32, bfloat16, or quantized blocks int8, "
                                   "fp8 (a scale per block and head)", metavar="DTYPE")
-    weight_format: str = setting("none", "weights quantized at load time: int8, int4 (group-wise), fp8, w8a8-int8 "
-                                 "(SmoothQuant); none = dense dtype", choices=WEIGHT_FORMATS)
+    weight_format: str = setting("auto", "gguf: the published GGUF's own quantized blocks, run natively; none: dense "
+                                 "dtype; or quantized at load time: int8, int4 (group-wise), fp8, w8a8-int8 "
+                                 "(SmoothQuant); auto = gguf where the model has a GGUF (the known models), else none",
+                                 choices=WEIGHT_FORMATS)
     quant_group_size: int = setting(128, "int4 group size along the input dimension", choices=(32, 64, 128))
     enable_calibration: bool = setting(True, "AWQ scales (int4) and SmoothQuant factors (w8a8-int8); "
                                        "--no-calibration: round-to-nearest, no smoothing")

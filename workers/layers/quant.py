@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
+WEIGHT_FORMATS = ("auto", "none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
 FP8_MAX = 448.0               # largest finite float8_e4m3fn
 INT4_CPU_N_ALIGN = 16         # _convert_weight_to_int4pack_for_cpu: N % 16 == 0
 CUDA_INT4_INNER_K_TILES = 8   # gpt-fast's choice; needs K % (8 * 16) == 0

@@ -34,7 +34,7 @@ from workers.checkpoint import load_config
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
 from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
-from workers.loader import load_model, use_serving_kernels
+from workers.loader import load_model, resolve_weight_format, use_serving_kernels
 
 
 @dataclass
@@ -114,7 +114,8 @@ class DraftProposer:
                                 f"the target {cfg.model!r} {tcfg.vocab_size}; the draft must share the target's tokenizer")
         if cfg.draft_num_layers > dcfg.num_layers:
             raise SettingsError(f"draft_num_layers {cfg.draft_num_layers} exceeds the draft's {dcfg.num_layers} layers")
-        if cfg.draft_num_layers and cfg.weight_format != "none":
+        weight_format = resolve_weight_format(cfg.weight_format, draft_dir)
+        if cfg.draft_num_layers and weight_format not in ("none", "gguf"):
             raise SettingsError(f"draft_num_layers cannot be combined with weight_format {cfg.weight_format!r}: "
                                 "a truncated draft is served dense")
         if cfg.draft_max_model_len > dcfg.max_position_embeddings:
@@ -126,7 +127,7 @@ class DraftProposer:
         self.dtype = cfg.torch_dtype
         self.block_size = block_size
         self.model = load_model(draft_dir, dtype=self.dtype, device=self.device, max_positions=self.max_model_len,
-                                num_layers=cfg.draft_num_layers or None, weight_format=cfg.weight_format,
+                                num_layers=cfg.draft_num_layers or None, weight_format=weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
         use_serving_kernels(self.model, self.dtype, self.device)   # native GEMM / fused ops, bound Linear arguments
