@@ -61,6 +61,11 @@ def _register_fakes() -> None:
     def _int8_fake(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
+    @torch.library.register_fake("kvmesh::gguf_linear")
+    def _gguf_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
+                   bits: int, group_size: int, n: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
+
     @torch.library.register_fake("kvmesh::bf16_linear")
     def _linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,3 +233,84 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, n: 
     """
     _require()
     return torch.ops.kvmesh.int8_linear.default(x, panels, scales, n)
+
+
+# ---- GGUF block formats (csrc/gemm/gguf_gemm.cpp) -------------------------------------------------
+
+def gguf_available() -> bool:
+    """True when :func:`gguf_linear` runs here (the kernels are built; every x86-64 CPU has a
+    path: :func:`gguf_path`)."""
+    return available()
+
+
+def gguf_path() -> str:
+    """The path :func:`gguf_linear` takes now: ``avx512vnni``, ``avx2`` or ``scalar`` (the
+    CPU's best under the GEMM's ISA selection, ``KVMESH_KERNEL_ISA``)."""
+    _require()
+    return torch.ops.kvmesh.gguf_gemm_path()
+
+
+def pack_gguf_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The weight panels of :func:`gguf_linear` from unsigned integers ``q``.
+
+    Args:
+        q: uint8 ``[N, K]`` (K a multiple of 8), values below ``2 ** bits``.
+        bits: 4 or 8 (lane width).
+    Returns:
+        uint8 ``[P, 2 * bits * K]`` (P = ceil(N / 16); padding columns 0): per panel, 64-byte
+        chunks along k; bits 4: chunk c, byte ``4 n + j`` = ``q[n][8c + j] | q[n][8c + 4 + j] << 4``;
+        bits 8: chunk c, byte ``4 n + j`` = ``q[n][4c + j]`` (csrc/gemm/gguf_gemm.cpp).
+    Raises:
+        ValueError: bad bits, K or dtype.
+    """
+    n, k = q.shape
+    if bits not in (4, 8) or k % 8 or q.dtype != torch.uint8:
+        raise ValueError(f"pack_gguf_qweight: q must be uint8 [N, K] with K % 8 == 0 and bits 4 or 8; got "
+                         f"{q.dtype} {tuple(q.shape)}, bits {bits}")
+    pad = (-n) % 16
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+    p = (n + pad) // 16
+    if bits == 8:
+        return q.view(p, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(p, 16 * k)
+    qc = q.view(p, 16, k // 8, 2, 4).permute(0, 2, 1, 3, 4)           # [p, c, n, half, j]
+    return (qc[..., 0, :] | (qc[..., 1, :] << 4)).contiguous().view(p, 8 * k)
+
+
+def pack_gguf_scales(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-group (or per-super-block) pairs of :func:`gguf_linear`: ``a``, ``b`` ``[N, G']`` →
+    ``dtype`` ``[P, G', 2, 16]`` (``[p, g, 0, n] = a[16p + n, g]``, ``[p, g, 1, n] = b[...]``;
+    padding columns 0)."""
+    n, g = a.shape
+    pad = (-n) % 16
+    t = torch.stack([a, b], dim=1)                   # [N, 2, G']
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, 2, g)])
+    return t.view(-1, 16, 2, g).permute(0, 3, 2, 1).to(dtype).contiguous()
+
+
+def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
+                bits: int, group_size: int, n: int) -> torch.Tensor:
+    """``x @ W.T`` for a GGUF weight in the panels of :func:`pack_gguf_qweight` and
+    :func:`pack_gguf_scales`: ``w = s q + z`` per group of ``group_size`` (16 or 32) along K,
+    (s, z) float16 in ``scales`` (flat scheme, ``superscales`` None) or ``s = d sc``,
+    ``z = -dmin m`` with int8 (sc, m) in ``scales`` and float32 (d, dmin) per super-block in
+    ``superscales`` (k-quant scheme). x is quantized per 32 values to int8 (round half to even
+    of ``x * 127 / amax``), the dot products are exact int32, then scaled in float32
+    (:func:`workers.kernels.reference.gguf_linear_ref` is the same in PyTorch).
+
+    Args:
+        x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
+    Returns:
+        ``[..., n]`` in x's dtype.
+    Raises:
+        RuntimeError: kernels unavailable; shapes or dtypes that do not fit (the message
+            names the argument).
+    """
+    _require()
+    if x.dim() == 2:
+        return torch.ops.kvmesh.gguf_linear.default(x, qweight, scales, superscales, bits, group_size, n)
+    lead = x.shape[:-1]
+    y = torch.ops.kvmesh.gguf_linear.default(x.reshape(-1, x.shape[-1]), qweight, scales, superscales, bits,
+                                             group_size, n)
+    return y.reshape(*lead, n)

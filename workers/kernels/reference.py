@@ -1,4 +1,8 @@
-"""Plain-PyTorch reference for ``kvmesh::paged_attention`` (tests and ``bench/kernels.py``).
+"""Plain-PyTorch references of the native kernels (tests and ``bench/kernels.py``):
+``kvmesh::paged_attention`` (:func:`paged_attention_ref`) and ``kvmesh::gguf_linear``
+(:func:`gguf_linear_ref`).
+
+``paged_attention_ref``:
 
 Same arguments as :func:`workers.kernels.paged_attention`, computed one sequence at a time the
 way ``workers/layers/attention.py`` does: gather the sequence's K/V through ``KVCache.read``
@@ -51,3 +55,50 @@ def paged_attention_ref(q: torch.Tensor, kv_data: torch.Tensor, scales: torch.Te
                                            enable_gqa=H != kvh)
         out[a:b] = o[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def unpack_gguf_qweight(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Inverse of :func:`workers.kernels.gemm.pack_gguf_qweight`: uint8 ``[16 P, K]``."""
+    p = qweight.shape[0]
+    if bits == 8:
+        return qweight.view(p, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(16 * p, k)
+    b = qweight.view(p, k // 8, 16, 4)
+    return torch.stack([b & 0x0F, b >> 4], dim=3).permute(0, 2, 1, 3, 4).reshape(16 * p, k)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gguf_linear``'s activation quantization: per row and 32 values, ``dx = amax / 127``,
+    ``xq = round_half_even(x * (127 / amax))`` (0 for an all-zero block), float32 math.
+    Returns ``(xq float32 [M, K] of integers, dx float32 [M, K / 32])``."""
+    xf = x.float()
+    m, k = xf.shape
+    blk = xf.view(m, k // 32, 32)
+    amax = blk.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(blk * inv[..., None]).clamp_(-127, 127)
+    return xq.view(m, k), amax / 127.0
+
+
+def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
+                    bits: int, group_size: int, n: int) -> torch.Tensor:
+    """``kvmesh::gguf_linear`` in PyTorch (float64 sums): ``[M, n]`` in x's dtype."""
+    k = x.shape[1]
+    q = unpack_gguf_qweight(qweight, bits, k).double()                          # [16P, K]
+    G = group_size
+    if superscales is None:
+        s = scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
+        z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    else:
+        sb = k // superscales.shape[1]
+        d = superscales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+        dmin = superscales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+        s = d * scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
+        z = -dmin * scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    xq, dx = quantize_activations(x)
+    xq, dx = xq.double(), dx.double()
+    m = x.shape[0]
+    isum = torch.einsum("mgk,ngk->mng", xq.view(m, k // G, G), q.view(-1, k // G, G))    # [M, 16P, K/G]
+    xsum = xq.view(m, k // G, G).sum(-1)                                                   # [M, K/G]
+    dxg = dx.repeat_interleave(32 // G, 1) if G < 32 else dx                                # [M, K/G]
+    y = (dxg[:, None, :] * (s[None] * isum + z[None] * xsum[:, None, :])).sum(-1)
+    return y[:, :n].to(x.dtype)

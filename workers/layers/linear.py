@@ -366,7 +366,7 @@ class Linear(nn.Module):
         if bias is not None:
             self.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
         self.fast = None
-        if device.type == "cpu" and getattr(gemm, "gguf_available", lambda: False)():
+        if device.type == "cpu" and gemm.gguf_available():
             rt = {"gguf_qweight": gemm.pack_gguf_qweight(u.q, u.bits),
                   "gguf_scales": gemm.pack_gguf_scales(u.a, u.b, torch.float16 if u.scheme == "flat" else torch.int8),
                   "gguf_superscales": None if u.scheme == "flat" else gemm.pack_gguf_scales(u.d, u.dmin, torch.float32)}

@@ -311,6 +311,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 
 std::string gemm_isa() { return kIsaNames[static_cast<int>(selected_isa())]; }
 
+int selected_isa_level() { return static_cast<int>(selected_isa()); }
+
 }  // namespace kvmesh_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {

@@ -1,0 +1,134 @@
+"""``kvmesh::gguf_linear`` (workers/kernels/csrc/gemm/gguf_gemm.cpp) against its PyTorch reference
+(:func:`workers.kernels.reference.gguf_linear_ref`), on every path this CPU has (avx512vnni,
+avx2, scalar, forced with ``KVMESH_KERNEL_ISA``): both scale schemes, 4- and 8-bit lanes, groups
+of 16 and 32, N not a multiple of 16, row counts across the 4-row register blocks and the
+64-row cache blocks, float32 and bfloat16 x. The reference itself is checked against a plain
+dequantize-then-matmul, so it cannot drift from the weights' meaning.
+
+Tolerance: the integer parts are exact; the float32 scaling and sums in another order differ
+by ~1e-6 of the sum of the terms' magnitudes (``|dx| * (|s| * sum |xq q| + |z| * |xsum|)``);
+bfloat16 outputs may land on either side of a rounding boundary: one bfloat16 ulp (2^-7 relative)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.kernels import gemm
+from workers.kernels.reference import gguf_linear_ref, quantize_activations, unpack_gguf_qweight
+
+pytestmark = pytest.mark.skipif(not gemm.gguf_available(), reason="the native kernels are not built here")
+
+PATHS = {"amx": "avx512vnni", "avx512bf16": "avx512vnni", "avx512": "avx512vnni", "avx2": "avx2", "scalar": "scalar"}
+
+
+def _levels():
+    from workers import kernels
+    order = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
+    return order[: order.index(kernels.cpu_isa()) + 1]
+
+
+def _weights(n, k, bits, G, scheme, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    if scheme == "flat":
+        s = (torch.rand(n, k // G, generator=gen) * 0.02).half()
+        z = (-s.float() * torch.randint(0, 2 ** bits, (n, k // G), generator=gen)).half()
+        return q, gemm.pack_gguf_scales(s.float(), z.float(), torch.float16), None
+    sc = torch.randint(-63, 64, (n, k // G), generator=gen, dtype=torch.int8)
+    m = torch.randint(0, 64, (n, k // G), generator=gen, dtype=torch.int8)
+    d = (torch.rand(n, k // 256, generator=gen) * 1e-3).half().float()
+    dmin = (torch.rand(n, k // 256, generator=gen) * 1e-3).half().float()
+    return q, gemm.pack_gguf_scales(sc, m, torch.int8), gemm.pack_gguf_scales(d, dmin, torch.float32)
+
+
+def _dequantized(q, scales, supers, G):
+    n, k = q.shape
+    s = scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G)[:n].double()
+    z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G)[:n].double()
+    if supers is not None:
+        sb = k // supers.shape[1]
+        d = supers[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb)[:n].double().repeat_interleave(sb // G, 1)
+        dmin = supers[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // sb)[:n].double().repeat_interleave(sb // G, 1)
+        s, z = d * s, -dmin * z
+    return q.double() * s.repeat_interleave(G, 1) + z.repeat_interleave(G, 1)      # float64: exact
+
+
+@pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (8, 16, "k"), (8, 32, "k"),
+                                           (4, 16, "k")], ids=str)
+@pytest.mark.parametrize("n,k", [(40, 256), (64, 512), (16, 768)], ids=str)
+def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypatch):
+    q, scales, supers = _weights(n, k, bits, G, scheme, seed=n + k + bits + G)
+    qw = gemm.pack_gguf_qweight(q, bits)
+    assert torch.equal(unpack_gguf_qweight(qw, bits, k)[:n], q)
+    gen = torch.Generator().manual_seed(k)
+    for level in _levels():
+        monkeypatch.setenv("KVMESH_KERNEL_ISA", level)
+        assert gemm.gguf_path() == PATHS[level]
+        for m in (1, 3, 8, 17, 130):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+                x[0, 32:64] = 0                              # an all-zero block
+                y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n)
+                ref = gguf_linear_ref(x, qw, scales, supers, bits, G, n)
+                assert y.dtype == dtype and y.shape == (m, n)
+                xq, dx = quantize_activations(x)
+                w = _dequantized(q, scales, supers, G).double()
+                mag = (dx.double().repeat_interleave(32, 1) * xq.double()).abs() @ w.abs().T
+                tol = 1e-5 * mag + (2 ** -7 * ref.double().abs() if dtype == torch.bfloat16 else 0)   # one bf16 ulp
+                assert ((y.double() - ref.double()).abs() <= tol + 1e-30).all(), (level, m, dtype)
+
+
+def test_reference_is_dequantize_then_matmul():
+    """The reference equals x (as the kernel quantizes it) @ W.T with W dequantized, in float64."""
+    for bits, G, scheme in [(4, 32, "k"), (8, 16, "k"), (8, 32, "flat")]:
+        q, scales, supers = _weights(24, 512, bits, G, scheme, seed=bits * G)
+        qw = gemm.pack_gguf_qweight(q, bits)
+        x = torch.randn(5, 512)
+        xq, dx = quantize_activations(x)
+        xd = xq.double() * dx.double().repeat_interleave(32, 1)
+        want = xd @ _dequantized(q, scales, supers, G).double().T
+        got = gguf_linear_ref(x.double(), qw, scales, supers, bits, G, 24)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_activation_quantization_rounds_half_to_even():
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 2.5, -3.5         # inv = 1: 2.5 -> 2, -3.5 -> -4
+    xq, dx = quantize_activations(x)
+    assert xq[0, :3].tolist() == [127.0, 2.0, -4.0] and dx.tolist() == [[1.0]]
+    q, scales, _ = _weights(16, 32, 8, 32, "flat", 0)
+    qw = gemm.pack_gguf_qweight(torch.ones(16, 32, dtype=torch.uint8), 8)
+    ones = gemm.pack_gguf_scales(torch.ones(16, 1), torch.zeros(16, 1), torch.float16)
+    y = gemm.gguf_linear(x, qw, ones, None, 8, 32, 16)
+    assert torch.equal(y[0], torch.full((16,), 125.0))        # 127 + 2 - 4, every column
+
+
+def test_pack_layout_by_hand():
+    q = torch.zeros(16, 8, dtype=torch.uint8)
+    q[3] = torch.arange(8, dtype=torch.uint8) + 1                # column 3: k = 0..7 -> 1..8
+    qw = gemm.pack_gguf_qweight(q, 4)
+    assert qw.shape == (1, 64)
+    assert qw[0, 12:16].tolist() == [1 | 5 << 4, 2 | 6 << 4, 3 | 7 << 4, 4 | 8 << 4]
+    qw8 = gemm.pack_gguf_qweight(torch.cat([q, q], dim=1)[:, :8], 8)
+    assert qw8.shape == (1, 128) and qw8[0, 12:16].tolist() == [1, 2, 3, 4] and qw8[0, 64 + 12:64 + 16].tolist() == [5, 6, 7, 8]
+
+
+def test_errors_name_the_argument():
+    q, scales, supers = _weights(16, 256, 4, 32, "k", 1)
+    qw = gemm.pack_gguf_qweight(q, 4)
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        gemm.gguf_linear(x.half(), qw, scales, supers, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="qweight holds"):
+        gemm.gguf_linear(torch.randn(2, 512), qw, scales, supers, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="scales must be contiguous int8"):
+        gemm.gguf_linear(x, qw, scales.float(), supers, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
+        gemm.gguf_linear(x, qw, scales, None, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        gemm.gguf_linear(x, qw, scales, supers, 5, 32, 16)
+    with pytest.raises(RuntimeError, match=r"N \(17\)"):
+        gemm.gguf_linear(x, qw, scales, supers, 4, 32, 17)
+    with pytest.raises(ValueError, match="pack_gguf_qweight"):
+        gemm.pack_gguf_qweight(q.int(), 4)

@@ -1,0 +1,420 @@
+// kvmesh::gguf_linear: y = x @ W^T for the GGUF block formats (llama.cpp's Q4_0 ... Q6_K), their
+// integers and scales kept as published, repacked at load (workers/quant/gguf_blocks.py,
+// workers/kernels/gemm.py pack_gguf_qweight / pack_gguf_scales), with the activations quantized
+// per 32 values to int8 and integer dot products -- the scheme of llama.cpp's ggml-cpu
+// (quantize_row_q8_0, ggml_vec_dot_q4_K_q8_K), on a layout of our own.
+//
+// Weights: w[n][k] = s[g][n] * q[n][k] + z[g][n], g = k / G (G = 16 or 32), q unsigned: 4-bit
+// lanes (0..15) or 8-bit lanes (0..255). 16-column panels; a panel is K * bits / 8 * 16 bytes in
+// 64-byte chunks along k:
+//   bits 4: chunk c covers k in [8c, 8c + 8): byte 4n + j = q[n][8c + j] | q[n][8c + 4 + j] << 4
+//   bits 8: chunk c covers k in [4c, 4c + 4): byte 4n + j = q[n][4c + j]
+// so that (v & 0x0F), (v >> 4) & 0x0F (bits 4) or v itself (bits 8) is the u8 [16 columns x 4 k]
+// operand of vpdpbusd against 4 int8 activations broadcast to every 32-bit lane.
+// Scales per group and column: flat: float16 (s, z) [P, K/G, 2, 16]; k-quant: int8 (sc, m)
+// [P, K/G, 2, 16] with float32 (d, dmin) [P, K/SB, 2, 16] per super-block: s = d sc, z = -dmin m.
+//
+// Activations: per row and block of 32 k, dx = amax / 127, xq = round-half-even(x * 127 / amax)
+// (0 for an all-zero block); isum = sum xq q (int32, exact), xsum = sum xq, and
+//   y[n] = sum_g dx * (s isum + z xsum).
+// Paths (chosen per call from the GEMM's ISA selection, KVMESH_KERNEL_ISA lowers it):
+// avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
+// q - 128 with the sign moved onto x, exact, and 128 * xsum added back), scalar. Threads split
+// the panels; rows go in blocks of 64 (their int8 x stays in L2 across a thread's panels), 4
+// rows at a time per panel (each weight load feeds 4 rows).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "micro.h"
+
+namespace kvmesh_gemm {
+namespace {
+
+constexpr int kMR = 4;      // rows per register block
+constexpr int64_t kMC = 64;  // rows per cache block
+
+// What one call computes; the per-path kernels read it.
+struct GgufProblem {
+  const int8_t* xq;       // [M, K]
+  const float* dx;        // [M, K / 32]
+  const int32_t* xs16;    // [M, K / 16] sums of xq over 16
+  int64_t M, K;
+  const uint8_t* qw;      // [P, K * bits / 8 * 16]
+  const void* scales;     // flat: uint16 (half bits) [P, K/G, 2, 16]; k: int8 [P, K/G, 2, 16]
+  const float* supers;    // k: [P, K/SB, 2, 16]; flat: nullptr
+  int64_t P;
+  int bits, G, SB;
+  float* y;               // [M, 16 P] float32
+};
+
+// The group's (s, z) for the 16 columns of panel p: written to s[16], z[16].
+static inline void group_sz(const GgufProblem& pb, int64_t p, int64_t g, float* s, float* z) {
+  const int64_t ng = pb.K / pb.G;
+  if (pb.supers == nullptr) {
+    const uint16_t* h = (const uint16_t*)pb.scales + (p * ng + g) * 32;
+    for (int n = 0; n < 16; ++n) {
+      s[n] = c10::detail::fp16_ieee_to_fp32_value(h[n]);
+      z[n] = c10::detail::fp16_ieee_to_fp32_value(h[16 + n]);
+    }
+  } else {
+    const int8_t* sm = (const int8_t*)pb.scales + (p * ng + g) * 32;
+    const int64_t sb = g * pb.G / pb.SB;
+    const float* dd = pb.supers + (p * (pb.K / pb.SB) + sb) * 32;
+    for (int n = 0; n < 16; ++n) {
+      s[n] = dd[n] * (float)sm[n];
+      z[n] = -(dd[16 + n] * (float)sm[16 + n]);
+    }
+  }
+}
+
+// ---- scalar ---------------------------------------------------------------------------------
+
+static void panel_rows_scalar(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
+  const int64_t K = pb.K, ng = K / pb.G, pbytes = K * pb.bits * 2;
+  const uint8_t* panel = pb.qw + p * pbytes;
+  float out[kMR][16] = {};
+  float s[16], z[16];
+  for (int64_t g = 0; g < ng; ++g) {
+    group_sz(pb, p, g, s, z);
+    for (int r = 0; r < mr; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xq = pb.xq + m * K;
+      const float dx = pb.dx[m * (K / 32) + g * pb.G / 32];
+      int32_t xsum = 0;
+      for (int h = 0; h < pb.G / 16; ++h) xsum += pb.xs16[m * (K / 16) + g * pb.G / 16 + h];
+      for (int n = 0; n < 16; ++n) {
+        int32_t acc = 0;
+        for (int64_t k = g * pb.G; k < (g + 1) * pb.G; ++k) {
+          int q;
+          if (pb.bits == 4) {
+            const int64_t c = k / 8, j = k % 8;
+            const uint8_t b = panel[c * 64 + 4 * n + (j & 3)];
+            q = j < 4 ? (b & 0x0F) : (b >> 4);
+          } else {
+            q = panel[(k / 4) * 64 + 4 * n + (k % 4)];
+          }
+          acc += (int32_t)xq[k] * q;
+        }
+        out[r][n] += dx * (s[n] * (float)acc + z[n] * (float)xsum);
+      }
+    }
+  }
+  for (int r = 0; r < mr; ++r) std::memcpy(pb.y + (m0 + r) * pb.P * 16 + p * 16, out[r], 16 * sizeof(float));
+}
+
+static void quantize_rows_scalar(const float* x, int64_t K, int8_t* xq, float* dx, int32_t* xs16) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    dx[b] = amax / 127.f;
+    for (int h = 0; h < 2; ++h) {
+      int32_t sum = 0;
+      for (int i = 16 * h; i < 16 * h + 16; ++i) {
+        const float v = std::nearbyint(x[b * 32 + i] * inv);
+        const int q = (int)std::max(-127.f, std::min(127.f, v));
+        xq[b * 32 + i] = (int8_t)q;
+        sum += q;
+      }
+      xs16[b * 2 + h] = sum;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// ---- AVX-512 VNNI ---------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
+
+static inline void group_sz_avx512(const GgufProblem& pb, int64_t p, int64_t g, __m512& s, __m512& z) {
+  const int64_t ng = pb.K / pb.G;
+  if (pb.supers == nullptr) {
+    const uint16_t* h = (const uint16_t*)pb.scales + (p * ng + g) * 32;
+    s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
+    z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + 16)));
+  } else {
+    const int8_t* sm = (const int8_t*)pb.scales + (p * ng + g) * 32;
+    const float* dd = pb.supers + (p * (pb.K / pb.SB) + g * pb.G / pb.SB) * 32;
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm)));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + 16))));
+    s = _mm512_mul_ps(_mm512_loadu_ps(dd), sc);
+    z = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_loadu_ps(dd + 16), mn));
+  }
+}
+
+// rows [m0, m0 + MR) against panel p, BITS and G fixed
+template <int MR, int BITS, int G>
+static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
+  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2;
+  const uint8_t* panel = pb.qw + p * pbytes;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  __m512 out[MR];
+  const int32_t* xq4[MR];       // the rows' int8 x as 32-bit quads
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    out[r] = _mm512_setzero_ps();
+    xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
+  }
+  constexpr int kChunks = G * BITS * 16 / 8 / 64;      // 64-byte chunks per group
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512i acc[MR][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    const uint8_t* pg = panel + g * kChunks * 64;
+    const int64_t q0 = g * G / 4;       // first k quad of the group
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i v = _mm512_loadu_si512(pg + c * 64);
+      if constexpr (BITS == 4) {
+        const __m512i w0 = _mm512_and_si512(v, lo4);
+        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xq4[r][q0 + 2 * c]));
+          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, _mm512_set1_epi32(xq4[r][q0 + 2 * c + 1]));
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r][c & 1] = _mm512_dpbusd_epi32(acc[r][c & 1], v, _mm512_set1_epi32(xq4[r][q0 + c]));
+      }
+    }
+    __m512 s, z;
+    group_sz_avx512(pb, p, g, s, z);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      const float dx = pb.dx[m * (K / 32) + g * G / 32];
+      int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
+      if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
+      out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dx), out[r]);
+      out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)xsum), out[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(pb.y + (m0 + r) * pb.P * 16 + p * 16, out[r]);
+}
+
+template <int BITS, int G>
+static void panel_vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
+  switch (mr) {
+    case 4: return panel_rows_vnni<4, BITS, G>(pb, p, m0);
+    case 3: return panel_rows_vnni<3, BITS, G>(pb, p, m0);
+    case 2: return panel_rows_vnni<2, BITS, G>(pb, p, m0);
+    default: return panel_rows_vnni<1, BITS, G>(pb, p, m0);
+  }
+}
+
+static void panel_rows_avx512vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
+  if (pb.bits == 4) return pb.G == 32 ? panel_vnni<4, 32>(pb, p, m0, mr) : panel_vnni<4, 16>(pb, p, m0, mr);
+  return pb.G == 32 ? panel_vnni<8, 32>(pb, p, m0, mr) : panel_vnni<8, 16>(pb, p, m0, mr);
+}
+
+static void quantize_rows_avx512(const float* x, int64_t K, int8_t* xq, float* dx, int32_t* xs16) {
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 a0 = _mm512_loadu_ps(x + b * 32), a1 = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a0, absmask), _mm512_and_ps(a1, absmask)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    dx[b] = amax / 127.f;
+    const __m512 iv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    // cvtps2dq rounds to nearest even under the default MXCSR
+    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(a0, iv))));
+    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(a1, iv))));
+    _mm_storeu_si128((__m128i*)(xq + b * 32), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    xs16[b * 2] = _mm512_reduce_add_epi32(q0);
+    xs16[b * 2 + 1] = _mm512_reduce_add_epi32(q1);
+  }
+}
+#pragma GCC pop_options
+
+// ---- AVX2 -----------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+template <int MR, int BITS, int G>
+static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
+  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2;
+  const uint8_t* panel = pb.qw + p * pbytes;
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  __m256 out[MR][2];
+  const int32_t* xq4[MR];
+  for (int r = 0; r < MR; ++r) {
+    out[r][0] = out[r][1] = _mm256_setzero_ps();
+    xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
+  }
+  constexpr int kChunks = G * BITS * 16 / 8 / 64;
+  alignas(32) float s[16], z[16];
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const uint8_t* pg = panel + g * kChunks * 64;
+    const int64_t q0 = g * G / 4;
+    for (int c = 0; c < kChunks; ++c) {
+      for (int h = 0; h < 2; ++h) {      // columns 0-7, 8-15
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(pg + c * 64 + 32 * h));
+        if constexpr (BITS == 4) {
+          const __m256i w0 = _mm256_and_si256(v, lo4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i x0 = _mm256_set1_epi32(xq4[r][q0 + 2 * c]), x1 = _mm256_set1_epi32(xq4[r][q0 + 2 * c + 1]);
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p16, ones));
+          }
+        } else {
+          // q - 128 as int8: |q - 128| * (x with the sign of q - 128): no vpmaddubsw saturation
+          const __m256i w = _mm256_xor_si256(v, flip);
+          const __m256i aw = _mm256_abs_epi8(w);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xq4[r][q0 + c]), w);
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+          }
+        }
+      }
+    }
+    group_sz(pb, p, g, s, z);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sv = _mm256_load_ps(s + 8 * h);
+      // 8-bit lanes summed q - 128: z + 128 s multiplies xsum
+      const __m256 zv = BITS == 4 ? _mm256_load_ps(z + 8 * h)
+                                  : _mm256_fmadd_ps(_mm256_set1_ps(128.f), sv, _mm256_load_ps(z + 8 * h));
+      for (int r = 0; r < MR; ++r) {
+        const int64_t m = m0 + r;
+        const float dx = pb.dx[m * (K / 32) + g * G / 32];
+        int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
+        if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
+        const __m256 isum = _mm256_cvtepi32_ps(acc[r][h]);
+        out[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(isum, sv), _mm256_set1_ps(dx), out[r][h]);
+        out[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(dx * (float)xsum), out[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(pb.y + (m0 + r) * pb.P * 16 + p * 16 + 8 * h, out[r][h]);
+}
+
+template <int BITS, int G>
+static void panel_avx2(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
+  switch (mr) {
+    case 4: return panel_rows_avx2<4, BITS, G>(pb, p, m0);
+    case 3: return panel_rows_avx2<3, BITS, G>(pb, p, m0);
+    case 2: return panel_rows_avx2<2, BITS, G>(pb, p, m0);
+    default: return panel_rows_avx2<1, BITS, G>(pb, p, m0);
+  }
+}
+
+static void panel_rows_avx2_any(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
+  if (pb.bits == 4) return pb.G == 32 ? panel_avx2<4, 32>(pb, p, m0, mr) : panel_avx2<4, 16>(pb, p, m0, mr);
+  return pb.G == 32 ? panel_avx2<8, 32>(pb, p, m0, mr) : panel_avx2<8, 16>(pb, p, m0, mr);
+}
+#pragma GCC pop_options
+#endif  // __x86_64__
+
+enum class Path { kScalar, kAvx2, kAvx512Vnni };
+const char* const kPathNames[] = {"scalar", "avx2", "avx512vnni"};
+
+Path selected_path() {
+#if defined(__x86_64__)
+  const int level = selected_isa_level();     // 0 scalar, 1 avx2, 2 avx512, ...
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  if (level >= 2 && vnni) return Path::kAvx512Vnni;
+  if (level >= 1) return Path::kAvx2;
+#endif
+  return Path::kScalar;
+}
+
+std::string gguf_gemm_path() { return kPathNames[static_cast<int>(selected_path())]; }
+
+at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& superscales, int64_t bits, int64_t group_size, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "gguf_linear: x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(bits == 4 || bits == 8, "gguf_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(group_size == 16 || group_size == 32, "gguf_linear: group_size must be 16 or 32, got ", group_size);
+  const int64_t M = x.size(0), K = x.size(1), G = group_size;
+  TORCH_CHECK(K % 32 == 0, "gguf_linear: K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "gguf_linear: qweight must be contiguous uint8 [P, K * bits * 2]");
+  const int64_t P = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == K * bits * 2, "gguf_linear: qweight holds ", qweight.size(1), " bytes per panel, x has K = ",
+              K, " (", K * bits * 2, " bytes at ", bits, " bits)");
+  TORCH_CHECK(n > 0 && n <= P * 16, "gguf_linear: N (", n, ") must be in (0, ", P * 16, "]");
+  const bool kq = superscales.has_value();
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == P && scales.size(1) == K / G &&
+                  scales.size(2) == 2 && scales.size(3) == 16 &&
+                  scales.scalar_type() == (kq ? at::kChar : at::kHalf),
+              "gguf_linear: scales must be contiguous ", kq ? "int8" : "float16", " [P, K / G, 2, 16] = [", P, ", ",
+              K / G, ", 2, 16], got ", scales.scalar_type(), " ", scales.sizes());
+  int64_t SB = 0;
+  if (kq) {
+    const at::Tensor& ss = *superscales;
+    TORCH_CHECK(ss.is_contiguous() && ss.dim() == 4 && ss.scalar_type() == at::kFloat && ss.size(0) == P &&
+                    ss.size(1) > 0 && K % ss.size(1) == 0 && ss.size(2) == 2 && ss.size(3) == 16,
+                "gguf_linear: superscales must be contiguous float32 [P, K / SB, 2, 16], got ", ss.scalar_type(), " ",
+                ss.sizes());
+    SB = K / ss.size(1);
+    TORCH_CHECK(SB % G == 0 && SB % 32 == 0, "gguf_linear: the super-block (", SB, ") must be a multiple of 32 and of G");
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * (K / 32));
+  std::vector<int32_t> xs16(M * (K / 16));
+  const Path path = selected_path();
+  const float* xd = xf.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+#if defined(__x86_64__)
+      if (path == Path::kAvx512Vnni) {
+        quantize_rows_avx512(xd + m * K, K, xq.data() + m * K, dx.data() + m * (K / 32), xs16.data() + m * (K / 16));
+        continue;
+      }
+#endif
+      quantize_rows_scalar(xd + m * K, K, xq.data() + m * K, dx.data() + m * (K / 32), xs16.data() + m * (K / 16));
+    }
+  });
+  at::Tensor y = at::empty({M, P * 16}, x.options().dtype(at::kFloat));
+  GgufProblem pb{xq.data(), dx.data(), xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
+                 kq ? superscales->data_ptr<float>() : nullptr, P, (int)bits, (int)G, (int)SB, y.data_ptr<float>()};
+  auto* fn = &panel_rows_scalar;
+#if defined(__x86_64__)
+  if (path == Path::kAvx512Vnni) fn = &panel_rows_avx512vnni;
+  else if (path == Path::kAvx2) fn = &panel_rows_avx2_any;
+#endif
+  at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t mb = 0; mb < M; mb += kMC)
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t m = mb; m < std::min(M, mb + kMC); m += kMR) fn(pb, p, m, (int)std::min<int64_t>(kMR, M - m));
+  });
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  return n == P * 16 ? y : y.narrow(1, 0, n);
+}
+
+}  // namespace
+}  // namespace kvmesh_gemm
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("gguf_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? superscales, int bits, int group_size, "
+        "int N) -> Tensor");
+  m.def("gguf_gemm_path() -> str", &kvmesh_gemm::gguf_gemm_path);
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("gguf_linear", &kvmesh_gemm::gguf_linear_cpu); }
