@@ -72,9 +72,10 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
                 y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n)
                 ref = gguf_linear_ref(x, qw, scales, supers, bits, G, n)
                 assert y.dtype == dtype and y.shape == (m, n)
-                xq, dx = quantize_activations(x)
+                qb = 32 if supers is None else k // supers.shape[1]
+                xq, dx = quantize_activations(x, qb)
                 w = _dequantized(q, scales, supers, G).double()
-                mag = (dx.double().repeat_interleave(32, 1) * xq.double()).abs() @ w.abs().T
+                mag = (dx.double().repeat_interleave(qb, 1) * xq.double()).abs() @ w.abs().T
                 tol = 1e-5 * mag + (2 ** -7 * ref.double().abs() if dtype == torch.bfloat16 else 0)   # one bf16 ulp
                 assert ((y.double() - ref.double()).abs() <= tol + 1e-30).all(), (level, m, dtype)
 
@@ -85,8 +86,9 @@ def test_reference_is_dequantize_then_matmul():
         q, scales, supers = _weights(24, 512, bits, G, scheme, seed=bits * G)
         qw = gemm.pack_gguf_qweight(q, bits)
         x = torch.randn(5, 512)
-        xq, dx = quantize_activations(x)
-        xd = xq.double() * dx.double().repeat_interleave(32, 1)
+        qb = 32 if supers is None else 256
+        xq, dx = quantize_activations(x, qb)
+        xd = xq.double() * dx.double().repeat_interleave(qb, 1)
         want = xd @ _dequantized(q, scales, supers, G).double().T
         got = gguf_linear_ref(x.double(), qw, scales, supers, bits, G, 24)
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -2,8 +2,9 @@
 
 The known models are published as GGUF files (:mod:`kvmesh.hub`); ``kvmesh models pull``
 keeps the file as ``<model dir>/model.gguf`` beside ``config.json`` and the tokenizer. Here it
-is memory-mapped (:class:`_Reader`) and each tensor is read from the map only while it is
-turned into its serving form, so pages of the file are not held once loading returns:
+is read (:class:`_Reader`) one tensor at a time, each only while it is
+turned into its serving form (read, not mapped: no page of the file stays in the process's
+memory):
 
 - every Linear (q/k/v and gate/up stacked as in :mod:`workers.models.llama`) keeps its GGUF
   integers and scales in the ``gguf_linear`` kernel's representation
@@ -23,10 +24,9 @@ Hugging Face order the model's RoPE expects. Qwen2 files are not permuted.
 from __future__ import annotations
 
 import logging
-import warnings
+import os
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -87,8 +87,8 @@ class _Reader:
     are skipped over, not decoded (``gguf.GGUFReader`` decodes them: ~9 s for Qwen2.5's file).
 
     ``raw(name) -> (type name, tensor, K)``: a block type's rows as uint8 ``[rows, row bytes]``,
-    a float type as ``[rows, K]`` (``[K]`` for a vector), both views of the map (read-only:
-    copy what must outlive the reader). Raises SettingsError naming the file for a file that
+    a float type as ``[rows, K]`` (``[K]`` for a vector), read from the file (``preadv``) into
+    a new tensor. The header is parsed through a memory map, closed before loading. Raises SettingsError naming the file for a file that
     is not GGUF, is cut short, or lacks a tensor."""
 
     def __init__(self, path: Path):
@@ -96,11 +96,11 @@ class _Reader:
         import struct
         self.path = path
         try:
-            with open(path, "rb") as fh:
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._fd = os.open(path, os.O_RDONLY)
+            mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)     # the header only
         except (OSError, ValueError) as e:
-            raise SettingsError(f"{path}: cannot map the GGUF file ({e})") from None
-        mm, pos = self._mm, 0
+            raise SettingsError(f"{path}: cannot read the GGUF file ({e})") from None
+        pos = 0
 
         def take(fmt: str):
             nonlocal pos
@@ -170,7 +170,13 @@ class _Reader:
                     raise ValueError(f"tensor {name!r} ends past the end of the file")
                 self.tensors[name] = (ty, k, rows, base + offset, nbytes)
         except (ValueError, struct.error, UnicodeDecodeError) as e:
+            os.close(self._fd)
             raise SettingsError(f"{path}: not a readable GGUF file ({e})") from None
+        finally:
+            mm.close()
+
+    def close(self) -> None:
+        os.close(self._fd)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -182,9 +188,15 @@ class _Reader:
         if ty not in gguf_blocks.FLOAT_TYPES and ty not in gguf_blocks.BLOCK:
             raise SettingsError(f"{self.path}: tensor {name!r} is {ty}, which kvmesh does not serve "
                                 f"(it serves {', '.join([*gguf_blocks.FLOAT_TYPES, *gguf_blocks.BLOCK])})")
-        with warnings.catch_warnings():       # a read-only view of the map: never written
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset))
+        # read, not a view of the map: pages of a map touched while loading count in the
+        # process's RSS until it is unmapped (the whole file, on top of the repacked weights)
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(data.numpy()), 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise SettingsError(f"{self.path}: file ends inside tensor {name!r}")
+            done += got
         if ty in gguf_blocks.FLOAT_TYPES:
             t = data.view(gguf_blocks.FLOAT_TYPES[ty])
             return ty, (t.reshape(rows, k) if rows > 1 else t), k
@@ -247,6 +259,8 @@ def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.
         _load_rest(rd, cfg, model, dtype, device)
     except ValueError as e:
         raise SettingsError(f"{path}: {e}") from None
+    finally:
+        rd.close()
     return model.eval()
 
 
@@ -271,7 +285,7 @@ def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype,
         if lin.bias is not None:
             if set(bnames) != set(lin.shards):
                 raise ValueError(f"GGUF lacks the biases of {sorted(wnames.values())}")
-            bias = torch.cat([rd.raw(bnames[s])[1].float().reshape(-1) for s in lin.shards])     # cat: a copy, not the map
+            bias = torch.cat([rd.raw(bnames[s])[1].float().reshape(-1) for s in lin.shards])
         if u is not None:
             if u.shape != (lin.out_features, lin.in_features):
                 raise ValueError(f"{sorted(wnames.values())}: shape {list(u.shape)}, model expects "
@@ -315,7 +329,7 @@ def _load_rest(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype, de
         if ty not in gguf_blocks.FLOAT_TYPES and ty not in gguf_blocks.BLOCK:
             raise ValueError(f"token_embd.weight: GGUF type {ty} is not supported")
         raw = raw if ty not in gguf_blocks.FLOAT_TYPES else raw.contiguous().view(torch.uint8).reshape(raw.shape[0], -1)
-        model.embed_tokens = GGUFEmbedding(raw.to(device, copy=True), ty, cfg.hidden_size, dtype)
+        model.embed_tokens = GGUFEmbedding(raw.to(device), ty, cfg.hidden_size, dtype)
 
 
 def is_gguf_model(model_dir: str | Path) -> bool:

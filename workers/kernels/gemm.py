@@ -295,8 +295,9 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, su
     :func:`pack_gguf_scales`: ``w = s q + z`` per group of ``group_size`` (16 or 32) along K,
     (s, z) float16 in ``scales`` (flat scheme, ``superscales`` None) or ``s = d sc``,
     ``z = -dmin m`` with int8 (sc, m) in ``scales`` and float32 (d, dmin) per super-block in
-    ``superscales`` (k-quant scheme). x is quantized per 32 values to int8 (round half to even
-    of ``x * 127 / amax``), the dot products are exact int32, then scaled in float32
+    ``superscales`` (k-quant scheme). x is quantized to int8 per 32 values (flat) or per
+    super-block (k-quant; as llama.cpp's q8_0 / q8_K), round half to even of
+    ``x * 127 / amax``; the dot products are exact int32, then scaled in float32
     (:func:`workers.kernels.reference.gguf_linear_ref` is the same in PyTorch).
 
     Args:

@@ -66,13 +66,14 @@ def unpack_gguf_qweight(qweight: torch.Tensor, bits: int, k: int) -> torch.Tenso
     return torch.stack([b & 0x0F, b >> 4], dim=3).permute(0, 2, 1, 3, 4).reshape(16 * p, k)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gguf_linear``'s activation quantization: per row and 32 values, ``dx = amax / 127``,
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gguf_linear``'s activation quantization: per row and ``block`` values (32 for the
+    flat scheme, the super-block for the k-quant scheme), ``dx = amax / 127``,
     ``xq = round_half_even(x * (127 / amax))`` (0 for an all-zero block), float32 math.
-    Returns ``(xq float32 [M, K] of integers, dx float32 [M, K / 32])``."""
+    Returns ``(xq float32 [M, K] of integers, dx float32 [M, K / block])``."""
     xf = x.float()
     m, k = xf.shape
-    blk = xf.view(m, k // 32, 32)
+    blk = xf.view(m, k // block, block)
     amax = blk.abs().amax(-1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(blk * inv[..., None]).clamp_(-127, 127)
@@ -94,11 +95,12 @@ def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         dmin = superscales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
         s = d * scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
         z = -dmin * scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
-    xq, dx = quantize_activations(x)
+    qb = 32 if superscales is None else k // superscales.shape[1]
+    xq, dx = quantize_activations(x, qb)
     xq, dx = xq.double(), dx.double()
     m = x.shape[0]
     isum = torch.einsum("mgk,ngk->mng", xq.view(m, k // G, G), q.view(-1, k // G, G))    # [M, 16P, K/G]
     xsum = xq.view(m, k // G, G).sum(-1)                                                   # [M, K/G]
-    dxg = dx.repeat_interleave(32 // G, 1) if G < 32 else dx                                # [M, K/G]
+    dxg = dx.repeat_interleave(qb // G, 1)                                                  # [M, K/G]
     y = (dxg[:, None, :] * (s[None] * isum + z[None] * xsum[:, None, :])).sum(-1)
     return y[:, :n].to(x.dtype)

@@ -49,7 +49,8 @@ constexpr int64_t kMC = 64;  // rows per cache block
 // What one call computes; the per-path kernels read it.
 struct GgufProblem {
   const int8_t* xq;       // [M, K]
-  const float* dx;        // [M, K / 32]
+  const float* dx;        // [M, K / QB]: the activations' scale per block of QB
+  int64_t QB;             // 32 (flat scheme) or the super-block (k-quant scheme)
   const int32_t* xs16;    // [M, K / 16] sums of xq over 16
   int64_t M, K;
   const uint8_t* qw;      // [P, K * bits / 8 * 16]
@@ -57,8 +58,25 @@ struct GgufProblem {
   const float* supers;    // k: [P, K/SB, 2, 16]; flat: nullptr
   int64_t P;
   int bits, G, SB;
-  float* y;               // [M, 16 P] float32
+  void* y;                // [M, 16 P] float32, or bfloat16 when y_bf16
+  bool y_bf16;
 };
+
+// bfloat16 bits of a float32, round to nearest even (as c10::BFloat16 for non-NaN values)
+static inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_row_scalar(const GgufProblem& pb, int64_t m, int64_t p, const float* v) {
+  if (pb.y_bf16) {
+    uint16_t* y = (uint16_t*)pb.y + m * pb.P * 16 + p * 16;
+    for (int n = 0; n < 16; ++n) y[n] = bf16_bits(v[n]);
+  } else {
+    std::memcpy((float*)pb.y + m * pb.P * 16 + p * 16, v, 16 * sizeof(float));
+  }
+}
 
 // The group's (s, z) for the 16 columns of panel p: written to s[16], z[16].
 static inline void group_sz(const GgufProblem& pb, int64_t p, int64_t g, float* s, float* z) {
@@ -92,7 +110,7 @@ static void panel_rows_scalar(const GgufProblem& pb, int64_t p, int64_t m0, int 
     for (int r = 0; r < mr; ++r) {
       const int64_t m = m0 + r;
       const int8_t* xq = pb.xq + m * K;
-      const float dx = pb.dx[m * (K / 32) + g * pb.G / 32];
+      const float dx = pb.dx[m * (K / pb.QB) + g * pb.G / pb.QB];
       int32_t xsum = 0;
       for (int h = 0; h < pb.G / 16; ++h) xsum += pb.xs16[m * (K / 16) + g * pb.G / 16 + h];
       for (int n = 0; n < 16; ++n) {
@@ -112,24 +130,24 @@ static void panel_rows_scalar(const GgufProblem& pb, int64_t p, int64_t m0, int 
       }
     }
   }
-  for (int r = 0; r < mr; ++r) std::memcpy(pb.y + (m0 + r) * pb.P * 16 + p * 16, out[r], 16 * sizeof(float));
+  for (int r = 0; r < mr; ++r) store_row_scalar(pb, m0 + r, p, out[r]);
 }
 
-static void quantize_rows_scalar(const float* x, int64_t K, int8_t* xq, float* dx, int32_t* xs16) {
-  for (int64_t b = 0; b < K / 32; ++b) {
+static void quantize_rows_scalar(const float* x, int64_t K, int64_t QB, int8_t* xq, float* dx, int32_t* xs16) {
+  for (int64_t b = 0; b < K / QB; ++b) {
     float amax = 0.f;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(x[b * QB + i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     dx[b] = amax / 127.f;
-    for (int h = 0; h < 2; ++h) {
+    for (int64_t h = 0; h < QB / 16; ++h) {
       int32_t sum = 0;
-      for (int i = 16 * h; i < 16 * h + 16; ++i) {
-        const float v = std::nearbyint(x[b * 32 + i] * inv);
+      for (int64_t i = b * QB + 16 * h; i < b * QB + 16 * h + 16; ++i) {
+        const float v = std::nearbyint(x[i] * inv);
         const int q = (int)std::max(-127.f, std::min(127.f, v));
-        xq[b * 32 + i] = (int8_t)q;
+        xq[i] = (int8_t)q;
         sum += q;
       }
-      xs16[b * 2 + h] = sum;
+      xs16[b * (QB / 16) + h] = sum;
     }
   }
 }
@@ -169,6 +187,10 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
     xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
   }
   constexpr int kChunks = G * BITS * 16 / 8 / 64;      // 64-byte chunks per group
+  const int64_t per_sb = pb.supers != nullptr ? pb.SB / G : 1;
+  __m512i ks[MR], km[MR];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) ks[r] = km[r] = _mm512_setzero_si512();
   for (int64_t g = 0; g < ng; ++g) {
     __m512i acc[MR][2];
 #pragma GCC unroll 4
@@ -192,12 +214,40 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
           acc[r][c & 1] = _mm512_dpbusd_epi32(acc[r][c & 1], v, _mm512_set1_epi32(xq4[r][q0 + c]));
       }
     }
+    if (pb.supers != nullptr) {
+      // k-quant: the super-block's groups summed in integers (sc * isum, m * xsum; |.| < 2^30),
+      // scaled once per super-block by dx d and dx dmin (one activation scale per super-block)
+      const int8_t* sm = (const int8_t*)pb.scales + (p * ng + g) * 32;
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm));
+      const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + 16)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const int64_t m = m0 + r;
+        int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
+        if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
+        ks[r] = _mm512_add_epi32(ks[r], _mm512_mullo_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), sc));
+        km[r] = _mm512_add_epi32(km[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xsum)));
+      }
+      if ((g + 1) % per_sb == 0) {
+        const int64_t sb = g / per_sb;
+        const float* dd = pb.supers + (p * (K / pb.SB) + sb) * 32;
+        const __m512 d = _mm512_loadu_ps(dd), dmin = _mm512_loadu_ps(dd + 16);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m512 dx = _mm512_set1_ps(pb.dx[(m0 + r) * (K / pb.QB) + sb]);
+          out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ks[r]), _mm512_mul_ps(d, dx), out[r]);
+          out[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(km[r]), _mm512_mul_ps(dmin, dx), out[r]);
+          ks[r] = km[r] = _mm512_setzero_si512();
+        }
+      }
+      continue;
+    }
     __m512 s, z;
     group_sz_avx512(pb, p, g, s, z);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       const int64_t m = m0 + r;
-      const float dx = pb.dx[m * (K / 32) + g * G / 32];
+      const float dx = pb.dx[m * (K / pb.QB) + g * G / pb.QB];
       int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
       if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
       const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
@@ -206,7 +256,17 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(pb.y + (m0 + r) * pb.P * 16 + p * 16, out[r]);
+  for (int r = 0; r < MR; ++r) {
+    const int64_t off = (m0 + r) * pb.P * 16 + p * 16;
+    if (pb.y_bf16) {      // round to nearest even in integers (no AVX512-BF16 needed)
+      const __m512i u = _mm512_castps_si512(out[r]);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+      _mm256_storeu_si256((__m256i*)((uint16_t*)pb.y + off), _mm512_cvtepi32_epi16(b));
+    } else {
+      _mm512_storeu_ps((float*)pb.y + off, out[r]);
+    }
+  }
 }
 
 template <int BITS, int G>
@@ -224,22 +284,29 @@ static void panel_rows_avx512vnni(const GgufProblem& pb, int64_t p, int64_t m0, 
   return pb.G == 32 ? panel_vnni<8, 32>(pb, p, m0, mr) : panel_vnni<8, 16>(pb, p, m0, mr);
 }
 
-static void quantize_rows_avx512(const float* x, int64_t K, int8_t* xq, float* dx, int32_t* xs16) {
+static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16(const uint16_t* x) {      // 16 bfloat16 -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+}
+
+template <typename T>
+static void quantize_rows_avx512(const T* x, int64_t K, int64_t QB, int8_t* xq, float* dx, int32_t* xs16) {
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const __m512 a0 = _mm512_loadu_ps(x + b * 32), a1 = _mm512_loadu_ps(x + b * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a0, absmask), _mm512_and_ps(a1, absmask)));
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const T* xb = x + b * QB;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t i = 0; i < QB; i += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load16(xb + i), absmask));
+    const float amax = _mm512_reduce_max_ps(mx);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     dx[b] = amax / 127.f;
     const __m512 iv = _mm512_set1_ps(inv);
-    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-    // cvtps2dq rounds to nearest even under the default MXCSR
-    const __m512i q0 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(a0, iv))));
-    const __m512i q1 = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(a1, iv))));
-    _mm_storeu_si128((__m128i*)(xq + b * 32), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128((__m128i*)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
-    xs16[b * 2] = _mm512_reduce_add_epi32(q0);
-    xs16[b * 2 + 1] = _mm512_reduce_add_epi32(q1);
+    for (int64_t i = 0; i < QB; i += 16) {
+      // cvtps2dq rounds to nearest even under the default MXCSR
+      const __m512i q = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + i), iv))));
+      _mm_storeu_si128((__m128i*)(xq + b * QB + i), _mm512_cvtepi32_epi8(q));
+      xs16[(b * QB + i) / 16] = _mm512_reduce_add_epi32(q);
+    }
   }
 }
 #pragma GCC pop_options
@@ -295,7 +362,7 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
                                   : _mm256_fmadd_ps(_mm256_set1_ps(128.f), sv, _mm256_load_ps(z + 8 * h));
       for (int r = 0; r < MR; ++r) {
         const int64_t m = m0 + r;
-        const float dx = pb.dx[m * (K / 32) + g * G / 32];
+        const float dx = pb.dx[m * (K / pb.QB) + g * G / pb.QB];
         int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
         if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
         const __m256 isum = _mm256_cvtepi32_ps(acc[r][h]);
@@ -304,8 +371,12 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
       }
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(pb.y + (m0 + r) * pb.P * 16 + p * 16 + 8 * h, out[r][h]);
+  alignas(32) float row[16];
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(row, out[r][0]);
+    _mm256_store_ps(row + 8, out[r][1]);
+    store_row_scalar(pb, m0 + r, p, row);
+  }
 }
 
 template <int BITS, int G>
@@ -374,26 +445,40 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
     SB = K / ss.size(1);
     TORCH_CHECK(SB % G == 0 && SB % 32 == 0, "gguf_linear: the super-block (", SB, ") must be a multiple of 32 and of G");
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * (K / 32));
+  // the activations' blocks: 32 values (flat scheme, as llama.cpp's q8_0), or the k-quant
+  // super-block (as its q8_K), so that the vnni path sums a super-block's groups in integers
+  const int64_t QB = kq ? SB : 32;
+  std::vector<float> dx(M * (K / QB));
   std::vector<int32_t> xs16(M * (K / 16));
   const Path path = selected_path();
-  const float* xd = xf.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<float> row(bf16 ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
+      int8_t* q = xq.data() + m * K;
+      float* d = dx.data() + m * (K / QB);
+      int32_t* s16 = xs16.data() + m * (K / 16);
 #if defined(__x86_64__)
       if (path == Path::kAvx512Vnni) {
-        quantize_rows_avx512(xd + m * K, K, xq.data() + m * K, dx.data() + m * (K / 32), xs16.data() + m * (K / 16));
+        if (bf16) quantize_rows_avx512((const uint16_t*)xc.data_ptr<at::BFloat16>() + m * K, K, QB, q, d, s16);
+        else quantize_rows_avx512(xc.data_ptr<float>() + m * K, K, QB, q, d, s16);
         continue;
       }
 #endif
-      quantize_rows_scalar(xd + m * K, K, xq.data() + m * K, dx.data() + m * (K / 32), xs16.data() + m * (K / 16));
+      if (bf16) {
+        const at::BFloat16* xb = xc.data_ptr<at::BFloat16>() + m * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = (float)xb[k];
+        quantize_rows_scalar(row.data(), K, QB, q, d, s16);
+      } else {
+        quantize_rows_scalar(xc.data_ptr<float>() + m * K, K, QB, q, d, s16);
+      }
     }
   });
-  at::Tensor y = at::empty({M, P * 16}, x.options().dtype(at::kFloat));
-  GgufProblem pb{xq.data(), dx.data(), xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
-                 kq ? superscales->data_ptr<float>() : nullptr, P, (int)bits, (int)G, (int)SB, y.data_ptr<float>()};
+  at::Tensor y = at::empty({M, P * 16}, x.options());
+  GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
+                 kq ? superscales->data_ptr<float>() : nullptr, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16};
   auto* fn = &panel_rows_scalar;
 #if defined(__x86_64__)
   if (path == Path::kAvx512Vnni) fn = &panel_rows_avx512vnni;
@@ -404,7 +489,6 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       for (int64_t p = p0; p < p1; ++p)
         for (int64_t m = mb; m < std::min(M, mb + kMC); m += kMR) fn(pb, p, m, (int)std::min<int64_t>(kMR, M - m));
   });
-  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
   return n == P * 16 ? y : y.narrow(1, 0, n);
 }
 
