@@ -54,8 +54,8 @@ def _dequantized(q, scales, supers, G):
     return q.double() * s.repeat_interleave(G, 1) + z.repeat_interleave(G, 1)      # float64: exact
 
 
-@pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (8, 16, "k"), (8, 32, "k"),
-                                           (4, 16, "k")], ids=str)
+@pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
+                                           (6, 32, "k"), (8, 16, "k"), (4, 16, "k")], ids=str)
 @pytest.mark.parametrize("n,k", [(40, 256), (64, 512), (16, 768)], ids=str)
 def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypatch):
     q, scales, supers = _weights(n, k, bits, G, scheme, seed=n + k + bits + G)
@@ -82,7 +82,7 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
 
 def test_reference_is_dequantize_then_matmul():
     """The reference equals x (as the kernel quantizes it) @ W.T with W dequantized, in float64."""
-    for bits, G, scheme in [(4, 32, "k"), (8, 16, "k"), (8, 32, "flat")]:
+    for bits, G, scheme in [(4, 32, "k"), (6, 16, "k"), (8, 16, "k"), (8, 32, "flat"), (6, 32, "flat")]:
         q, scales, supers = _weights(24, 512, bits, G, scheme, seed=bits * G)
         qw = gemm.pack_gguf_qweight(q, bits)
         x = torch.randn(5, 512)
@@ -112,6 +112,14 @@ def test_pack_layout_by_hand():
     qw = gemm.pack_gguf_qweight(q, 4)
     assert qw.shape == (1, 64)
     assert qw[0, 12:16].tolist() == [1 | 5 << 4, 2 | 6 << 4, 3 | 7 << 4, 4 | 8 << 4]
+    q6 = q.clone()
+    q6[3, 1], q6[7, 4] = 0x2A, 0x3F                              # high bits 10, 11
+    qw6 = gemm.pack_gguf_qweight(q6, 6)
+    assert qw6.shape == (1, 96) and torch.equal(qw6[0, :64], gemm.pack_gguf_qweight(q6 & 15, 4)[0])
+    # column 3, k 1: operand 0 byte 13 = lane 0, byte 13 -> bits 0-1 of byte 64 + 13; column 7, k 4:
+    # operand 1 byte 28 = lane 1, byte 12 -> bits 2-3 of byte 80 + 12
+    assert (qw6[0, 64 + 13] & 3) == 2 and ((qw6[0, 80 + 12] >> 2) & 3) == 3
+    assert torch.equal(unpack_gguf_qweight(qw6, 6, 8), q6)
     qw8 = gemm.pack_gguf_qweight(torch.cat([q, q], dim=1)[:, :8], 8)
     assert qw8.shape == (1, 128) and qw8[0, 12:16].tolist() == [1, 2, 3, 4] and qw8[0, 64 + 12:64 + 16].tolist() == [5, 6, 7, 8]
 
@@ -128,7 +136,7 @@ def test_errors_name_the_argument():
         gemm.gguf_linear(x, qw, scales.float(), supers, 4, 32, 16)
     with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
         gemm.gguf_linear(x, qw, scales, None, 4, 32, 16)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         gemm.gguf_linear(x, qw, scales, supers, 5, 32, 16)
     with pytest.raises(RuntimeError, match=r"N \(17\)"):
         gemm.gguf_linear(x, qw, scales, supers, 4, 32, 17)

@@ -50,7 +50,7 @@ def test_unpack_equals_the_gguf_package_dequantization(ggml_type):
     u = gguf_blocks.unpack(ggml_type, torch.from_numpy(raw), k)
     ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[ggml_type])).reshape(7, k).float()
     assert u.q.dtype == torch.uint8 and int(u.q.max()) < 2 ** u.bits
-    assert u.bits == (4 if ggml_type in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert u.bits == (4 if ggml_type in ("Q4_0", "Q4_1", "Q4_K") else 8 if ggml_type == "Q8_0" else 6)
     assert u.group == (16 if ggml_type == "Q6_K" else 32)
     assert torch.equal(u.dequantize(), ref)
 

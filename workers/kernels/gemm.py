@@ -255,17 +255,19 @@ def pack_gguf_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
 
     Args:
         q: uint8 ``[N, K]`` (K a multiple of 8), values below ``2 ** bits``.
-        bits: 4 or 8 (lane width).
+        bits: 4, 6 or 8 (lane width).
     Returns:
-        uint8 ``[P, 2 * bits * K]`` (P = ceil(N / 16); padding columns 0): per panel, 64-byte
-        chunks along k; bits 4: chunk c, byte ``4 n + j`` = ``q[n][8c + j] | q[n][8c + 4 + j] << 4``;
-        bits 8: chunk c, byte ``4 n + j`` = ``q[n][4c + j]`` (csrc/gemm/gguf_gemm.cpp).
+        uint8 ``[P, 2 * bits * K]`` (P = ceil(N / 16); padding columns 0): per panel, chunks
+        along k; bits 4: 64-byte chunk c, byte ``4 n + j`` = ``q[n][8c + j] | q[n][8c + 4 + j] << 4``;
+        bits 6: the same 64 bytes of low nibbles, then 32 bytes of the high 2 bits (operand
+        ``o``'s byte ``i = 16 l + b`` in bits ``2l, 2l+1`` of byte ``64 + 16 o + b``);
+        bits 8: 64-byte chunk c, byte ``4 n + j`` = ``q[n][4c + j]`` (csrc/gemm/gguf_gemm.cpp).
     Raises:
         ValueError: bad bits, K or dtype.
     """
     n, k = q.shape
-    if bits not in (4, 8) or k % 8 or q.dtype != torch.uint8:
-        raise ValueError(f"pack_gguf_qweight: q must be uint8 [N, K] with K % 8 == 0 and bits 4 or 8; got "
+    if bits not in (4, 6, 8) or k % 8 or q.dtype != torch.uint8:
+        raise ValueError(f"pack_gguf_qweight: q must be uint8 [N, K] with K % 8 == 0 and bits 4, 6 or 8; got "
                          f"{q.dtype} {tuple(q.shape)}, bits {bits}")
     pad = (-n) % 16
     if pad:
@@ -273,8 +275,14 @@ def pack_gguf_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
     p = (n + pad) // 16
     if bits == 8:
         return q.view(p, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(p, 16 * k)
-    qc = q.view(p, 16, k // 8, 2, 4).permute(0, 2, 1, 3, 4)           # [p, c, n, half, j]
-    return (qc[..., 0, :] | (qc[..., 1, :] << 4)).contiguous().view(p, 8 * k)
+    qc = q.view(p, 16, k // 8, 2, 4).permute(0, 2, 1, 3, 4)           # [p, c, n, o, j]
+    lo = qc & 0x0F
+    nib = (lo[..., 0, :] | (lo[..., 1, :] << 4)).reshape(p, k // 8, 64)
+    if bits == 4:
+        return nib.contiguous().view(p, 8 * k)
+    hi = (qc >> 4).permute(0, 1, 3, 2, 4).reshape(p, k // 8, 2, 4, 16)  # [p, c, o, l, b]: operand byte 16 l + b
+    hb = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)     # [p, c, o, b]
+    return torch.cat([nib, hb.reshape(p, k // 8, 32)], dim=2).contiguous().view(p, 12 * k)
 
 
 def pack_gguf_scales(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

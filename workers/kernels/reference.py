@@ -62,8 +62,14 @@ def unpack_gguf_qweight(qweight: torch.Tensor, bits: int, k: int) -> torch.Tenso
     p = qweight.shape[0]
     if bits == 8:
         return qweight.view(p, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(16 * p, k)
-    b = qweight.view(p, k // 8, 16, 4)
-    return torch.stack([b & 0x0F, b >> 4], dim=3).permute(0, 2, 1, 3, 4).reshape(16 * p, k)
+    ch = qweight.view(p, k // 8, 96 if bits == 6 else 64)
+    b = ch[..., :64].reshape(p, k // 8, 16, 4)
+    q = torch.stack([b & 0x0F, b >> 4], dim=3)                                  # [p, c, n, o, j]
+    if bits == 6:
+        hb = ch[..., 64:].reshape(p, k // 8, 2, 1, 16)                          # [p, c, o, 1, b]
+        hi = (hb >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3     # [p, c, o, l, b]
+        q = q | (hi.reshape(p, k // 8, 2, 16, 4).permute(0, 1, 3, 2, 4) << 4)   # operand byte 16 l + b = 4 n + j
+    return q.permute(0, 2, 1, 3, 4).reshape(16 * p, k)
 
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

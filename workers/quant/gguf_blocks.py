@@ -17,11 +17,10 @@ with ``q`` an unsigned integer and per-group float ``s``, ``z``, in one of two s
   ``d sc (q - 32)`` = ``s q + z`` with ``dmin = 32 d`` and ``m = sc``). ``d * sc`` needs up to
   19 significant bits, so it is formed in float32 by the kernel, never stored rounded.
 
-``q`` takes 4-bit lanes (Q4_0, Q4_1, Q4_K: 0..15) or 8-bit lanes (Q5_*, Q6_K, Q8_0). Q5 and Q6
-values in 8-bit lanes cost 8 bits instead of 5.5-6.6 (the price of one lane width the dot
-product reads directly; docs/quantization.md). Tensors stacked into one Linear (q/k/v,
-gate/up) are brought to one representation by :func:`stack` (widest lanes, smallest group;
-both exact) when they share a scheme.
+``q`` takes 4-bit lanes (Q4_0, Q4_1, Q4_K: 0..15), 6-bit lanes (Q5_0, Q5_1, Q5_K, Q6_K: a
+nibble plane and a 2-bit plane; Q5 values cost 6 bits instead of 5) or 8-bit lanes (Q8_0).
+Tensors stacked into one Linear (q/k/v, gate/up) are brought to one representation by
+:func:`stack` (widest lanes, smallest group; both exact) when they share a scheme.
 
 Block layouts follow ggml-common.h; the decoding mirrors ``gguf.quants`` (the ``gguf`` package,
 which the tests use as the independent reference).
@@ -48,7 +47,7 @@ class Unpacked:
 
     Attributes:
         q: uint8 ``[N, K]``.
-        bits: lane width, 4 (q < 16) or 8.
+        bits: lane width, 4 (q < 16), 6 (q < 64) or 8.
         group: G, 16 or 32.
         scheme: ``"flat"`` or ``"k"``.
         a, b: flat: ``s``, ``z`` float32 ``[N, K // G]`` (float16-exact);
@@ -157,7 +156,7 @@ def unpack(ggml_type: str, raw: torch.Tensor, k: int) -> Unpacked:
         qh = blk[..., off:off + 4].contiguous().view(torch.int32)              # [n, nb, 1]
         hi = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)  # [n, nb, 32]
         q = (_nibbles(blk[..., off + 4:off + 20]) | (hi << 4)).reshape(n, k)
-        return _flat(q, 8, d, -16 * d if ggml_type == "Q5_0" else _f16(blk[..., 2:4]))
+        return _flat(q, 6, d, -16 * d if ggml_type == "Q5_0" else _f16(blk[..., 2:4]))
     if ggml_type in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
         sc, m = _k_scales(blk[..., 4:16])
@@ -168,7 +167,7 @@ def unpack(ggml_type: str, raw: torch.Tensor, k: int) -> Unpacked:
         if ggml_type == "Q5_K":
             qh = blk[..., 16:48].reshape(n, k // bv, 1, 32)
             hi = (qh >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1               # [n, nb, 8, 32]
-            q, bits = q | (hi.reshape(n, k // bv, 256) << 4), 8
+            q, bits = q | (hi.reshape(n, k // bv, 256) << 4), 6
         return Unpacked(q.reshape(n, k), bits, 32, "k", sc.reshape(n, -1).to(torch.int8),
                         m.reshape(n, -1).to(torch.int8), d, dmin)
     # Q6_K: ql [0:128], qh [128:192], scales int8 [192:208], d [208:210]
@@ -179,7 +178,7 @@ def unpack(ggml_type: str, raw: torch.Tensor, k: int) -> Unpacked:
     q = lo.reshape(n, k // bv, 256) | (hi.reshape(n, k // bv, 256) << 4)
     sc = blk[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
     d = _f16(blk[..., 208:210])
-    return Unpacked(q.reshape(n, k), 8, 16, "k", sc, sc.clone(), d, 32 * d)
+    return Unpacked(q.reshape(n, k), 6, 16, "k", sc, sc.clone(), d, 32 * d)
 
 
 def stack(parts: list[Unpacked]) -> Unpacked:

@@ -5,12 +5,16 @@
 // (quantize_row_q8_0, ggml_vec_dot_q4_K_q8_K), on a layout of our own.
 //
 // Weights: w[n][k] = s[g][n] * q[n][k] + z[g][n], g = k / G (G = 16 or 32), q unsigned: 4-bit
-// lanes (0..15) or 8-bit lanes (0..255). 16-column panels; a panel is K * bits / 8 * 16 bytes in
-// 64-byte chunks along k:
-//   bits 4: chunk c covers k in [8c, 8c + 8): byte 4n + j = q[n][8c + j] | q[n][8c + 4 + j] << 4
-//   bits 8: chunk c covers k in [4c, 4c + 4): byte 4n + j = q[n][4c + j]
-// so that (v & 0x0F), (v >> 4) & 0x0F (bits 4) or v itself (bits 8) is the u8 [16 columns x 4 k]
-// operand of vpdpbusd against 4 int8 activations broadcast to every 32-bit lane.
+// lanes (0..15), 6-bit lanes (0..63: Q5, Q6_K) or 8-bit lanes (0..255). 16-column panels; a panel
+// is K * bits / 8 * 16 bytes in chunks along k:
+//   bits 4: 64-byte chunk c covers k in [8c, 8c + 8): byte 4n + j = q[n][8c + j] & 15 | (q[n][8c + 4 + j] & 15) << 4
+//   bits 6: 96-byte chunk c: those 64 bytes of low nibbles, then the high 2 bits of the same
+//           weights in 2 x 16 bytes (operand o = 0 for k 8c..8c+3, 1 for 8c+4..8c+7): operand byte
+//           i = 16 l + b (i = 4n + j) has its high bits in bits 2l, 2l + 1 of byte 64 + 16 o + b
+//   bits 8: 64-byte chunk c covers k in [4c, 4c + 4): byte 4n + j = q[n][4c + j]
+// so that (v & 0x0F), (v >> 4) & 0x0F (| the high bits << 4 for bits 6) or v itself (bits 8) is
+// the u8 [16 columns x 4 k] operand of vpdpbusd against 4 int8 activations broadcast to every
+// 32-bit lane.
 // Scales per group and column: flat: float16 (s, z) [P, K/G, 2, 16]; k-quant: int8 (sc, m)
 // [P, K/G, 2, 16] with float32 (d, dmin) [P, K/SB, 2, 16] per super-block: s = d sc, z = -dmin m.
 //
@@ -45,6 +49,25 @@ namespace {
 
 constexpr int kMR = 4;      // rows per register block
 constexpr int64_t kMC = 64;  // rows per cache block
+
+// Chunk geometry per lane width: k per chunk and bytes per chunk.
+constexpr int chunk_k(int bits) { return bits == 8 ? 4 : 8; }
+constexpr int chunk_bytes(int bits) { return bits == 6 ? 96 : 64; }
+
+// q[n][k] from a panel (scalar; the layout of the file comment)
+static inline int panel_q(const uint8_t* panel, int bits, int64_t k, int n) {
+  if (bits == 8) return panel[(k / 4) * 64 + 4 * n + (k % 4)];
+  const int64_t c = k / 8;
+  const int j = (int)(k % 8), o = j / 4;
+  const uint8_t* ch = panel + c * chunk_bytes(bits);
+  const uint8_t b = ch[4 * n + (j & 3)];
+  int q = o == 0 ? (b & 0x0F) : (b >> 4);
+  if (bits == 6) {
+    const int i = 4 * n + (j & 3), l = i / 16;
+    q |= ((ch[64 + 16 * o + (i % 16)] >> (2 * l)) & 3) << 4;
+  }
+  return q;
+}
 
 // What one call computes; the per-path kernels read it.
 struct GgufProblem {
@@ -115,17 +138,7 @@ static void panel_rows_scalar(const GgufProblem& pb, int64_t p, int64_t m0, int 
       for (int h = 0; h < pb.G / 16; ++h) xsum += pb.xs16[m * (K / 16) + g * pb.G / 16 + h];
       for (int n = 0; n < 16; ++n) {
         int32_t acc = 0;
-        for (int64_t k = g * pb.G; k < (g + 1) * pb.G; ++k) {
-          int q;
-          if (pb.bits == 4) {
-            const int64_t c = k / 8, j = k % 8;
-            const uint8_t b = panel[c * 64 + 4 * n + (j & 3)];
-            q = j < 4 ? (b & 0x0F) : (b >> 4);
-          } else {
-            q = panel[(k / 4) * 64 + 4 * n + (k % 4)];
-          }
-          acc += (int32_t)xq[k] * q;
-        }
+        for (int64_t k = g * pb.G; k < (g + 1) * pb.G; ++k) acc += (int32_t)xq[k] * panel_q(panel, pb.bits, k, n);
         out[r][n] += dx * (s[n] * (float)acc + z[n] * (float)xsum);
       }
     }
@@ -186,7 +199,9 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
     out[r] = _mm512_setzero_ps();
     xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
   }
-  constexpr int kChunks = G * BITS * 16 / 8 / 64;      // 64-byte chunks per group
+  constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);    // chunks per group, bytes each
+  // bits 6: per 128-bit lane l, the shift that brings bits 2l, 2l+1 of a high-plane byte down
+  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
   const int64_t per_sb = pb.supers != nullptr ? pb.SB / G : 1;
   __m512i ks[MR], km[MR];
 #pragma GCC unroll 4
@@ -195,14 +210,20 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
     __m512i acc[MR][2];
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    const uint8_t* pg = panel + g * kChunks * 64;
+    const uint8_t* pg = panel + g * kChunks * kCB;
     const int64_t q0 = g * G / 4;       // first k quad of the group
 #pragma GCC unroll 8
     for (int c = 0; c < kChunks; ++c) {
-      const __m512i v = _mm512_loadu_si512(pg + c * 64);
-      if constexpr (BITS == 4) {
-        const __m512i w0 = _mm512_and_si512(v, lo4);
-        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      const __m512i v = _mm512_loadu_si512(pg + c * kCB);
+      if constexpr (BITS == 4 || BITS == 6) {
+        __m512i w0 = _mm512_and_si512(v, lo4);
+        __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        if constexpr (BITS == 6) {
+          const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 64)));
+          const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 80)));
+          w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
+          w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xq4[r][q0 + 2 * c]));
@@ -281,6 +302,7 @@ static void panel_vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
 
 static void panel_rows_avx512vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
   if (pb.bits == 4) return pb.G == 32 ? panel_vnni<4, 32>(pb, p, m0, mr) : panel_vnni<4, 16>(pb, p, m0, mr);
+  if (pb.bits == 6) return pb.G == 32 ? panel_vnni<6, 32>(pb, p, m0, mr) : panel_vnni<6, 16>(pb, p, m0, mr);
   return pb.G == 32 ? panel_vnni<8, 32>(pb, p, m0, mr) : panel_vnni<8, 16>(pb, p, m0, mr);
 }
 
@@ -326,18 +348,26 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
     out[r][0] = out[r][1] = _mm256_setzero_ps();
     xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
   }
-  constexpr int kChunks = G * BITS * 16 / 8 / 64;
+  constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);
+  const __m256i hshift = _mm256_set_epi64x(2, 2, 0, 0), lo2 = _mm256_set1_epi8(0x03);
   alignas(32) float s[16], z[16];
   for (int64_t g = 0; g < ng; ++g) {
     __m256i acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    const uint8_t* pg = panel + g * kChunks * 64;
+    const uint8_t* pg = panel + g * kChunks * kCB;
     const int64_t q0 = g * G / 4;
     for (int c = 0; c < kChunks; ++c) {
-      for (int h = 0; h < 2; ++h) {      // columns 0-7, 8-15
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(pg + c * 64 + 32 * h));
-        if constexpr (BITS == 4) {
-          const __m256i w0 = _mm256_and_si256(v, lo4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      for (int h = 0; h < 2; ++h) {      // columns 0-7 (operand bytes 0..31: lanes l = 0, 1), 8-15 (l = 2, 3)
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(pg + c * kCB + 32 * h));
+        if constexpr (BITS == 4 || BITS == 6) {    // q < 64: vpmaddubsw cannot saturate (63 * 127 * 2)
+          __m256i w0 = _mm256_and_si256(v, lo4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+          if constexpr (BITS == 6) {
+            const __m256i sh = _mm256_add_epi64(hshift, _mm256_set1_epi64x(4 * h));
+            const __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 64)));
+            const __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 80)));
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(h0, sh), lo2), 4));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(h1, sh), lo2), 4));
+          }
           for (int r = 0; r < MR; ++r) {
             const __m256i x0 = _mm256_set1_epi32(xq4[r][q0 + 2 * c]), x1 = _mm256_set1_epi32(xq4[r][q0 + 2 * c + 1]);
             const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
@@ -358,7 +388,7 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
     for (int h = 0; h < 2; ++h) {
       const __m256 sv = _mm256_load_ps(s + 8 * h);
       // 8-bit lanes summed q - 128: z + 128 s multiplies xsum
-      const __m256 zv = BITS == 4 ? _mm256_load_ps(z + 8 * h)
+      const __m256 zv = BITS != 8 ? _mm256_load_ps(z + 8 * h)
                                   : _mm256_fmadd_ps(_mm256_set1_ps(128.f), sv, _mm256_load_ps(z + 8 * h));
       for (int r = 0; r < MR; ++r) {
         const int64_t m = m0 + r;
@@ -391,6 +421,7 @@ static void panel_avx2(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
 
 static void panel_rows_avx2_any(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
   if (pb.bits == 4) return pb.G == 32 ? panel_avx2<4, 32>(pb, p, m0, mr) : panel_avx2<4, 16>(pb, p, m0, mr);
+  if (pb.bits == 6) return pb.G == 32 ? panel_avx2<6, 32>(pb, p, m0, mr) : panel_avx2<6, 16>(pb, p, m0, mr);
   return pb.G == 32 ? panel_avx2<8, 32>(pb, p, m0, mr) : panel_avx2<8, 16>(pb, p, m0, mr);
 }
 #pragma GCC pop_options
@@ -419,7 +450,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
                            const std::optional<at::Tensor>& superscales, int64_t bits, int64_t group_size, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "gguf_linear: x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(bits == 4 || bits == 8, "gguf_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "gguf_linear: bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(group_size == 16 || group_size == 32, "gguf_linear: group_size must be 16 or 32, got ", group_size);
   const int64_t M = x.size(0), K = x.size(1), G = group_size;
   TORCH_CHECK(K % 32 == 0, "gguf_linear: K (", K, ") must be a multiple of 32");
