@@ -69,8 +69,9 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
                 x[0, 32:64] = 0                              # an all-zero block
-                y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n)
-                ref = gguf_linear_ref(x, qw, scales, supers, bits, G, n)
+                bias = torch.randn(n, generator=gen) if m == 3 else None
+                y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
+                ref = gguf_linear_ref(x, qw, scales, supers, bits, G, n, bias)
                 assert y.dtype == dtype and y.shape == (m, n)
                 qb = 32 if supers is None else k // supers.shape[1]
                 xq, dx = quantize_activations(x, qb)
@@ -138,6 +139,8 @@ def test_errors_name_the_argument():
         gemm.gguf_linear(x, qw, scales, None, 4, 32, 16)
     with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         gemm.gguf_linear(x, qw, scales, supers, 5, 32, 16)
+    with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):
+        gemm.gguf_linear(x, qw, scales, supers, 4, 32, 16, torch.zeros(15))
     with pytest.raises(RuntimeError, match=r"N \(17\)"):
         gemm.gguf_linear(x, qw, scales, supers, 4, 32, 17)
     with pytest.raises(ValueError, match="pack_gguf_qweight"):

@@ -176,7 +176,7 @@ def test_kernel_path_agrees_with_the_reference_path(smollm2_dir, prose_ids, h, m
     model = fast.executor.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.method is GGUF_NATIVE and m.weight is None for m in linears)
-    assert all(m.fast is not None for m in linears if m.bias is None)
+    assert all(m.fast is not None for m in linears)
     monkeypatch.setattr(gemm, "gguf_available", lambda: False)
     ref = h.make_engine(smollm2_dir, weight_format="gguf", dtype="float32", max_num_seqs=4)
     compared = 0

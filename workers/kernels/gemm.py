@@ -63,7 +63,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvmesh::gguf_linear")
     def _gguf_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
-                   bits: int, group_size: int, n: int) -> torch.Tensor:
+                   bits: int, group_size: int, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("kvmesh::bf16_linear")
@@ -298,7 +298,7 @@ def pack_gguf_scales(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
-                bits: int, group_size: int, n: int) -> torch.Tensor:
+                bits: int, group_size: int, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T`` for a GGUF weight in the panels of :func:`pack_gguf_qweight` and
     :func:`pack_gguf_scales`: ``w = s q + z`` per group of ``group_size`` (16 or 32) along K,
     (s, z) float16 in ``scales`` (flat scheme, ``superscales`` None) or ``s = d sc``,
@@ -310,6 +310,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, su
 
     Args:
         x: ``[..., K]`` float32 or bfloat16, K a multiple of 32.
+        bias: ``[n]`` (any float dtype), added in float32 before the output's rounding; or None.
     Returns:
         ``[..., n]`` in x's dtype.
     Raises:
@@ -318,8 +319,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, su
     """
     _require()
     if x.dim() == 2:
-        return torch.ops.kvmesh.gguf_linear.default(x, qweight, scales, superscales, bits, group_size, n)
+        return torch.ops.kvmesh.gguf_linear.default(x, qweight, scales, superscales, bits, group_size, n, bias)
     lead = x.shape[:-1]
     y = torch.ops.kvmesh.gguf_linear.default(x.reshape(-1, x.shape[-1]), qweight, scales, superscales, bits,
-                                             group_size, n)
+                                             group_size, n, bias)
     return y.reshape(*lead, n)

@@ -87,7 +87,7 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
 
 
 def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
-                    bits: int, group_size: int, n: int) -> torch.Tensor:
+                    bits: int, group_size: int, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``kvmesh::gguf_linear`` in PyTorch (float64 sums): ``[M, n]`` in x's dtype."""
     k = x.shape[1]
     q = unpack_gguf_qweight(qweight, bits, k).double()                          # [16P, K]
@@ -108,5 +108,7 @@ def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     isum = torch.einsum("mgk,ngk->mng", xq.view(m, k // G, G), q.view(-1, k // G, G))    # [M, 16P, K/G]
     xsum = xq.view(m, k // G, G).sum(-1)                                                   # [M, K/G]
     dxg = dx.repeat_interleave(qb // G, 1)                                                  # [M, K/G]
-    y = (dxg[:, None, :] * (s[None] * isum + z[None] * xsum[:, None, :])).sum(-1)
-    return y[:, :n].to(x.dtype)
+    y = (dxg[:, None, :] * (s[None] * isum + z[None] * xsum[:, None, :])).sum(-1)[:, :n]
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)

@@ -176,7 +176,7 @@ class GGUFNative(LinearMethod):
     """GGUF block-quantized weight in the ``gguf_linear`` kernel's panels (``gguf_qweight``,
     ``gguf_scales``, ``gguf_superscales`` or None; :meth:`Linear.set_gguf`): activations
     quantized per 32 values to int8, integer dot products (:func:`workers.kernels.gemm.gguf_linear`);
-    x float32 or bfloat16, y in x's dtype; the bias is added after the op."""
+    x float32 or bfloat16, y in x's dtype; the bias is added inside the op."""
 
     format = "gguf"
 
@@ -184,9 +184,8 @@ class GGUFNative(LinearMethod):
         f = layer.fast
         if f is not None and x.dim() == 2:
             return torch.ops.kvmesh.gguf_linear.default(x, *f)
-        y = gemm.gguf_linear(x, layer.gguf_qweight, layer.gguf_scales, layer.gguf_superscales, layer.gguf_bits,
-                             layer.group_size, layer.out_features)
-        return y if layer.bias is None else y + layer.bias
+        return gemm.gguf_linear(x, layer.gguf_qweight, layer.gguf_scales, layer.gguf_superscales, layer.gguf_bits,
+                                layer.group_size, layer.out_features, layer.bias)
 
 
 class GGUFDense(Dense):
@@ -422,9 +421,9 @@ class Linear(nn.Module):
                 self.input_scale is None or self.input_scale.dtype == torch.bfloat16):
             self.fast = (self.int4_panels, self.int4_panel_sz, self.group_size, self.out_features, self.input_scale)
             self.fast_k = self.int4_panels.shape[1] // 8
-        elif self.method is GGUF_NATIVE and self.bias is None:
+        elif self.method is GGUF_NATIVE:
             self.fast = (self.gguf_qweight, self.gguf_scales, self.gguf_superscales, self.gguf_bits, self.group_size,
-                         self.out_features)
+                         self.out_features, self.bias)
         elif self.method is INT8_NATIVE and self.bias is None and self.input_scale is None:
             self.fast = (self.int8_panels, self.int8_panel_scales, self.out_features)
             self.fast_k = self.int8_panels.shape[1] // 16

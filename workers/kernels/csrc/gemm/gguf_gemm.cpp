@@ -83,6 +83,7 @@ struct GgufProblem {
   int bits, G, SB;
   void* y;                // [M, 16 P] float32, or bfloat16 when y_bf16
   bool y_bf16;
+  const float* bias;      // [16 P] added to every row, or nullptr
 };
 
 // bfloat16 bits of a float32, round to nearest even (as c10::BFloat16 for non-NaN values)
@@ -93,11 +94,13 @@ static inline uint16_t bf16_bits(float f) {
 }
 
 static inline void store_row_scalar(const GgufProblem& pb, int64_t m, int64_t p, const float* v) {
+  float b[16];
+  for (int n = 0; n < 16; ++n) b[n] = v[n] + (pb.bias != nullptr ? pb.bias[p * 16 + n] : 0.f);
   if (pb.y_bf16) {
     uint16_t* y = (uint16_t*)pb.y + m * pb.P * 16 + p * 16;
-    for (int n = 0; n < 16; ++n) y[n] = bf16_bits(v[n]);
+    for (int n = 0; n < 16; ++n) y[n] = bf16_bits(b[n]);
   } else {
-    std::memcpy((float*)pb.y + m * pb.P * 16 + p * 16, v, 16 * sizeof(float));
+    std::memcpy((float*)pb.y + m * pb.P * 16 + p * 16, b, 16 * sizeof(float));
   }
 }
 
@@ -276,6 +279,11 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
       out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)xsum), out[r]);
     }
   }
+  if (pb.bias != nullptr) {
+    const __m512 b = _mm512_loadu_ps(pb.bias + p * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) out[r] = _mm512_add_ps(out[r], b);
+  }
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     const int64_t off = (m0 + r) * pb.P * 16 + p * 16;
@@ -447,7 +455,8 @@ Path selected_path() {
 std::string gguf_gemm_path() { return kPathNames[static_cast<int>(selected_path())]; }
 
 at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& superscales, int64_t bits, int64_t group_size, int64_t n) {
+                           const std::optional<at::Tensor>& superscales, int64_t bits, int64_t group_size, int64_t n,
+                           const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "gguf_linear: x must be float32 or bfloat16 [M, K], got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "gguf_linear: bits must be 4, 6 or 8, got ", bits);
@@ -507,9 +516,16 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       }
     }
   });
+  at::Tensor bias_f;      // float32 [16 P], zero past N
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "gguf_linear: bias must be [N] = [", n, "], got ", bias->sizes());
+    bias_f = at::zeros({P * 16}, x.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, n).copy_(*bias);
+  }
   at::Tensor y = at::empty({M, P * 16}, x.options());
   GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
-                 kq ? superscales->data_ptr<float>() : nullptr, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16};
+                 kq ? superscales->data_ptr<float>() : nullptr, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16,
+                 bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
   auto* fn = &panel_rows_scalar;
 #if defined(__x86_64__)
   if (path == Path::kAvx512Vnni) fn = &panel_rows_avx512vnni;
@@ -528,7 +544,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("gguf_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? superscales, int bits, int group_size, "
-        "int N) -> Tensor");
+        "int N, Tensor? bias=None) -> Tensor");
   m.def("gguf_gemm_path() -> str", &kvmesh_gemm::gguf_gemm_path);
 }
 
