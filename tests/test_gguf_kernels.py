@@ -107,15 +107,21 @@ def test_activation_quantization_rounds_half_to_even():
     assert torch.equal(y[0], torch.full((16,), 125.0))        # 127 + 2 - 4, every column
 
 
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_native_packing_equals_the_torch_packing(bits):
+    q = torch.randint(0, 2 ** bits, (37, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    assert torch.equal(gemm.pack_gguf_qweight(q, bits), gemm.pack_gguf_qweight_torch(q, bits))
+
+
 def test_pack_layout_by_hand():
     q = torch.zeros(16, 8, dtype=torch.uint8)
     q[3] = torch.arange(8, dtype=torch.uint8) + 1                # column 3: k = 0..7 -> 1..8
-    qw = gemm.pack_gguf_qweight(q, 4)
+    qw = gemm.pack_gguf_qweight_torch(q, 4)
     assert qw.shape == (1, 64)
     assert qw[0, 12:16].tolist() == [1 | 5 << 4, 2 | 6 << 4, 3 | 7 << 4, 4 | 8 << 4]
     q6 = q.clone()
     q6[3, 1], q6[7, 4] = 0x2A, 0x3F                              # high bits 10, 11
-    qw6 = gemm.pack_gguf_qweight(q6, 6)
+    qw6 = gemm.pack_gguf_qweight_torch(q6, 6)
     assert qw6.shape == (1, 96) and torch.equal(qw6[0, :64], gemm.pack_gguf_qweight(q6 & 15, 4)[0])
     # column 3, k 1: operand 0 byte 13 = lane 0, byte 13 -> bits 0-1 of byte 64 + 13; column 7, k 4:
     # operand 1 byte 28 = lane 1, byte 12 -> bits 2-3 of byte 80 + 12

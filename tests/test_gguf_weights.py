@@ -195,3 +195,45 @@ def test_kernel_path_agrees_with_the_reference_path(smollm2_dir, prose_ids, h, m
                 break
             compared += 1
     assert compared >= 12
+
+
+def test_pipeline_stage_holds_its_layers_as_the_whole_model_does(smollm2_dir):
+    """A stage [15, 30) reads only its layers from the GGUF and holds the same runtime tensors
+    as layers 15.. of the whole model (the last stage: final norm and tied lm_head)."""
+    from workers.gguf_checkpoint import load_gguf
+    whole = load_gguf(smollm2_dir, dtype=torch.bfloat16, device="cpu", max_positions=64)
+    first = load_gguf(smollm2_dir, dtype=torch.bfloat16, device="cpu", max_positions=64, end_layer=15)
+    stage = load_gguf(smollm2_dir, dtype=torch.bfloat16, device="cpu", max_positions=64, start_layer=15)
+    assert len(stage.layers) == 15 and stage.embed_tokens is None and not hasattr(first, "lm_head")
+    assert torch.equal(first.embed_tokens.raw, whole.embed_tokens.raw)
+    for i, layer in enumerate(stage.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            a, b = layer.get_submodule(name), whole.layers[15 + i].get_submodule(name)
+            assert a.format == b.format == "gguf" and a._qnames == b._qnames, name
+            assert all(_same(getattr(a, n), getattr(b, n)) for n in a._qnames), name
+        assert torch.equal(layer.input_layernorm.weight, whole.layers[15 + i].input_layernorm.weight)
+    a, b = stage.lm_head, whole.lm_head
+    assert a._qnames == b._qnames and all(_same(getattr(a, n), getattr(b, n)) for n in a._qnames)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+
+
+def test_draft_in_the_gguf_format_keeps_greedy_tokens(h, smollm2_dir, prose_ids):
+    """Speculative decoding with the target's own GGUF as the draft (both weight format gguf,
+    the draft truncated to 12 layers): greedy tokens equal to the same engine without
+    speculation (float32, as the other exactness tests of speculation: in bfloat16 a verify
+    pass over k + 1 rows takes other attention paths than one-row decode steps), and the
+    draft's proposals are used."""
+    plain = h.make_engine(smollm2_dir, weight_format="gguf", dtype="float32", max_model_len=256)
+    want = h.run(plain, [("a", prose_ids[:60], h.greedy(16))])["a"].output_token_ids
+    spec = h.make_engine(smollm2_dir, weight_format="gguf", dtype="float32", max_model_len=256,
+                         speculative_method="draft", draft_model=str(smollm2_dir), draft_num_layers=12)
+    try:
+        got = h.run(spec, [("a", prose_ids[:60], h.greedy(16))])["a"]
+        assert got.output_token_ids == want and got.num_draft_tokens > 0
+        draft = spec.executor.runner.proposer.model
+        assert len(draft.layers) == 12 and {m.format for m in draft.modules() if hasattr(m, "method")} == {"gguf"}
+    finally:
+        spec.shutdown()

@@ -269,6 +269,15 @@ def pack_gguf_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
     if bits not in (4, 6, 8) or k % 8 or q.dtype != torch.uint8:
         raise ValueError(f"pack_gguf_qweight: q must be uint8 [N, K] with K % 8 == 0 and bits 4, 6 or 8; got "
                          f"{q.dtype} {tuple(q.shape)}, bits {bits}")
+    if q.device.type == "cpu" and available():
+        return torch.ops.kvmesh.gguf_pack_qweight(q, bits)         # one pass, threads over panels
+    return pack_gguf_qweight_torch(q, bits)
+
+
+def pack_gguf_qweight_torch(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_gguf_qweight` in PyTorch tensor ops (the reference of the C++ packing, and
+    the path where the kernels are not built)."""
+    n, k = q.shape
     pad = (-n) % 16
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])

@@ -539,13 +539,55 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   return n == P * 16 ? y : y.narrow(1, 0, n);
 }
 
+// q uint8 [N, K] (values < 2^bits) -> the panels of the file comment, uint8 [P, K * bits * 2]
+// (padding columns 0); the same bytes as workers/kernels/gemm.py's PyTorch packing, in one pass.
+at::Tensor gguf_pack_qweight(const at::Tensor& q, int64_t bits) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "gguf_pack_qweight: q must be uint8 [N, K]");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "gguf_pack_qweight: bits must be 4, 6 or 8, got ", bits);
+  const int64_t N = q.size(0), K = q.size(1), P = (N + 15) / 16;
+  TORCH_CHECK(K % 8 == 0, "gguf_pack_qweight: K (", K, ") must be a multiple of 8");
+  const at::Tensor qc = q.contiguous();
+  const uint8_t* src = qc.data_ptr<uint8_t>();
+  at::Tensor out = at::zeros({P, K * bits * 2}, q.options());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* pd = dst + p * K * bits * 2;
+      for (int n = 0; n < 16 && 16 * p + n < N; ++n) {
+        const uint8_t* row = src + (16 * p + n) * K;
+        if (bits == 8) {
+          for (int64_t k = 0; k < K; ++k) pd[(k / 4) * 64 + 4 * n + (k % 4)] = row[k];
+          continue;
+        }
+        for (int64_t c = 0; c < K / 8; ++c) {
+          uint8_t* ch = pd + c * chunk_bytes((int)bits);
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t a = row[8 * c + j], b = row[8 * c + 4 + j];
+            ch[4 * n + j] = (uint8_t)((a & 0x0F) | ((b & 0x0F) << 4));
+            if (bits == 6) {
+              const int i = 4 * n + j, l = i / 16, bb = i % 16;
+              ch[64 + bb] |= (uint8_t)(((a >> 4) & 3) << (2 * l));
+              ch[80 + bb] |= (uint8_t)(((b >> 4) & 3) << (2 * l));
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace kvmesh_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("gguf_pack_qweight(Tensor q, int bits) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? superscales, int bits, int group_size, "
         "int N, Tensor? bias=None) -> Tensor");
   m.def("gguf_gemm_path() -> str", &kvmesh_gemm::gguf_gemm_path);
 }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("gguf_linear", &kvmesh_gemm::gguf_linear_cpu); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("gguf_linear", &kvmesh_gemm::gguf_linear_cpu);
+  m.impl("gguf_pack_qweight", &kvmesh_gemm::gguf_pack_qweight);
+}
