@@ -20,7 +20,7 @@ What it does:
    concurrency cap: kvmesh/vLLM ``max_num_seqs``, transformers' static batch size; llama.cpp
    is single-sequence, B=1 only), and one request alone on a cold cache (TTFT, decode tok/s).
    llama.cpp runs the GGUF's own quantization (SmolLM2: Q4_1), so with ``llamacpp`` kvmesh also
-   runs the very same weights (``--weight-format gguf``) for the single request.
+   runs the very same weights (``--weight-format gguf``: its batch sizes and the single request).
 3. ``--serve``: serving latency (TTFT, ITL) through ``kvmesh bench serve`` on the same
    ``workload.jsonl``: against ``kvmesh serve`` (gRPC), ``vllm serve`` and
    ``python -m llama_cpp.server`` (``--backend openai-chat``).
@@ -138,7 +138,7 @@ def offline(args, model_dir: Path, prompts: Path, workdir: Path) -> dict[str, di
                                        workdir, args.timeout)
             # kvmesh on the very weights llama.cpp runs: the GGUF's own blocks (weight format gguf)
             results["kvmesh-gguf"] = run_runner("kvmesh-gguf", sys.executable, "run_kvmesh.py", [
-                "--prompts", str(prompts), "--batch-sizes", "", "--decode-tokens", str(args.decode_tokens),
+                "--prompts", str(prompts), "--batch-sizes", args.batch_sizes, "--decode-tokens", str(args.decode_tokens),
                 "--threads", str(args.threads), "--model", args.model, "--dtype", args.dtype,
                 "--weight-format", "gguf"], workdir, args.timeout)
     return results
