@@ -11,8 +11,9 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.kvmesh-installed
 TEST_MODEL  := smollm2-135m-instruct
 # The demo's model: the 0.5B answers the demo's first turn in 6-7 s on a 2-core CPU; the model
-# recommended for PolicyDesk (qwen2.5-coder-1.5b-instruct, README) takes ~21 s there, over the
-# demo's 10 s (docs/results.md, section 1c).
+# recommended for PolicyDesk (qwen2.5-coder-1.5b-instruct, README) needs ~10 s for its first token
+# alone there, from its GGUF weights, so its first answer misses the demo's 10 s
+# (docs/results.md, section 0z9).
 DEMO_MODEL  ?= qwen2.5-coder-0.5b-instruct
 
 .PHONY: venv pull demo test protos

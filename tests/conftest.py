@@ -35,8 +35,24 @@ from workers.executor import Completed
 torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
 # Parity with transformers is checked in float32; `auto` picks bfloat16 on CPUs with native bf16.
 os.environ.setdefault("KVMESH_DTYPE", "float32")
-# ... and on the dense weights (the parity reference); the gguf format's tests ask for it.
+# ... and on the dense weights (the parity reference); the gguf format's tests ask for it. The
+# variable covers EngineConfig.from_env (the LLM API, the CLI, subprocesses); an EngineConfig
+# built directly gets the same default here instead of the product's `auto`.
 os.environ.setdefault("KVMESH_WEIGHT_FORMAT", "none")
+
+
+def _suite_weight_format_default() -> None:
+    from kvmesh.core.engine_config import EngineConfig
+    init = EngineConfig.__init__
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("weight_format", os.environ["KVMESH_WEIGHT_FORMAT"])
+        init(self, *args, **kw)
+
+    EngineConfig.__init__ = __init__
+
+
+_suite_weight_format_default()
 
 BLOCK = 16
 
