@@ -46,7 +46,8 @@ def _suite_weight_format_default() -> None:
     init = EngineConfig.__init__
 
     def __init__(self, *args, **kw):
-        kw.setdefault("weight_format", os.environ["KVMESH_WEIGHT_FORMAT"])
+        if "KVMESH_WEIGHT_FORMAT" in os.environ:         # a test may clear the environment
+            kw.setdefault("weight_format", os.environ["KVMESH_WEIGHT_FORMAT"])
         init(self, *args, **kw)
 
     EngineConfig.__init__ = __init__
