@@ -12,12 +12,18 @@ Routes (Starlette, served by uvicorn as a task of the gateway's loop):
   is SERVING (scheduler reached), else 503.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
-``invalid_request_error`` with ``param`` naming the field (malformed JSON, a bad value, a limit
-exceeded, ``n`` > 1), 404 ``model_not_found`` for a model this gateway does not serve, 429 when the
-scheduler is over capacity, 503 while the scheduler is unreachable (or the gateway starting), 504
-when the deadline passed (the request was aborted), 500 for a bug in the gateway. A stream that
-fails after its first chunk ends with a ``data: {"error": ...}`` event and ``data: [DONE]``. The
-server keeps serving after any of them.
+``invalid_request_error`` with ``param`` naming the field (a bad value, a limit exceeded, ``n`` >
+1, a string holding a lone surrogate such as ``"\\ud800"``), or ``param`` null for the body as a
+whole (not UTF-8, not JSON, ``NaN``/``Infinity``, nested deeper than
+:data:`gateway.openai_protocol.MAX_JSON_DEPTH`: :func:`gateway.openai_protocol.parse_body`), 404
+``model_not_found`` for a model this gateway does not serve, 429 when the scheduler is over
+capacity, 503 while the scheduler is unreachable (or the gateway starting), 504 when the deadline
+passed (the request was aborted), 500 ``internal_error`` for a bug in the gateway: ``param``
+null, the request id in the message and in ``x-request-id``, never the exception's text (the
+traceback goes to the log, under the same request id). A stream that fails after its first chunk
+ends with a ``data: {"error": ...}`` event and ``data: [DONE]``. The server keeps serving after any
+of them. ``x-request-id`` holds the id as it is when it is printable ASCII with no space at either
+end, else percent-encoded.
 
 A client that disconnects (or closes a stream) has its request cancelled at once: the upstream
 ``Submit`` call is cancelled and the scheduler aborts the request, freeing its KV blocks at its
@@ -36,8 +42,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
+import urllib.parse
+import uuid
 
 import grpc
 
@@ -58,17 +67,36 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def status_error(e: Status) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error body) of a Status; an unknown model is 404 ``model_not_found``."""
+def status_error(e: Status, chat: bool = False) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) of a Status; an unknown model is 404 ``model_not_found``.
+    ``param`` names a field of the request body: ``prompt`` for the gRPC API's
+    ``prompt_token_ids``, ``messages`` for a chat request's prompt, None for the body as a whole
+    (``request``)."""
     param = e.param
     if param == "model" and "unknown model" in e.message:
         return 404, error_body(e.message, "invalid_request_error", "model", "model_not_found")
     http, type_, code = http_status(e.code)
-    return http, error_body(e.message, type_, "prompt" if param == "prompt_token_ids" else param, code)
+    param = {"prompt_token_ids": "prompt", "request": None}.get(param, param)
+    if chat and param == "prompt":
+        param = "messages"
+    return http, error_body(e.message, type_, param, code)
 
 
 def _json_bytes(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:      # a lone surrogate: escaped as JSON may (\ud800), never sent raw
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+_HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+def header_value(s: str) -> bytes:
+    """``s`` as an HTTP header value: as it is when it is printable ASCII without a space at
+    either end, else percent-encoded UTF-8 (``x-request-id`` of an id with other characters)."""
+    return (s if _HEADER_VALUE.fullmatch(s) else urllib.parse.quote(s, safe="")).encode()
 
 
 async def _send_json(send, status: int, obj, headers: list | None = None) -> None:
@@ -113,6 +141,8 @@ def tenant_of(keys: ApiKeys | None, scope) -> str | None:
 
 _UNAUTHORIZED = (401, error_body(UNAUTHENTICATED_MESSAGE, "invalid_request_error", None, "invalid_api_key"),
                  [(b"www-authenticate", b"Bearer")])
+_PARSE_OFF_LOOP = 64 * 1024     # bodies over this many bytes are parsed in a thread (0.3 s at 4 MB)
+
 
 
 class CompletionsEndpoint:
@@ -124,8 +154,9 @@ class CompletionsEndpoint:
         self.method = "ChatCompletions" if chat else "Completions"   # kvmesh:gateway_requests_total{method}
 
     async def __call__(self, scope, receive, send) -> None:
-        # response started / complete; the final status for the metrics
-        state = {"started": False, "complete": False, "code": "OK"}
+        # response started / complete; the final status for the metrics; the request id (the
+        # request's own once known; one of ours until then, for a 500 before it)
+        state = {"started": False, "complete": False, "code": "OK", "rid": uuid.uuid4().hex}
         tenant = tenant_of(self.keys, scope)
         if tenant is None:                  # refused before the body is read
             self.path.metrics.request_done(self.method, "UNAUTHENTICATED")
@@ -151,26 +182,30 @@ class CompletionsEndpoint:
                 raise work.exception()
         except Status as e:
             state["code"] = e.code.name
-            await self._error(send, state, *status_error(e))
+            await self._error(send, state, *status_error(e, self.chat))
         except EngineError as e:            # its class says whose fault (kvmesh.core.status)
             state["code"] = grpc_code(e).name
-            await self._error(send, state, *status_error(Status(grpc_code(e), str(e))))
+            await self._error(send, state, *status_error(Status(grpc_code(e), str(e)), self.chat))
         except asyncio.CancelledError:
             state["code"] = "CANCELLED"
             raise
         except OSError:                     # the client went away while we wrote (ClientDisconnected)
             state["code"] = "CANCELLED"
-        except Exception as e:
+        except Exception:                   # a bug: the traceback to the log, not to the client
             state["code"] = "INTERNAL"
-            log.exception("%s failed", self.method)
-            await self._error(send, state, 500, error_body(f"internal error in the gateway: {type(e).__name__}: {e}",
-                                                           *INTERNAL_HTTP[1:]))
+            rid = state["rid"]
+            log.exception("%s failed (request id %s)", self.method, rid)
+            message = f"internal error in the gateway (request id {rid}; the gateway's log has the details)"
+            with contextlib.suppress(Exception):
+                await self._error(send, state, INTERNAL_HTTP[0], error_body(message, INTERNAL_HTTP[1], None,
+                                                                            INTERNAL_HTTP[2]),
+                                  [(b"x-request-id", header_value(rid))])
         finally:
             self.path.metrics.request_done(self.method, state["code"], tenant)
 
-    async def _error(self, send, state: dict, status: int, body: dict) -> None:
+    async def _error(self, send, state: dict, status: int, body: dict, headers: list | None = None) -> None:
         if not state["started"]:
-            await _send_json(send, status, body)
+            await _send_json(send, status, body, headers)
         else:                               # mid-stream: an error event, then the end
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": b"data: " + _json_bytes(body) + b"\n\n"
@@ -179,10 +214,8 @@ class CompletionsEndpoint:
     async def _run(self, scope, body: bytes, send, state: dict) -> None:
         path = self.path
         path.check_ready()
-        try:
-            parsed = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise Status(_Code.INVALID_ARGUMENT, f"request body is not valid JSON: {e}") from None
+        parsed = (await asyncio.to_thread(oai.parse_body, body) if len(body) > _PARSE_OFF_LOOP
+                  else oai.parse_body(body))
         request, opts = (oai.chat_request if self.chat else oai.completion_request)(parsed)
         opts.model = opts.model or path.info.name
         carrier = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ())]
@@ -190,13 +223,17 @@ class CompletionsEndpoint:
         with path.span(name, operation, request, carrier):
             path.check_model(request.model)
             path.check_limits(request)
+            if request.request_id:
+                state["rid"] = request.request_id
+            else:
+                request.request_id = state["rid"]
             try:
                 prompt_ids = await path.prompt_ids(request)
             except EngineError as e:        # an empty prompt, no chat template
                 raise Status(grpc_code(e), f"{'messages' if self.chat else 'prompt'}: {e}") from None
             prepared = await path.prepare(request, prompt_ids)
             responder = oai.Responder(opts, prepared.request_id, path.text.tokenizer)
-            headers = [(b"x-request-id", prepared.request_id.encode()),
+            headers = [(b"x-request-id", header_value(prepared.request_id)),
                        (b"x-kvmesh-max-tokens", str(prepared.forward.max_tokens).encode())]
             async with contextlib.aclosing(path.stream(prepared)) as messages:
                 if opts.stream:
