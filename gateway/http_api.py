@@ -3,7 +3,10 @@
 Routes (Starlette, served by uvicorn as a task of the gateway's loop):
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streaming (``"stream": true``: server-sent
-  events ``data: {chunk}``, ending with ``data: [DONE]``) and non-streaming; fields in
+  events ``data: {chunk}``, ending with ``data: [DONE]``) and non-streaming; the body's
+  ``Content-Type`` must be ``application/json`` (any case, parameters allowed, a ``charset`` only
+  ``utf-8``), else 415 ``unsupported_media_type`` before the body is read: a browser page cannot
+  send a "simple" cross-origin POST (``text/plain``, a form) that is served; fields in
   :mod:`gateway.openai_protocol`. A request goes through :class:`gateway.stream.RequestPath`, the
   gRPC API's own path: the same validation and limits (GatewayConfig), chat template, stop strings,
   ``max_tokens`` default and cap, deadline (``default_timeout``), usage. The ``max_tokens`` used is
@@ -144,6 +147,20 @@ _UNAUTHORIZED = (401, error_body(UNAUTHENTICATED_MESSAGE, "invalid_request_error
 _PARSE_OFF_LOOP = 64 * 1024     # bodies over this many bytes are parsed in a thread (0.3 s at 4 MB)
 
 
+def content_type_error(scope) -> tuple[int, dict] | None:
+    """415 with OpenAI's error body unless the request's ``Content-Type`` is ``application/json``
+    (any case; parameters allowed, a ``charset`` only UTF-8's); None when it is."""
+    value = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"content-type"), None)
+    if value is not None:
+        media, *params = value.split(";")
+        charsets = [v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params)
+                    if k.strip().lower() == "charset"]
+        if media.strip().lower() == "application/json" and all(c in ("utf-8", "utf8") for c in charsets):
+            return None
+    got = "none" if value is None else repr(value[:100])
+    return 415, error_body(f"Content-Type must be application/json (a charset, if any, utf-8); got {got}",
+                           "invalid_request_error", None, "unsupported_media_type")
+
 
 class CompletionsEndpoint:
     """The ASGI app of ``/v1/chat/completions`` (``chat``) or ``/v1/completions``; ``keys``: the
@@ -161,6 +178,10 @@ class CompletionsEndpoint:
         if tenant is None:                  # refused before the body is read
             self.path.metrics.request_done(self.method, "UNAUTHENTICATED")
             await _send_json(send, *_UNAUTHORIZED)
+            return
+        if (refused := content_type_error(scope)) is not None:      # the body is not read either
+            self.path.metrics.request_done(self.method, "INVALID_ARGUMENT", tenant)
+            await _send_json(send, *refused)
             return
         CURRENT_TENANT.set(tenant)          # this task and the ones it starts
         try:

@@ -442,3 +442,26 @@ def test_internal_error_is_500_without_exception_text(mesh, monkeypatch, caplog)
         assert logged and "secret-detail-7731" in str(logged[-1].exc_info[1])     # the traceback is logged
     monkeypatch.undo()
     _served(mesh)
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/json; charset=latin-1",
+                                          "application/jsonp", "text/json"])
+def test_post_routes_want_json_content_type(mesh, content_type):
+    import httpx2
+    headers = {} if content_type is None else {"content-type": content_type}
+    for route in ("/completions", "/chat/completions"):
+        r = httpx2.post(mesh.url + route, content=json.dumps({"prompt": "hi", "messages": [{"role": "user",
+                        "content": "hi"}], "max_tokens": 1}).encode(), headers=headers, timeout=60)
+        assert r.status_code == 415, (route, content_type, r.text)
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (None, "unsupported_media_type") and "application/json" in err["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "Application/JSON; charset=UTF-8",
+                                          "application/json;charset=utf8", "application/json; foo=bar"])
+def test_json_content_types_are_served(mesh, content_type):
+    import httpx2
+    r = httpx2.post(mesh.url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                    headers={"content-type": content_type}, timeout=60)
+    assert r.status_code == 200, r.text
