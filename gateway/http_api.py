@@ -28,6 +28,13 @@ ends with a ``data: {"error": ...}`` event and ``data: [DONE]``. The server keep
 of them. ``x-request-id`` holds the id as it is when it is printable ASCII with no space at either
 end, else percent-encoded.
 
+A request line and headers over ``max_header_bytes`` (GatewayConfig, 32 KiB) are answered 431
+``request_header_fields_too_large`` with the same error body, HTTP that does not parse 400,
+before any route runs (:func:`_h11_protocol`: uvicorn's h11 protocol, which alone would answer
+a short ``text/plain`` 400, or at 64 KB none, and reset a connection whose client is still
+sending): then the server half-closes and reads and drops the rest of what the client sends
+(up to ``LINGER_BYTES`` for ``LINGER_SECONDS``) before closing, so the client reads the answer.
+
 A client that disconnects (or closes a stream) has its request cancelled at once: the upstream
 ``Submit`` call is cancelled and the scheduler aborts the request, freeing its KV blocks at its
 next step.
@@ -340,7 +347,76 @@ class HttpServer:
             await self.task
 
 
-def _uvicorn_server(app, tls_cert_file: str = "", tls_key_file: str = ""):
+LINGER_SECONDS = 5.0            # after a malformed request's answer, how long its bytes are read on
+LINGER_BYTES = 16 * 2**20       # ... and how many, before the connection is closed
+
+
+def _h11_protocol(max_header_bytes: int):
+    """uvicorn's h11 protocol answering a request it cannot take with OpenAI's error body: 431
+    for a request line and headers over ``max_header_bytes`` (whether h11 is still waiting for
+    the end of the headers or has them all), 400 for malformed HTTP; then it stops writing
+    (half-close) and reads and drops what the client still sends (up to LINGER_BYTES, for up to
+    LINGER_SECONDS) before closing, so that the client reads the answer instead of a reset
+    connection."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Connection(h11.Connection):
+        error: h11.RemoteProtocolError | None = None
+
+        def next_event(self):
+            try:
+                event = super().next_event()
+            except h11.RemoteProtocolError as e:
+                self.error = e
+                raise
+            if isinstance(event, h11.Request):
+                size = len(event.method) + len(event.target) + 12 + sum(
+                    len(k) + len(v) + 4 for k, v in event.headers.raw_items())
+                if size > max_header_bytes:
+                    self.error = h11.RemoteProtocolError("headers too large", error_status_hint=431)
+                    raise self.error
+            return event
+
+    class Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.conn = Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+            self.lingering, self.dropped = False, 0
+
+        def send_400_response(self, msg: str) -> None:      # uvicorn's answer to h11.RemoteProtocolError
+            error = self.conn.error
+            status = getattr(error, "error_status_hint", 400)
+            if status == 431:
+                body = error_body(f"request headers: the request line and headers exceed max_header_bytes "
+                                  f"({max_header_bytes} bytes)", "invalid_request_error", None,
+                                  "request_header_fields_too_large")
+            else:
+                status = 400
+                body = error_body(f"malformed HTTP request: {str(error)[:200] or 'cannot be parsed'}",
+                                  "invalid_request_error", None, None)
+            data = _json_bytes(body)
+            head = (f"HTTP/1.1 {status} {'Request Header Fields Too Large' if status == 431 else 'Bad Request'}\r\n"
+                    f"content-type: application/json\r\ncontent-length: {len(data)}\r\nconnection: close\r\n\r\n")
+            self.transport.write(head.encode() + data)
+            self.lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.transport.resume_reading()
+            self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.lingering:
+                super().data_received(data)
+                return
+            self.dropped += len(data)
+            if self.dropped > LINGER_BYTES:
+                self.transport.close()
+
+    return Protocol
+
+
+def _uvicorn_server(app, tls_cert_file: str = "", tls_key_file: str = "", max_header_bytes: int = 32 * 1024):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -355,15 +431,17 @@ def _uvicorn_server(app, tls_cert_file: str = "", tls_key_file: str = ""):
 
     # log_config None: leave the process's logging as it is; lifespan off: nothing to start
     tls = dict(ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file) if tls_cert_file else {}
-    return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", server_header=False,
-                                 **tls))
+    return Server(uvicorn.Config(app, http=_h11_protocol(max_header_bytes), log_config=None, access_log=False,
+                                 lifespan="off", server_header=False, **tls))
 
 
 async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKeys | None = None,
-                     tls_cert_file: str = "", tls_key_file: str = "") -> HttpServer:
+                     tls_cert_file: str = "", tls_key_file: str = "", max_header_bytes: int = 32 * 1024
+                     ) -> HttpServer:
     """Serve the HTTP API over ``path`` on ``host:port`` (0 = any free port) as a task of the
     running loop; returns once it accepts connections. ``api_keys``: the keys callers need (None:
-    none); ``tls_cert_file``/``tls_key_file``: serve HTTPS only. Raises EngineError if the address
+    none); ``tls_cert_file``/``tls_key_file``: serve HTTPS only; ``max_header_bytes``: a request
+    line and headers over this many bytes are answered 431. Raises EngineError if the address
     cannot be bound or the TLS files do not load."""
     if tls_cert_file:
         from kvmesh.core import tls
@@ -378,7 +456,7 @@ async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKe
         sock.close()
         raise DependencyUnavailableError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? "
                                          "choose another --http-port (0 = any free port)") from None
-    server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file)
+    server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file, max_header_bytes)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="kvmesh-http")
     while not server.started:
         if task.done():

@@ -419,7 +419,8 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
         from gateway.http_api import start_http
         try:
             gw.http = await start_http(gw.path, cfg.host, cfg.http_port, api_keys=keys,
-                                       tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file)
+                                       tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file,
+                                       max_header_bytes=cfg.max_header_bytes)
         except BaseException:
             await channel.close()
             await rpc.abandon()

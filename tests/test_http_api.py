@@ -465,3 +465,34 @@ def test_json_content_types_are_served(mesh, content_type):
     r = httpx2.post(mesh.url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
                     headers={"content-type": content_type}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 2**20])
+def test_oversized_headers_get_431_and_a_clean_close(mesh, size):
+    import httpx2
+    bound = mesh.gw_http.path.cfg.max_header_bytes
+    with httpx2.Client(timeout=60) as client:
+        r = client.post(mesh.url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                        headers={"content-type": "application/json", "authorization": "Bearer " + "k" * size})
+        assert r.status_code == 431 and r.headers["connection"] == "close"
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (None, "request_header_fields_too_large") and str(bound) in err["message"]
+        r = client.post(mesh.url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1}',     # a new connection
+                        headers={"content-type": "application/json", "authorization": "Bearer " + "k" * (bound // 2)})
+        assert r.status_code == 200
+    with openai.OpenAI(base_url=mesh.url, api_key="k" * size, max_retries=0, timeout=60) as client:
+        with pytest.raises(openai.APIStatusError) as ei:
+            client.completions.create(model="", prompt="hi", max_tokens=1)
+        assert ei.value.status_code == 431 and ei.value.body["code"] == "request_header_fields_too_large"
+
+
+def test_malformed_http_gets_400_with_the_error_body(mesh):
+    host, port = mesh.gw_http.http.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):          # the server closes after its answer
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["param"] is None
+    _served(mesh)
