@@ -11,10 +11,12 @@ request is tenant ``""``; with a source, even one that lists no key, every reque
   hashes the key it was given and compares the digest with **every** stored digest with
   :func:`hmac.compare_digest`, so the time taken depends neither on which key matched nor on how
   much of a wrong key matches a real one.
-* Revocation: delete the key's line. The file is read again when its modification time, size or
-  inode changes (one ``stat`` per check), or on :meth:`ApiKeys.reload` (``kvmesh serve`` and
-  ``kvmesh gateway`` call it on SIGHUP). A file that no longer parses, or has gone, keeps the keys
-  in use and logs an error.
+* Revocation: delete the key's line. The file is read again when its modification time, size,
+  inode or change time (ctime: any write, and ``touch``/``os.utime`` putting an old mtime back)
+  changes (one ``stat`` per check), when the SHA-256 of its bytes changes (read at most once a
+  second: an edit a filesystem's coarse timestamps miss), or on :meth:`ApiKeys.reload`
+  (``kvmesh serve`` and ``kvmesh gateway`` call it on SIGHUP). A file that no longer parses, or
+  has gone, keeps the keys in use and logs an error.
 * gRPC: :class:`ApiKeyInterceptor` refuses an RPC without a valid key with UNAUTHENTICATED and one
   generic message (nothing about which keys or tenants exist), before its request is read;
   health checking and server reflection stay open. An accepted RPC runs with its tenant in
@@ -36,6 +38,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import grpc
@@ -45,6 +48,7 @@ from kvmesh.core.errors import EngineError, SettingsError
 log = logging.getLogger("kvmesh.gateway")
 
 ENV_KEYS = "KVMESH_API_KEYS"
+HASH_INTERVAL = 1.0     # seconds between two reads of the keys file for its SHA-256
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send the header 'authorization: Bearer <key>'"
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # the tenant of the RPC being served (set by ApiKeyInterceptor; "" when keys are off)
@@ -107,14 +111,18 @@ class ApiKeys:
         EngineError: the file cannot be read, or an entry is malformed (see :func:`parse_entries`).
     """
 
+    _clock = staticmethod(time.monotonic)      # HASH_INTERVAL's clock
+
     def __init__(self, path: str = "", env_value: str = ""):
         self.path = path
         self._env = parse_entries(env_value, ENV_KEYS, separators=",\n") if env_value else []
         self._file: list[tuple[str, bytes]] = []
         self._stamp: tuple | None = None
+        self._sha: bytes | None = None      # of the bytes last read
+        self._hashed_at = self._clock()
         self._lock = threading.Lock()
         if path:
-            self._stamp, self._file = self._read()
+            self._stamp, self._sha, self._file = self._read()
 
     @classmethod
     def load(cls, path: str = "", env: Mapping[str, str] | None = None) -> "ApiKeys | None":
@@ -130,14 +138,20 @@ class ApiKeys:
         """Every tenant with a key now, sorted (metric label values)."""
         return tuple(sorted({t for t, _ in self._env + self._file}))
 
-    def _read(self) -> tuple[tuple, list[tuple[str, bytes]]]:
+    @staticmethod
+    def _stamp_of(st: os.stat_result) -> tuple:
+        return st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns
+
+    def _read(self) -> tuple[tuple, bytes, list[tuple[str, bytes]]]:
+        """(stat stamp, SHA-256 of the bytes, entries) of the file."""
         try:
             st = os.stat(self.path)
-            with open(self.path, encoding="utf-8") as f:
-                text = f.read()
+            with open(self.path, "rb") as f:
+                data = f.read()
+            text = data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise SettingsError(f"api_keys_file: cannot read {self.path}: {e}") from None
-        return (st.st_mtime_ns, st.st_size, st.st_ino), parse_entries(text, self.path)
+        return self._stamp_of(st), hashlib.sha256(data).digest(), parse_entries(text, self.path)
 
     def reload(self) -> bool:
         """Read the file again (SIGHUP). Returns True when the keys are the file's current ones;
@@ -146,7 +160,8 @@ class ApiKeys:
             return True
         with self._lock:
             try:
-                self._stamp, self._file = self._read()
+                self._stamp, self._sha, self._file = self._read()
+                self._hashed_at = self._clock()
             except EngineError as e:
                 log.error("API keys not reloaded, the previous keys stay in use: %s", e)
                 return False
@@ -155,17 +170,30 @@ class ApiKeys:
         return True
 
     def _check_file(self) -> None:
-        """Reload when the file's (mtime, size, inode) changed since it was read."""
+        """Reload when the file's (mtime, size, inode, ctime) changed since it was read, or, at
+        most once every HASH_INTERVAL seconds, when the SHA-256 of its bytes did."""
         if not self.path:
             return
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            stamp = self._stamp_of(os.stat(self.path))
         except OSError:
             stamp = None
         if stamp != self._stamp:
             if not self.reload():
                 self._stamp = stamp          # log a broken file once, not on every request
+            return
+        now = self._clock()
+        if stamp is None or now - self._hashed_at < HASH_INTERVAL:
+            return
+        with self._lock:
+            self._hashed_at = now
+            try:
+                with open(self.path, "rb") as f:
+                    sha = hashlib.sha256(f.read()).digest()
+            except OSError:
+                return
+        if sha != self._sha and not self.reload():
+            self._sha = sha                  # the same: logged once
 
     def tenant_for(self, authorization: str | None) -> str | None:
         """The tenant of an ``authorization`` header/metadata value (``Bearer <key>``), None when

@@ -3,7 +3,10 @@
 Routes (Starlette, served by uvicorn as a task of the gateway's loop):
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: streaming (``"stream": true``: server-sent
-  events ``data: {chunk}``, ending with ``data: [DONE]``) and non-streaming; fields in
+  events ``data: {chunk}``, ending with ``data: [DONE]``) and non-streaming; the body's
+  ``Content-Type`` must be ``application/json`` (any case, parameters allowed, a ``charset`` only
+  ``utf-8``), else 415 ``unsupported_media_type`` before the body is read: a browser page cannot
+  send a "simple" cross-origin POST (``text/plain``, a form) that is served; fields in
   :mod:`gateway.openai_protocol`. A request goes through :class:`gateway.stream.RequestPath`, the
   gRPC API's own path: the same validation and limits (GatewayConfig), chat template, stop strings,
   ``max_tokens`` default and cap, deadline (``default_timeout``), usage. The ``max_tokens`` used is
@@ -12,12 +15,25 @@ Routes (Starlette, served by uvicorn as a task of the gateway's loop):
   is SERVING (scheduler reached), else 503.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
-``invalid_request_error`` with ``param`` naming the field (malformed JSON, a bad value, a limit
-exceeded, ``n`` > 1), 404 ``model_not_found`` for a model this gateway does not serve, 429 when the
-scheduler is over capacity, 503 while the scheduler is unreachable (or the gateway starting), 504
-when the deadline passed (the request was aborted), 500 for a bug in the gateway. A stream that
-fails after its first chunk ends with a ``data: {"error": ...}`` event and ``data: [DONE]``. The
-server keeps serving after any of them.
+``invalid_request_error`` with ``param`` naming the field (a bad value, a limit exceeded, ``n`` >
+1, a string holding a lone surrogate such as ``"\\ud800"``), or ``param`` null for the body as a
+whole (not UTF-8, not JSON, ``NaN``/``Infinity``, nested deeper than
+:data:`gateway.openai_protocol.MAX_JSON_DEPTH`: :func:`gateway.openai_protocol.parse_body`), 404
+``model_not_found`` for a model this gateway does not serve, 429 when the scheduler is over
+capacity, 503 while the scheduler is unreachable (or the gateway starting), 504 when the deadline
+passed (the request was aborted), 500 ``internal_error`` for a bug in the gateway: ``param``
+null, the request id in the message and in ``x-request-id``, never the exception's text (the
+traceback goes to the log, under the same request id). A stream that fails after its first chunk
+ends with a ``data: {"error": ...}`` event and ``data: [DONE]``. The server keeps serving after any
+of them. ``x-request-id`` holds the id as it is when it is printable ASCII with no space at either
+end, else percent-encoded.
+
+A request line and headers over ``max_header_bytes`` (GatewayConfig, 32 KiB) are answered 431
+``request_header_fields_too_large`` with the same error body, HTTP that does not parse 400,
+before any route runs (:func:`_h11_protocol`: uvicorn's h11 protocol, which alone would answer
+a short ``text/plain`` 400, or at 64 KB none, and reset a connection whose client is still
+sending): then the server half-closes and reads and drops the rest of what the client sends
+(up to ``LINGER_BYTES`` for ``LINGER_SECONDS``) before closing, so the client reads the answer.
 
 A client that disconnects (or closes a stream) has its request cancelled at once: the upstream
 ``Submit`` call is cancelled and the scheduler aborts the request, freeing its KV blocks at its
@@ -36,8 +52,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
+import urllib.parse
+import uuid
 
 import grpc
 
@@ -58,17 +77,36 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def status_error(e: Status) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error body) of a Status; an unknown model is 404 ``model_not_found``."""
+def status_error(e: Status, chat: bool = False) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error body) of a Status; an unknown model is 404 ``model_not_found``.
+    ``param`` names a field of the request body: ``prompt`` for the gRPC API's
+    ``prompt_token_ids``, ``messages`` for a chat request's prompt, None for the body as a whole
+    (``request``)."""
     param = e.param
     if param == "model" and "unknown model" in e.message:
         return 404, error_body(e.message, "invalid_request_error", "model", "model_not_found")
     http, type_, code = http_status(e.code)
-    return http, error_body(e.message, type_, "prompt" if param == "prompt_token_ids" else param, code)
+    param = {"prompt_token_ids": "prompt", "request": None}.get(param, param)
+    if chat and param == "prompt":
+        param = "messages"
+    return http, error_body(e.message, type_, param, code)
 
 
 def _json_bytes(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:      # a lone surrogate: escaped as JSON may (\ud800), never sent raw
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+_HEADER_VALUE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+
+
+def header_value(s: str) -> bytes:
+    """``s`` as an HTTP header value: as it is when it is printable ASCII without a space at
+    either end, else percent-encoded UTF-8 (``x-request-id`` of an id with other characters)."""
+    return (s if _HEADER_VALUE.fullmatch(s) else urllib.parse.quote(s, safe="")).encode()
 
 
 async def _send_json(send, status: int, obj, headers: list | None = None) -> None:
@@ -113,6 +151,22 @@ def tenant_of(keys: ApiKeys | None, scope) -> str | None:
 
 _UNAUTHORIZED = (401, error_body(UNAUTHENTICATED_MESSAGE, "invalid_request_error", None, "invalid_api_key"),
                  [(b"www-authenticate", b"Bearer")])
+_PARSE_OFF_LOOP = 64 * 1024     # bodies over this many bytes are parsed in a thread (0.3 s at 4 MB)
+
+
+def content_type_error(scope) -> tuple[int, dict] | None:
+    """415 with OpenAI's error body unless the request's ``Content-Type`` is ``application/json``
+    (any case; parameters allowed, a ``charset`` only UTF-8's); None when it is."""
+    value = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"content-type"), None)
+    if value is not None:
+        media, *params = value.split(";")
+        charsets = [v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params)
+                    if k.strip().lower() == "charset"]
+        if media.strip().lower() == "application/json" and all(c in ("utf-8", "utf8") for c in charsets):
+            return None
+    got = "none" if value is None else repr(value[:100])
+    return 415, error_body(f"Content-Type must be application/json (a charset, if any, utf-8); got {got}",
+                           "invalid_request_error", None, "unsupported_media_type")
 
 
 class CompletionsEndpoint:
@@ -124,12 +178,17 @@ class CompletionsEndpoint:
         self.method = "ChatCompletions" if chat else "Completions"   # kvmesh:gateway_requests_total{method}
 
     async def __call__(self, scope, receive, send) -> None:
-        # response started / complete; the final status for the metrics
-        state = {"started": False, "complete": False, "code": "OK"}
+        # response started / complete; the final status for the metrics; the request id (the
+        # request's own once known; one of ours until then, for a 500 before it)
+        state = {"started": False, "complete": False, "code": "OK", "rid": uuid.uuid4().hex}
         tenant = tenant_of(self.keys, scope)
         if tenant is None:                  # refused before the body is read
             self.path.metrics.request_done(self.method, "UNAUTHENTICATED")
             await _send_json(send, *_UNAUTHORIZED)
+            return
+        if (refused := content_type_error(scope)) is not None:      # the body is not read either
+            self.path.metrics.request_done(self.method, "INVALID_ARGUMENT", tenant)
+            await _send_json(send, *refused)
             return
         CURRENT_TENANT.set(tenant)          # this task and the ones it starts
         try:
@@ -151,26 +210,30 @@ class CompletionsEndpoint:
                 raise work.exception()
         except Status as e:
             state["code"] = e.code.name
-            await self._error(send, state, *status_error(e))
+            await self._error(send, state, *status_error(e, self.chat))
         except EngineError as e:            # its class says whose fault (kvmesh.core.status)
             state["code"] = grpc_code(e).name
-            await self._error(send, state, *status_error(Status(grpc_code(e), str(e))))
+            await self._error(send, state, *status_error(Status(grpc_code(e), str(e)), self.chat))
         except asyncio.CancelledError:
             state["code"] = "CANCELLED"
             raise
         except OSError:                     # the client went away while we wrote (ClientDisconnected)
             state["code"] = "CANCELLED"
-        except Exception as e:
+        except Exception:                   # a bug: the traceback to the log, not to the client
             state["code"] = "INTERNAL"
-            log.exception("%s failed", self.method)
-            await self._error(send, state, 500, error_body(f"internal error in the gateway: {type(e).__name__}: {e}",
-                                                           *INTERNAL_HTTP[1:]))
+            rid = state["rid"]
+            log.exception("%s failed (request id %s)", self.method, rid)
+            message = f"internal error in the gateway (request id {rid}; the gateway's log has the details)"
+            with contextlib.suppress(Exception):
+                await self._error(send, state, INTERNAL_HTTP[0], error_body(message, INTERNAL_HTTP[1], None,
+                                                                            INTERNAL_HTTP[2]),
+                                  [(b"x-request-id", header_value(rid))])
         finally:
             self.path.metrics.request_done(self.method, state["code"], tenant)
 
-    async def _error(self, send, state: dict, status: int, body: dict) -> None:
+    async def _error(self, send, state: dict, status: int, body: dict, headers: list | None = None) -> None:
         if not state["started"]:
-            await _send_json(send, status, body)
+            await _send_json(send, status, body, headers)
         else:                               # mid-stream: an error event, then the end
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": b"data: " + _json_bytes(body) + b"\n\n"
@@ -179,10 +242,8 @@ class CompletionsEndpoint:
     async def _run(self, scope, body: bytes, send, state: dict) -> None:
         path = self.path
         path.check_ready()
-        try:
-            parsed = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise Status(_Code.INVALID_ARGUMENT, f"request body is not valid JSON: {e}") from None
+        parsed = (await asyncio.to_thread(oai.parse_body, body) if len(body) > _PARSE_OFF_LOOP
+                  else oai.parse_body(body))
         request, opts = (oai.chat_request if self.chat else oai.completion_request)(parsed)
         opts.model = opts.model or path.info.name
         carrier = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", ())]
@@ -190,13 +251,17 @@ class CompletionsEndpoint:
         with path.span(name, operation, request, carrier):
             path.check_model(request.model)
             path.check_limits(request)
+            if request.request_id:
+                state["rid"] = request.request_id
+            else:
+                request.request_id = state["rid"]
             try:
                 prompt_ids = await path.prompt_ids(request)
             except EngineError as e:        # an empty prompt, no chat template
                 raise Status(grpc_code(e), f"{'messages' if self.chat else 'prompt'}: {e}") from None
             prepared = await path.prepare(request, prompt_ids)
             responder = oai.Responder(opts, prepared.request_id, path.text.tokenizer)
-            headers = [(b"x-request-id", prepared.request_id.encode()),
+            headers = [(b"x-request-id", header_value(prepared.request_id)),
                        (b"x-kvmesh-max-tokens", str(prepared.forward.max_tokens).encode())]
             async with contextlib.aclosing(path.stream(prepared)) as messages:
                 if opts.stream:
@@ -282,7 +347,76 @@ class HttpServer:
             await self.task
 
 
-def _uvicorn_server(app, tls_cert_file: str = "", tls_key_file: str = ""):
+LINGER_SECONDS = 5.0            # after a malformed request's answer, how long its bytes are read on
+LINGER_BYTES = 16 * 2**20       # ... and how many, before the connection is closed
+
+
+def _h11_protocol(max_header_bytes: int):
+    """uvicorn's h11 protocol answering a request it cannot take with OpenAI's error body: 431
+    for a request line and headers over ``max_header_bytes`` (whether h11 is still waiting for
+    the end of the headers or has them all), 400 for malformed HTTP; then it stops writing
+    (half-close) and reads and drops what the client still sends (up to LINGER_BYTES, for up to
+    LINGER_SECONDS) before closing, so that the client reads the answer instead of a reset
+    connection."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Connection(h11.Connection):
+        error: h11.RemoteProtocolError | None = None
+
+        def next_event(self):
+            try:
+                event = super().next_event()
+            except h11.RemoteProtocolError as e:
+                self.error = e
+                raise
+            if isinstance(event, h11.Request):
+                size = len(event.method) + len(event.target) + 12 + sum(
+                    len(k) + len(v) + 4 for k, v in event.headers.raw_items())
+                if size > max_header_bytes:
+                    self.error = h11.RemoteProtocolError("headers too large", error_status_hint=431)
+                    raise self.error
+            return event
+
+    class Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.conn = Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+            self.lingering, self.dropped = False, 0
+
+        def send_400_response(self, msg: str) -> None:      # uvicorn's answer to h11.RemoteProtocolError
+            error = self.conn.error
+            status = getattr(error, "error_status_hint", 400)
+            if status == 431:
+                body = error_body(f"request headers: the request line and headers exceed max_header_bytes "
+                                  f"({max_header_bytes} bytes)", "invalid_request_error", None,
+                                  "request_header_fields_too_large")
+            else:
+                status = 400
+                body = error_body(f"malformed HTTP request: {str(error)[:200] or 'cannot be parsed'}",
+                                  "invalid_request_error", None, None)
+            data = _json_bytes(body)
+            head = (f"HTTP/1.1 {status} {'Request Header Fields Too Large' if status == 431 else 'Bad Request'}\r\n"
+                    f"content-type: application/json\r\ncontent-length: {len(data)}\r\nconnection: close\r\n\r\n")
+            self.transport.write(head.encode() + data)
+            self.lingering = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.transport.resume_reading()
+            self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.lingering:
+                super().data_received(data)
+                return
+            self.dropped += len(data)
+            if self.dropped > LINGER_BYTES:
+                self.transport.close()
+
+    return Protocol
+
+
+def _uvicorn_server(app, tls_cert_file: str = "", tls_key_file: str = "", max_header_bytes: int = 32 * 1024):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -297,15 +431,17 @@ def _uvicorn_server(app, tls_cert_file: str = "", tls_key_file: str = ""):
 
     # log_config None: leave the process's logging as it is; lifespan off: nothing to start
     tls = dict(ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file) if tls_cert_file else {}
-    return Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", server_header=False,
-                                 **tls))
+    return Server(uvicorn.Config(app, http=_h11_protocol(max_header_bytes), log_config=None, access_log=False,
+                                 lifespan="off", server_header=False, **tls))
 
 
 async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKeys | None = None,
-                     tls_cert_file: str = "", tls_key_file: str = "") -> HttpServer:
+                     tls_cert_file: str = "", tls_key_file: str = "", max_header_bytes: int = 32 * 1024
+                     ) -> HttpServer:
     """Serve the HTTP API over ``path`` on ``host:port`` (0 = any free port) as a task of the
     running loop; returns once it accepts connections. ``api_keys``: the keys callers need (None:
-    none); ``tls_cert_file``/``tls_key_file``: serve HTTPS only. Raises EngineError if the address
+    none); ``tls_cert_file``/``tls_key_file``: serve HTTPS only; ``max_header_bytes``: a request
+    line and headers over this many bytes are answered 431. Raises EngineError if the address
     cannot be bound or the TLS files do not load."""
     if tls_cert_file:
         from kvmesh.core import tls
@@ -320,7 +456,7 @@ async def start_http(path: RequestPath, host: str, port: int, *, api_keys: ApiKe
         sock.close()
         raise DependencyUnavailableError(f"cannot listen on {host}:{port} for HTTP ({e}): is the port in use? "
                                          "choose another --http-port (0 = any free port)") from None
-    server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file)
+    server = _uvicorn_server(build_app(path, api_keys), tls_cert_file, tls_key_file, max_header_bytes)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="kvmesh-http")
     while not server.started:
         if task.done():

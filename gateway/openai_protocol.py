@@ -17,6 +17,11 @@ completions: top-n in [0, 20]), ``n`` (only 1), ``user`` (ignored); vLLM's exten
 ignored; those asking for something kvmesh does not do (``tools``, ``response_format``,
 ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1 ...) are refused with 400.
 
+The body itself (:func:`parse_body`): UTF-8 JSON (RFC 8259: no ``NaN``/``Infinity``, no
+unpaired surrogate escapes such as ``"\\ud800"`` in any string or key), an object, nested at most
+:data:`MAX_JSON_DEPTH` arrays and objects deep: checked on the raw bytes before any recursive
+decoding. A body that breaks one of these is a 400 naming the field where there is one.
+
 Responses: chunks and bodies as OpenAI's (``chat.completion``, ``chat.completion.chunk``,
 ``text_completion``), with ``usage.prompt_tokens_details.cached_tokens`` (prompt tokens served
 from the prefix cache) and vLLM's ``stop_reason`` (the stop string that matched) in each choice.
@@ -24,10 +29,14 @@ from the prefix cache) and vLLM's ``stop_reason`` (the stop string that matched)
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
+from itertools import accumulate, count
+from operator import sub
 
-from gateway.stream import invalid
+from gateway.stream import Status, invalid
 from kvmesh.core.proto import finish_reason_name
 from kvmesh.v1 import common_pb2, llm_pb2
 
@@ -37,6 +46,76 @@ _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_
                 "suffix", "prediction", "audio", "modalities")
 _HARMLESS = {"tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
              "modalities": (["text"],), "suffix": ("",)}     # the defaults of fields kvmesh does not do
+
+
+# ---- the body: bytes -> JSON ---------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 64         # arrays and objects nested in a request body; a real request needs 4
+# a JSON string from its opening quote to its closing one, or to the end of the bytes when it has
+# none: every match ends where the next search starts, so one pass is linear in the body
+_STRING = re.compile(rb'"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:"|\\?\Z)')
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+_BRACKET_STEP = bytes.maketrans(b"[]{}", b"\x02\x00\x02\x00")   # open: +1, close: -1 (each minus 1)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")              # where a lone surrogate can come from
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NAME = re.compile(r"[A-Za-z_]\w*")
+
+
+def json_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in the JSON text ``body``, counting ``[`` and ``{``
+    outside strings (for a body that is not valid JSON, a bound of what a parser would recurse
+    into). Linear in the body, no recursion: C loops only (a 4 MB body of ``[],`` takes 0.3 s)."""
+    steps = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS).translate(_BRACKET_STEP)
+    return max(map(sub, accumulate(steps), count(1)), default=0)
+
+
+def _not_unicode(obj, path: str) -> Status | None:
+    """INVALID_ARGUMENT naming the first string or object key in ``obj`` (parsed JSON, at most
+    MAX_JSON_DEPTH deep) holding a lone surrogate; None when every one is Unicode text."""
+    if isinstance(obj, str):
+        if _SURROGATE.search(obj):
+            return invalid(f"{path or 'request body'}: not valid Unicode text (an unpaired surrogate such as "
+                           "\\ud800 cannot be UTF-8)", param=path or None)
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if _SURROGATE.search(k):
+                return invalid(f"{path or 'request body'}: an object key is not valid Unicode text (an unpaired "
+                               "surrogate such as \\ud800 cannot be UTF-8)", param=path or None)
+            # a key that is not a name ends the path at its object (the param must stay a path)
+            if (bad := _not_unicode(v, (f"{path}.{k}" if path else k) if _NAME.fullmatch(k) else path)) is not None:
+                return bad
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            if (bad := _not_unicode(v, f"{path}[{i}]" if path else path)) is not None:
+                return bad
+    return None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(body: bytes):
+    """A request body → its JSON value. Raises Status INVALID_ARGUMENT (module docstring): bytes
+    that are not UTF-8, nesting deeper than MAX_JSON_DEPTH (before parsing), text that is not
+    JSON (``NaN``, ``Infinity``, an integer of more digits than Python converts), a lone
+    surrogate in a string or key (naming its field)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"request body is not valid UTF-8 (byte {e.start})") from None
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and (depth := json_depth(body)) > MAX_JSON_DEPTH:
+        raise invalid(f"request body nests arrays and objects {depth} deep; at most {MAX_JSON_DEPTH} are allowed")
+    try:
+        parsed = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise invalid(f"request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:       # NaN, Infinity; an integer of over 4300 digits
+        raise invalid(f"request body is not valid JSON: {str(e).partition(': value has')[0]}") from None
+    if _SURROGATE_ESCAPE.search(text) and (bad := _not_unicode(parsed, "")) is not None:
+        raise bad
+    return parsed
 
 
 @dataclass
@@ -79,10 +158,10 @@ def _int(body: dict, name: str, lo: int = 0, hi: int = _UINT64) -> int | None:
     return v
 
 
-def _bool(body: dict, name: str) -> bool | None:
+def _bool(body: dict, name: str, path: str = "") -> bool | None:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
-        raise invalid(f"{name}: expected a boolean, got {_kind(v)}")
+        raise invalid(f"{path}{name}: expected a boolean, got {_kind(v)}")
     return v
 
 
@@ -151,7 +230,7 @@ def _common(body: dict, chat: bool) -> tuple[common_pb2.SamplingParams, Options]
             raise invalid("stream_options: only allowed when stream is true")
         if not isinstance(so, dict):
             raise invalid(f"stream_options: expected an object, got {_kind(so)}")
-        include_usage = bool(_bool(so, "include_usage"))
+        include_usage = bool(_bool(so, "include_usage", "stream_options."))
     if chat:
         top = _int(body, "top_logprobs", hi=20)
         if _bool(body, "logprobs"):

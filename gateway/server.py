@@ -19,7 +19,8 @@ Rules a client sees:
   (request and session ids), ``max_prompt_tokens`` and ``max_message_bytes``; over one →
   INVALID_ARGUMENT naming the field and the limit.
 * Request ids: an id in flight on this gateway is ALREADY_EXISTS (the scheduler answers the
-  same across gateways); an id is free again once its final message is sent.
+  same across gateways); an id is free again once its final message is sent. Ids (request,
+  session, ``cache_salt``) must not hold control characters (U+0000-U+001F, U+007F-U+009F).
 * ``max_tokens`` (tokens): unset → ``min(default_max_tokens, max_tokens_cap, room)`` where room =
   ``max_model_len - prompt tokens``; set above ``max_tokens_cap`` → clamped to the cap. A set
   value (after clamping) with ``prompt + max_tokens > max_model_len`` is INVALID_ARGUMENT, as
@@ -418,7 +419,8 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
         from gateway.http_api import start_http
         try:
             gw.http = await start_http(gw.path, cfg.host, cfg.http_port, api_keys=keys,
-                                       tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file)
+                                       tls_cert_file=cfg.tls_cert_file, tls_key_file=cfg.tls_key_file,
+                                       max_header_bytes=cfg.max_header_bytes)
         except BaseException:
             await channel.close()
             await rpc.abandon()

@@ -48,19 +48,28 @@ _CONNECTION_ERRORS = ("failed to connect", "connections to all backends failing"
                       "connection reset", "connection refused", "broken pipe", "goaway", "endpoint closing")
 ABORT_TIMEOUT = 10.0      # seconds for a forwarded Abort
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")      # "messages[1].role: ..."
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")     # not in ids: they reach logs and HTTP headers
+
+
+_FROM_MESSAGE = object()
 
 
 class Status(Exception):
     """End the request with this gRPC status ``code`` and ``message``. ``param``: the request
     field the message names (``max_tokens``, ``stop``, ``messages[1].role``, ``temperature``), None when
-    none; ``usage``: the usage so far of a request whose deadline passed."""
+    none; by default read from the message's start, else as given. ``usage``: the usage so far of
+    a request whose deadline passed."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, usage: common_pb2.Usage | None = None):
+    def __init__(self, code: grpc.StatusCode, message: str, usage: common_pb2.Usage | None = None,
+                 param=_FROM_MESSAGE):
         super().__init__(message)
         self.code, self.message, self.usage = code, message, usage
+        self._param = param
 
     @property
     def param(self) -> str | None:
+        if self._param is not _FROM_MESSAGE:
+            return self._param
         if self.code != _Code.INVALID_ARGUMENT:
             return None
         m = _FIELD.match(self.message)
@@ -73,8 +82,8 @@ class Status(Exception):
         return name.removeprefix("sampling.")
 
 
-def invalid(message: str) -> Status:
-    return Status(_Code.INVALID_ARGUMENT, message)
+def invalid(message: str, param=_FROM_MESSAGE) -> Status:
+    return Status(_Code.INVALID_ARGUMENT, message, param=param)
 
 
 @dataclass(eq=False)
@@ -154,11 +163,13 @@ class RequestPath:
 
     def check_limits(self, request) -> None:
         """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
-        only, so that an oversize request costs nothing more."""
+        (and no control characters in the ids), so that an oversize request costs nothing more."""
         c = self.cfg
         for name in ("request_id", "session_id", "cache_salt"):
-            if (n := len(getattr(request, name))) > c.max_id_length:
+            if (n := len(value := getattr(request, name))) > c.max_id_length:
                 raise invalid(f"{name}: {n} characters exceeds max_id_length ({c.max_id_length})")
+            if _CONTROL.search(value):
+                raise invalid(f"{name}: control characters (U+0000-U+001F, U+007F-U+009F) are not allowed")
         sp = request.sampling
         if len(sp.stop) > c.max_stop_strings:
             raise invalid(f"sampling.stop: {len(sp.stop)} stop strings exceeds max_stop_strings "

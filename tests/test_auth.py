@@ -118,6 +118,64 @@ def test_revoked_key_is_refused_after_the_file_changes(tmp_path):
     assert keys.tenant_for(f"Bearer {GLOBEX}") is None and keys.tenants == ()
 
 
+def _edit_in_place(path, old: str, new: str) -> None:
+    """Replace ``old`` by ``new`` (the same length) in the file, writing into the same inode, and
+    put its modification time back (``cp -p``, some configuration tools): size, inode and mtime
+    stay as they were."""
+    assert len(old) == len(new)
+    st = os.stat(path)
+    text = path.read_text()
+    with open(path, "r+") as f:
+        f.write(text.replace(old, new))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_mtime_ns, after.st_size, after.st_ino) == (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def test_an_edit_keeping_size_inode_and_mtime_is_seen(tmp_path):
+    """Issue 37, 6: the change time (which os.utime sets too) says the file changed."""
+    path = tmp_path / "keys"
+    path.write_text(KEYS_FILE)
+    keys = ApiKeys(str(path))
+    assert keys.tenant_for(f"Bearer {ACME_1}") == "acme"
+    rotated = ACME_1[:-4] + "wxyz"
+    _edit_in_place(path, ACME_1, rotated)
+    assert keys.tenant_for(f"Bearer {ACME_1}") is None              # the next check, no SIGHUP
+    assert keys.tenant_for(f"Bearer {rotated}") == "acme"
+
+
+def test_an_edit_no_stat_field_shows_is_seen_by_its_hash_within_a_second(tmp_path, monkeypatch):
+    """Where no stat field changes (a filesystem's coarse timestamps), the SHA-256 of the bytes,
+    read at most once every HASH_INTERVAL seconds, says it."""
+    path = tmp_path / "keys"
+    path.write_text(KEYS_FILE)
+    keys = ApiKeys(str(path))
+    now = [100.0]
+    keys._clock = lambda: now[0]
+    keys._stamp_of = lambda st: (1, 2, 3, 4)                        # stat never shows a change
+    keys.reload()
+    reads = []
+    real_open = open
+
+    def counting_open(file, *a, **kw):
+        reads.append(file)
+        return real_open(file, *a, **kw)
+
+    rotated = ACME_1[:-4] + "wxyz"
+    _edit_in_place(path, ACME_1, rotated)
+    monkeypatch.setattr(auth, "open", counting_open, raising=False)     # the module's reads of the file
+    for _ in range(50):                                             # within the interval: no read at all
+        now[0] += auth.HASH_INTERVAL / 100
+        assert keys.tenant_for(f"Bearer {ACME_1}") == "acme"
+    assert reads == []
+    now[0] += auth.HASH_INTERVAL / 2
+    assert keys.tenant_for(f"Bearer {ACME_1}") is None              # hashed, changed: reloaded
+    assert keys.tenant_for(f"Bearer {rotated}") == "acme"
+    assert len(reads) == 2                                          # one hash, one reload
+    now[0] += auth.HASH_INTERVAL
+    assert keys.tenant_for(f"Bearer {rotated}") == "acme" and len(reads) == 3    # hashed, unchanged
+
+
 def test_every_digest_is_compared_in_constant_time(tmp_path, monkeypatch):
     """A wrong key sharing all but its last character with a real one, and one sharing nothing,
     cost the same: the presented key's SHA-256 is compared with every stored digest through

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+import types
 from urllib.parse import urlsplit
 
 import grpc
@@ -325,3 +326,173 @@ def test_scheduler_full_is_429_and_gone_is_503(mesh):
     finally:
         client.close()
         mesh.run(gw.stop(0))
+
+
+# ---- hostile clients (issue 37): no 500, no dropped connection, the server keeps serving ----------
+
+def _served(mesh) -> None:
+    r = _post(mesh, "/completions", json.dumps({"prompt": "Hi", "max_tokens": 1, **{"temperature": 0}}))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+
+
+SURROGATE = "\\ud800"          # JSON text of a lone surrogate: valid JSON, not Unicode text
+MSG = '{"role": "user", "content": "hi"}'
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/chat/completions", '{"messages": [{"role": "user", "content": "a%sb"}]}', "messages[0].content"),
+    ("/chat/completions", '{"messages": [{"role": "us%s", "content": "hi"}]}', "messages[0].role"),
+    ("/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+     "messages[0].content[0].text"),
+    ("/chat/completions", '{"messages": [' + MSG + '], "model": "%s"}', "model"),
+    ("/chat/completions", '{"messages": [' + MSG + '], "stop": ["ok", "x%s"]}', "stop[1]"),
+    ("/chat/completions", '{"messages": [' + MSG + '], "request_id": "%s"}', "request_id"),
+    ("/chat/completions", '{"messages": [' + MSG + '], "session_id": "%s"}', "session_id"),
+    ("/chat/completions", '{"messages": [' + MSG + '], "user": "%s"}', "user"),
+    ("/chat/completions", '{"messages": [' + MSG + '], "x_unknown": {"deep": ["%s"]}}', "x_unknown.deep[0]"),
+    ("/chat/completions", '{"messages": [' + MSG + '], "k%s": 1}', None),                      # a key
+    ("/completions", '{"prompt": "%s"}', "prompt"),
+    ("/completions", '{"prompt": ["%s"]}', "prompt[0]"),
+    ("/completions", '{"prompt": "hi", "stop": "%s"}', "stop"),
+    ("/completions", '"%s"', None),                                                            # the body
+])
+def test_lone_surrogate_is_400_naming_the_field(mesh, route, body, param):
+    err = _error(_post(mesh, route, body % SURROGATE), 400, param)
+    assert "not valid Unicode" in err["message"] and err["type"] == "invalid_request_error"
+    _served(mesh)
+
+
+def test_a_surrogate_pair_and_hostile_text_are_served(mesh):
+    content = "\\ud83d\\ude00 \\u202eRTL\\u202c e\\u0301\\u0300 \\u0000 NUL \\ufeff"     # escapes, not bytes
+    r = _post(mesh, "/chat/completions", '{"messages": [{"role": "user", "content": "%s"}], "max_tokens": 1}' % content)
+    assert r.status_code == 200, r.text
+
+
+def _nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+@pytest.mark.parametrize("where", ["messages", "unknown field"])
+@pytest.mark.parametrize("depth", [65, 1000, 100_000])
+def test_deep_json_is_400_before_any_recursive_decoding(mesh, monkeypatch, where, depth):
+    import gateway.openai_protocol as oai
+    loads = []
+    monkeypatch.setattr(oai, "json", types.SimpleNamespace(       # the gateway's parser, not this test's
+        loads=lambda *a, **kw: loads.append(1) or json.loads(*a, **kw), JSONDecodeError=json.JSONDecodeError))
+    inner = _nested(depth - 2)          # in the body object and the array it sits in: depth in all
+    body = ('{"messages": [%s, %s]}' % (MSG, inner) if where == "messages"
+            else '{"messages": [%s], "max_tokens": 1, "x": [%s]}' % (MSG, inner))
+    err = _error(_post(mesh, "/chat/completions", body), 400, None)
+    assert f"at most {oai.MAX_JSON_DEPTH}" in err["message"] and loads == []
+    monkeypatch.undo()
+    _served(mesh)
+
+
+def test_json_at_the_depth_bound_is_parsed(mesh):
+    from gateway.openai_protocol import MAX_JSON_DEPTH, json_depth
+    body = '{"messages": [%s], "max_tokens": 1, "x": [%s], "y": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}' % (
+        MSG, _nested(MAX_JSON_DEPTH - 2))
+    assert json_depth(body.encode()) == MAX_JSON_DEPTH        # brackets in strings do not count
+    assert _post(mesh, "/chat/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "temperature": -Infinity}',
+    b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}",          # more digits than Python converts
+    b'{"prompt": "hi\xff"}', b'{"prompt": "\xed\xa0\x80"}',        # not UTF-8; an encoded surrogate
+    b"\xef\xbb\xbf" + b'{"prompt": "hi"}', b"\x00\x00\x00{", b"", b"   ",
+])
+def test_bodies_that_are_not_json_text_are_400(mesh, body):
+    _error(_http(mesh.url + "/completions", "POST", body), 400, None)
+    _served(mesh)
+
+
+@pytest.mark.parametrize("value, param", [(1e400, "temperature"), (-1e400, "top_p"), (10**30, "max_tokens"),
+                                          (-(10**30), "seed"), (2.5, "n"), ("1", "max_tokens")])
+def test_huge_and_odd_numbers_are_400(mesh, value, param):
+    body = '{"prompt": "hi", "%s": %s}' % (param, json.dumps(value))     # 1e400: Infinity in JSON as a float
+    if value in (1e400, -1e400):
+        body = body.replace("Infinity", "1e400")
+    _error(_post(mesh, "/completions", body), 400, param)
+
+
+def test_control_characters_in_ids_are_400_and_odd_ids_are_served(mesh):
+    for name in ("request_id", "session_id"):
+        body = json.dumps({"prompt": "hi", "max_tokens": 1, name: "a\r\nx-injected: 1"})
+        _error(_post(mesh, "/completions", body), 400, name)
+    r = _post(mesh, "/completions", json.dumps({"prompt": "hi", "max_tokens": 1, "request_id": " spaced id é "}))
+    assert r.status_code == 200 and r.json()["id"] == "cmpl- spaced id é "
+    assert r.headers["x-request-id"] == "%20spaced%20id%20%C3%A9%20"     # percent-encoded in the header
+
+
+def test_internal_error_is_500_without_exception_text(mesh, monkeypatch, caplog):
+    def boom(*a, **kw):
+        raise RuntimeError("secret-detail-7731")
+    monkeypatch.setattr(mesh.gw_http.path, "_sampling", boom)
+    for body, rid in (({"prompt": "hi", "max_tokens": 1, "request_id": "my-id-1"}, "my-id-1"),
+                      ({"prompt": "hi", "max_tokens": 1}, None)):
+        with caplog.at_level("ERROR", logger="kvmesh.gateway.http"):
+            r = _post(mesh, "/completions", json.dumps(body))
+        err = _error(r, 500, None)
+        assert (err["type"], err["code"]) == ("server_error", "internal_error")
+        assert "secret-detail" not in r.text and "RuntimeError" not in r.text
+        rid = rid or r.headers["x-request-id"]
+        assert r.headers["x-request-id"] == rid and rid in err["message"]
+        logged = [rec for rec in caplog.records if rid in rec.getMessage()]
+        assert logged and "secret-detail-7731" in str(logged[-1].exc_info[1])     # the traceback is logged
+    monkeypatch.undo()
+    _served(mesh)
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/json; charset=latin-1",
+                                          "application/jsonp", "text/json"])
+def test_post_routes_want_json_content_type(mesh, content_type):
+    import httpx2
+    headers = {} if content_type is None else {"content-type": content_type}
+    for route in ("/completions", "/chat/completions"):
+        r = httpx2.post(mesh.url + route, content=json.dumps({"prompt": "hi", "messages": [{"role": "user",
+                        "content": "hi"}], "max_tokens": 1}).encode(), headers=headers, timeout=60)
+        assert r.status_code == 415, (route, content_type, r.text)
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (None, "unsupported_media_type") and "application/json" in err["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "Application/JSON; charset=UTF-8",
+                                          "application/json;charset=utf8", "application/json; foo=bar"])
+def test_json_content_types_are_served(mesh, content_type):
+    import httpx2
+    r = httpx2.post(mesh.url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                    headers={"content-type": content_type}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 2**20])
+def test_oversized_headers_get_431_and_a_clean_close(mesh, size):
+    import httpx2
+    bound = mesh.gw_http.path.cfg.max_header_bytes
+    with httpx2.Client(timeout=60) as client:
+        r = client.post(mesh.url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                        headers={"content-type": "application/json", "authorization": "Bearer " + "k" * size})
+        assert r.status_code == 431 and r.headers["connection"] == "close"
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (None, "request_header_fields_too_large") and str(bound) in err["message"]
+        r = client.post(mesh.url + "/completions", content=b'{"prompt": "hi", "max_tokens": 1}',     # a new connection
+                        headers={"content-type": "application/json", "authorization": "Bearer " + "k" * (bound // 2)})
+        assert r.status_code == 200
+    with openai.OpenAI(base_url=mesh.url, api_key="k" * size, max_retries=0, timeout=60) as client:
+        with pytest.raises(openai.APIStatusError) as ei:
+            client.completions.create(model="", prompt="hi", max_tokens=1)
+        assert ei.value.status_code == 431 and ei.value.body["code"] == "request_header_fields_too_large"
+
+
+def test_malformed_http_gets_400_with_the_error_body(mesh):
+    host, port = mesh.gw_http.http.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):          # the server closes after its answer
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["param"] is None
+    _served(mesh)

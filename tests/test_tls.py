@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import ssl
 import threading
 
 import grpc
@@ -222,6 +223,16 @@ def test_http_port_speaks_https_only(mesh, pki):
                                context=ssl.create_default_context(cafile=pki.rogue_ca)).read()
     with urllib.request.urlopen(f"{mesh.gw.http.url[:-3]}/health", context=ctx, timeout=10) as r:
         assert r.status == 200
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 2**20])
+def test_https_oversized_headers_get_431(mesh, pki, size):
+    """Issue 37, 4 over TLS (no half-close there: the server reads and drops the rest, then closes)."""
+    import httpx2
+    with httpx2.Client(verify=ssl.create_default_context(cafile=pki.ca), timeout=60) as client:
+        r = client.get(f"{mesh.gw.http.url}/models", headers={"authorization": "Bearer " + "k" * size})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
+        assert client.get(f"{mesh.gw.http.url[:-3]}/health").status_code == 200
 
 
 def test_client_and_cli_with_the_ca(mesh, pki, capsys):

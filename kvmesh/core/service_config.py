@@ -219,6 +219,8 @@ class GatewayConfig(Settings):
             the model's context allows (``max_model_len`` - 1).
         max_message_bytes: size of a serialized request (bytes); gRPC itself refuses one over
             twice this before it is read (RESOURCE_EXHAUSTED).
+        max_header_bytes: the HTTP API's request line and headers together (bytes); over it the
+            answer is 431 and the connection is closed (gRPC metadata has grpc's own bound).
 
     Security (README, "Security: API keys and TLS"):
         api_keys_file: ``TENANT:KEY`` lines (:mod:`gateway.auth`; also ``KVMESH_API_KEYS``); empty
@@ -253,6 +255,8 @@ class GatewayConfig(Settings):
     max_id_length: int = setting(256, "characters of a request_id or session_id")
     max_prompt_tokens: int = setting(0, "prompt tokens per request (0 = max_model_len - 1)")
     max_message_bytes: int = setting(4 * 2**20, "size of a serialized request in bytes", metavar="B")
+    max_header_bytes: int = setting(32 * 1024, "HTTP API: request line and headers in bytes (over it: 431)",
+                                    metavar="B")
     api_keys_file: str = setting("", "TENANT:KEY per line: every request needs 'authorization: Bearer KEY' (also "
                                  "KVMESH_API_KEYS; re-read when the file changes and on SIGHUP)", metavar="FILE")
     tls_cert_file: str = setting("", "certificate chain: the gateway listens with TLS only (with --tls-key-file)",
@@ -288,6 +292,8 @@ class GatewayConfig(Settings):
         if self.max_id_length < 1 or not 1024 <= self.max_message_bytes <= 2**30:
             raise SettingsError(f"max_id_length must be >= 1 and max_message_bytes in [1024, 2**30], got "
                                 f"{self.max_id_length} and {self.max_message_bytes}")
+        if not 1024 <= self.max_header_bytes <= 2**24:
+            raise SettingsError(f"max_header_bytes must be in [1024, 2**24], got {self.max_header_bytes}")
         _check_metrics_port(self, "health_port")
 
     def check_tls(self) -> None:
