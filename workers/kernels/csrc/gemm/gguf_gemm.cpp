@@ -345,71 +345,176 @@ static void quantize_rows_avx512(const T* x, int64_t K, int64_t QB, int8_t* xq, 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+// acc[r][h] = mul x the integer dot products q . xq of one group (G values of k) for rows r < MR,
+// columns 8h .. 8h + 7 (h = 0, 1), int32; mul[h]: the columns' int16 multipliers, each in both
+// halves of its 32-bit lane (vpmaddwd: ones, or the k-quant group scales sc). 4-bit lanes sum a whole group's vpmaddubsw pairs in
+// int16 before widening (8 products of 2 x 15 x 127 stay below 2^15); 6-bit lanes widen per
+// chunk (2 x 63 x 127 per product: two fit); 8-bit lanes are taken as the signed q - 128 with
+// the sign moved onto x (|q - 128| x 127 x 2 < 2^15), so acc is sum (q - 128) xq for them.
 template <int MR, int BITS, int G>
-static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
-  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2;
-  const uint8_t* panel = pb.qw + p * pbytes;
-  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-  __m256 out[MR][2];
-  const int32_t* xq4[MR];
-  for (int r = 0; r < MR; ++r) {
-    out[r][0] = out[r][1] = _mm256_setzero_ps();
-    xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
-  }
+static inline __attribute__((always_inline)) void group_dots_avx2(const uint8_t* pg, const int32_t* const* xq4,
+                                                                  int64_t q0, const __m256i (&mul)[2],
+                                                                  __m256i (&acc)[MR][2]) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
   constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);
-  const __m256i hshift = _mm256_set_epi64x(2, 2, 0, 0), lo2 = _mm256_set1_epi8(0x03);
-  alignas(32) float s[16], z[16];
-  for (int64_t g = 0; g < ng; ++g) {
-    __m256i acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    const uint8_t* pg = panel + g * kChunks * kCB;
-    const int64_t q0 = g * G / 4;
-    for (int c = 0; c < kChunks; ++c) {
-      for (int h = 0; h < 2; ++h) {      // columns 0-7 (operand bytes 0..31: lanes l = 0, 1), 8-15 (l = 2, 3)
+  // The chunk loops stay rolled: unrolled, GCC re-associates the sums across chunks into trees
+  // that keep every product live, and spills most of them (seen in the disassembly at MR 4).
+  if constexpr (BITS == 4) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {      // one half at a time: 4 int16 sums + operands fit 16 registers
+      __m256i p16[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int c = 0; c < kChunks; ++c) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(pg + c * kCB + 32 * h));
-        if constexpr (BITS == 4 || BITS == 6) {    // q < 64: vpmaddubsw cannot saturate (63 * 127 * 2)
-          __m256i w0 = _mm256_and_si256(v, lo4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-          if constexpr (BITS == 6) {
-            const __m256i sh = _mm256_add_epi64(hshift, _mm256_set1_epi64x(4 * h));
-            const __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 64)));
-            const __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 80)));
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(h0, sh), lo2), 4));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(h1, sh), lo2), 4));
-          }
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x0 = _mm256_set1_epi32(xq4[r][q0 + 2 * c]), x1 = _mm256_set1_epi32(xq4[r][q0 + 2 * c + 1]);
-            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
-            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p16, ones));
-          }
-        } else {
-          // q - 128 as int8: |q - 128| * (x with the sign of q - 128): no vpmaddubsw saturation
-          const __m256i w = _mm256_xor_si256(v, flip);
-          const __m256i aw = _mm256_abs_epi8(w);
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xq4[r][q0 + c]), w);
-            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
-          }
+        const __m256i w0 = _mm256_and_si256(v, lo4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256i x0 = _mm256_set1_epi32(xq4[r][q0 + 2 * c]), x1 = _mm256_set1_epi32(xq4[r][q0 + 2 * c + 1]);
+          p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(w0, x0));
+          p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(w1, x1));
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) acc[r][h] = _mm256_madd_epi16(p16[r], mul[h]);
+    }
+  } else if constexpr (BITS == 6) {
+    const __m256i lo2 = _mm256_set1_epi8(0x03);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int c = 0; c < kChunks; ++c) {
+      const uint8_t* ch = pg + c * kCB;
+      const __m256i h0 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(ch + 64)));
+      const __m256i h1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(ch + 80)));
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        // operand bytes 32h .. 32h + 31 are 128-bit lanes l = 2h, 2h + 1: high bits at 2l, 2l + 1
+        const __m256i sh = _mm256_set_epi64x(4 * h + 2, 4 * h + 2, 4 * h, 4 * h);
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(ch + 32 * h));
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(v, lo4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(h0, sh), lo2), 4));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), lo4),
+                                           _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(h1, sh), lo2), 4));
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256i x0 = _mm256_set1_epi32(xq4[r][q0 + 2 * c]), x1 = _mm256_set1_epi32(xq4[r][q0 + 2 * c + 1]);
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p16, mul[h]));
         }
       }
     }
-    group_sz(pb, p, g, s, z);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sv = _mm256_load_ps(s + 8 * h);
-      // 8-bit lanes summed q - 128: z + 128 s multiplies xsum
-      const __m256 zv = BITS != 8 ? _mm256_load_ps(z + 8 * h)
-                                  : _mm256_fmadd_ps(_mm256_set1_ps(128.f), sv, _mm256_load_ps(z + 8 * h));
-      for (int r = 0; r < MR; ++r) {
-        const int64_t m = m0 + r;
-        const float dx = pb.dx[m * (K / pb.QB) + g * G / pb.QB];
-        int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
-        if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
-        const __m256 isum = _mm256_cvtepi32_ps(acc[r][h]);
-        out[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(isum, sv), _mm256_set1_ps(dx), out[r][h]);
-        out[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(dx * (float)xsum), out[r][h]);
+  } else {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int c = 0; c < kChunks; ++c) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(pg + c * kCB + 32 * h)), flip);
+        const __m256i aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(xq4[r][q0 + c]), w);
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), mul[h]));
+        }
+      }
+    }
+  }
+}
+
+// rows [m0, m0 + MR) against panel p, BITS, G and the scheme (KQ: k-quant) fixed. Flat: every
+// group scaled in float32 (s, z of float16). k-quant: as the vnni path, a super-block's groups
+// summed in integers (sc isum, m xsum) and scaled once by dx d, dx dmin. No division in the
+// loops: row pointers are set up once, super-blocks and their groups are nested loops.
+template <int MR, int BITS, int G, bool KQ>
+static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
+  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2, nqb = K / pb.QB;
+  const uint8_t* panel = pb.qw + p * pbytes;
+  const int32_t* xq4[MR];
+  const float* dxr[MR];
+  const int32_t* xsr[MR];
+  __m256 out[MR][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) {
+    xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
+    dxr[r] = pb.dx + (m0 + r) * nqb;
+    xsr[r] = pb.xs16 + (m0 + r) * (K / 16);
+    out[r][0] = out[r][1] = _mm256_setzero_ps();
+  }
+  constexpr int64_t kGroupBytes = G / chunk_k(BITS) * chunk_bytes(BITS);
+  if constexpr (KQ) {
+    const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
+    const int8_t* sm = (const int8_t*)pb.scales + p * ng * 32;
+    const float* dd = pb.supers + p * nsb * 32;
+    for (int64_t sb = 0; sb < nsb; ++sb, dd += 32) {
+      __m256i ks[MR][2], km[MR][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) ks[r][0] = ks[r][1] = km[r][0] = km[r][1] = _mm256_setzero_si256();
+      for (int64_t g = sb * per_sb; g < (sb + 1) * per_sb; ++g, sm += 32) {
+        __m256i sc[2], acc[MR][2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {      // sc in both 16-bit halves of each column's lane
+          const __m256i s32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sm + 8 * h)));
+          sc[h] = _mm256_blend_epi16(s32, _mm256_slli_epi32(s32, 16), 0xAA);
+        }
+        group_dots_avx2<MR, BITS, G>(panel + g * kGroupBytes, xq4, g * G / 4, sc, acc);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i mn = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sm + 16 + 8 * h)));
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            int32_t xsum = xsr[r][g * G / 16];
+            if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+            __m256i a = acc[r][h];
+            if constexpr (BITS == 8) {       // acc summed sc (q - 128) xq
+              a = _mm256_add_epi32(a, _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sm + 8 * h))),
+                                                         _mm256_set1_epi32(128 * xsum)));
+            }
+            ks[r][h] = _mm256_add_epi32(ks[r][h], a);
+            km[r][h] = _mm256_add_epi32(km[r][h], _mm256_mullo_epi32(mn, _mm256_set1_epi32(xsum)));
+          }
+        }
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_loadu_ps(dd + 8 * h), dmin = _mm256_loadu_ps(dd + 16 + 8 * h);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256 dx = _mm256_set1_ps(dxr[r][sb]);
+          out[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ks[r][h]), _mm256_mul_ps(d, dx), out[r][h]);
+          out[r][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(km[r][h]), _mm256_mul_ps(dmin, dx), out[r][h]);
+        }
+      }
+    }
+  } else {
+    // flat: the activations' blocks are 32 values (QB), G = 16 or 32
+    const __m256i ones[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
+    const uint16_t* hs = (const uint16_t*)pb.scales + p * ng * 32;
+    for (int64_t g = 0; g < ng; ++g, hs += 32) {
+      __m256i acc[MR][2];
+      group_dots_avx2<MR, BITS, G>(panel + g * kGroupBytes, xq4, g * G / 4, ones, acc);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(hs + 8 * h)));
+        __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(hs + 16 + 8 * h)));
+        if constexpr (BITS == 8) zv = _mm256_fmadd_ps(_mm256_set1_ps(128.f), sv, zv);    // acc summed q - 128
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const float dx = dxr[r][g * G / 32];
+          int32_t xsum = xsr[r][g * G / 16];
+          if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+          const __m256 isum = _mm256_cvtepi32_ps(acc[r][h]);
+          out[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(isum, sv), _mm256_set1_ps(dx), out[r][h]);
+          out[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(dx * (float)xsum), out[r][h]);
+        }
       }
     }
   }
   alignas(32) float row[16];
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     _mm256_store_ps(row, out[r][0]);
     _mm256_store_ps(row + 8, out[r][1]);
@@ -417,13 +522,51 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
   }
 }
 
+static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+static inline __m256 load8(const uint16_t* x) {      // 8 bfloat16 -> float32 (exact)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)x)), 16));
+}
+
+// quantize_rows_scalar's results (the same rounding: cvtps2dq rounds half to even under the
+// default MXCSR, as nearbyint)
+template <typename T>
+static void quantize_rows_avx2(const T* x, int64_t K, int64_t QB, int8_t* xq, float* dx, int32_t* xs16) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const T* xb = x + b * QB;
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t i = 0; i < QB; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(xb + i), absmask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    dx[b] = amax / 127.f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < QB; i += 16) {
+      const __m256i q0 = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + i), iv))));
+      const __m256i q1 = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_mul_ps(load8(xb + i + 8), iv))));
+      const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);    // 16 x int16 in order
+      _mm_storeu_si128((__m128i*)(xq + b * QB + i),
+                       _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1)));
+      const __m256i s8 = _mm256_add_epi32(q0, q1);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      xs16[(b * QB + i) / 16] = _mm_cvtsi128_si32(s4);
+    }
+  }
+}
+
 template <int BITS, int G>
 static void panel_avx2(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
+  const bool kq = pb.supers != nullptr;
   switch (mr) {
-    case 4: return panel_rows_avx2<4, BITS, G>(pb, p, m0);
-    case 3: return panel_rows_avx2<3, BITS, G>(pb, p, m0);
-    case 2: return panel_rows_avx2<2, BITS, G>(pb, p, m0);
-    default: return panel_rows_avx2<1, BITS, G>(pb, p, m0);
+    case 4: return kq ? panel_rows_avx2<4, BITS, G, true>(pb, p, m0) : panel_rows_avx2<4, BITS, G, false>(pb, p, m0);
+    case 3: return kq ? panel_rows_avx2<3, BITS, G, true>(pb, p, m0) : panel_rows_avx2<3, BITS, G, false>(pb, p, m0);
+    case 2: return kq ? panel_rows_avx2<2, BITS, G, true>(pb, p, m0) : panel_rows_avx2<2, BITS, G, false>(pb, p, m0);
+    default: return kq ? panel_rows_avx2<1, BITS, G, true>(pb, p, m0) : panel_rows_avx2<1, BITS, G, false>(pb, p, m0);
   }
 }
 
@@ -504,6 +647,11 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       if (path == Path::kAvx512Vnni) {
         if (bf16) quantize_rows_avx512((const uint16_t*)xc.data_ptr<at::BFloat16>() + m * K, K, QB, q, d, s16);
         else quantize_rows_avx512(xc.data_ptr<float>() + m * K, K, QB, q, d, s16);
+        continue;
+      }
+      if (path == Path::kAvx2) {
+        if (bf16) quantize_rows_avx2((const uint16_t*)xc.data_ptr<at::BFloat16>() + m * K, K, QB, q, d, s16);
+        else quantize_rows_avx2(xc.data_ptr<float>() + m * K, K, QB, q, d, s16);
         continue;
       }
 #endif
