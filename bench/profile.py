@@ -128,8 +128,8 @@ def decode_bytes(engine, kv_blocks: int) -> int:
 
 
 def _print(res: dict, bw: float) -> None:
-    print(f"\n# CPU: {res['cpu']}; read bandwidth {bw / 1e9:.1f} GB/s; model {res['model']} {res['dtype']}; "
-          f"torch threads {res['threads']}")
+    print(f"\n# CPU: {res['cpu']}; read bandwidth {bw / 1e9:.1f} GB/s; model {res['model']} {res['torch_dtype']} "
+          f"(dtype {res['dtype']}), weights {res['weight_format']}, kernels {res['kernel_isa']}; torch threads {res['threads']}")
     for d in res["decode"]:
         need = d["bytes"] / bw
         print(f"\n## decode, batch {d['batch']}, context {d['context']}: step {d['step_ms']:.2f} ms "
@@ -151,7 +151,7 @@ def _ops(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = command.parser(__doc__, prog="python -m bench.profile")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="activation dtype; auto: kvmesh's default here")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=1600)
@@ -180,7 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
     engine = LLMEngine(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(engine.model_dir))
     bw = read_bandwidth()
+    from workers import kernels
+    from workers.loader import resolve_weight_format
     res = {"cpu": cpu_model(), "bandwidth_bytes_per_s": bw, "model": args.model, "dtype": args.dtype,
+           "torch_dtype": str(cfg.torch_dtype).removeprefix("torch."), "kernel_isa": kernels.isa(),
+           "weight_format": resolve_weight_format(cfg.weight_format, engine.model_dir),
            "threads": torch.get_num_threads(), "decode": []}
     for b in args.batch:
         d = profile_decode(engine, tokenizer, b, args.context, args.steps, args.top, args.shared_prefix)

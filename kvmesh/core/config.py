@@ -19,7 +19,6 @@ from kvmesh.core.engine_config import (
     SPECULATIVE_METHODS,
     WEIGHT_FORMATS,
     EngineConfig,
-    cpu_has_native_bf16,
 )
 from kvmesh.core.service_config import (
     EXECUTORS,
@@ -41,6 +40,6 @@ from kvmesh.core.settings import (
 __all__ = [
     "ATTENTION_BACKENDS", "DTYPES", "EXECUTORS", "GATEWAY_METRICS_PORT", "POLICIES", "ROUTING_POLICIES",
     "SCHEDULER_METRICS_PORT", "SPECULATIVE_METHODS", "STAGE_PLACEMENTS", "WEIGHT_FORMATS", "EngineConfig",
-    "GatewayConfig", "SchedulerConfig", "Settings", "_parse_bytes", "available_cpus", "cpu_has_native_bf16",
-    "env_var", "setting",
+    "GatewayConfig", "SchedulerConfig", "Settings", "_parse_bytes", "available_cpus", "env_var",
+    "setting",
 ]

@@ -1,0 +1,115 @@
+"""The GGUF-block kernel (``kvmesh::gguf_linear``) on Qwen2.5-Coder-1.5B's projection shapes, against the bandwidth.
+
+Builds the 28 layers' projections of Qwen2.5-Coder-1.5B (Q4_K_M) with random integers and scales
+in the kernel's layout (``workers.kernels.gemm.pack_gguf_qweight`` / ``pack_gguf_scales``):
+qkv 2048x1536, o 1536x1536, gate_up 17920x1536 as 4-bit k-quant lanes (Q4_K: groups of 32),
+down 1536x8960 as 6-bit lanes (Q6_K: groups of 16), distinct tensors (~0.9 GB, nothing stays in
+cache between matrices), and times
+
+- one pass over the chain at each ``--m`` (rows of x; M = 1 is a decode step's projections), in
+  ms, with the panel bytes read per second beside the read bandwidth measured in the same run
+  (``bench.machine.read_bandwidth``): M = 1 is bound by memory;
+- one Q4_K gate_up and one Q6_K down matrix at ``--m-compute`` rows on one thread (the
+  compute-bound prefill case), in GMAC/s.
+
+Each figure is the median (chain) or best (one matrix) of ``--runs`` timed runs after a
+warm-up. The kernel path is the one ``KVMESH_KERNEL_ISA`` leaves (printed).
+
+Usage::
+
+    python -m bench.gguf_gemm [--m 1 8 64] [--m-compute 64] [--runs 6] [--out gguf_gemm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+LAYERS = 28
+SHAPES = [(2048, 1536, 4, 32), (1536, 1536, 4, 32), (17920, 1536, 4, 32), (1536, 8960, 6, 16)]   # N, K, bits, G
+
+
+def _matrix(n: int, k: int, bits: int, G: int, gen: torch.Generator):
+    from workers.kernels import gemm
+    q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+    sc = torch.randint(-63, 64, (n, k // G), generator=gen, dtype=torch.int8)
+    m = torch.randint(0, 64, (n, k // G), generator=gen, dtype=torch.int8)
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    dmin = torch.rand(n, k // 256, generator=gen) * 1e-3
+    return (gemm.pack_gguf_qweight(q, bits), gemm.pack_gguf_scales(sc, m, torch.int8),
+            gemm.pack_gguf_scales(d, dmin, torch.float32), bits, G, n, k)
+
+
+def _bytes(mat) -> int:
+    return mat[0].numel() + mat[1].numel() + mat[2].numel() * 4
+
+
+def _run(mat, x):
+    from workers.kernels import gemm
+    qw, scales, supers, bits, G, n, _ = mat
+    return gemm.gguf_linear(x, qw, scales, supers, bits, G, n)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m bench.gguf_gemm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--m-compute", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from bench.machine import cpu_model, read_bandwidth
+    from workers.kernels import gemm
+    if not gemm.gguf_available():
+        raise SystemExit("the native kernels are not built here")
+    gen = torch.Generator().manual_seed(0)
+    chain = [_matrix(*s, gen) for _ in range(LAYERS) for s in SHAPES]
+    nbytes = sum(_bytes(m) for m in chain)
+    bw = read_bandwidth()
+    res = {"cpu": cpu_model(), "path": gemm.gguf_path(), "threads": torch.get_num_threads(),
+           "bandwidth_bytes_per_s": bw, "chain_bytes": nbytes, "chain": [], "compute": []}
+    print(f"# CPU: {res['cpu']}; gguf_linear path {res['path']}; {res['threads']} threads; read bandwidth "
+          f"{bw / 1e9:.1f} GB/s; chain {nbytes / 1e6:.0f} MB")
+    for M in args.m:
+        xs = {k: torch.randn(M, k, generator=gen) for k in {s[1] for s in SHAPES}}
+        times = []
+        for i in range(args.runs + 1):
+            t = time.perf_counter()
+            for mat in chain:
+                _run(mat, xs[mat[6]])
+            if i:
+                times.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        row = {"m": M, "ms": med * 1e3, "gb_s": nbytes / med / 1e9, "share_of_bandwidth": nbytes / med / bw}
+        res["chain"].append(row)
+        print(f"chain M={M}: {row['ms']:.1f} ms, {row['gb_s']:.1f} GB/s ({row['share_of_bandwidth']:.0%} of the "
+              f"read bandwidth)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, shape in (("Q4_K gate_up 17920x1536", SHAPES[2]), ("Q6_K down 1536x8960", SHAPES[3])):
+            mat = _matrix(*shape, gen)
+            x = torch.randn(args.m_compute, shape[1], generator=gen)
+            _run(mat, x)
+            best = float("inf")
+            for _ in range(args.runs):
+                t = time.perf_counter()
+                _run(mat, x)
+                best = min(best, time.perf_counter() - t)
+            row = {"matrix": name, "m": args.m_compute, "ms": best * 1e3,
+                   "gmac_s": args.m_compute * shape[0] * shape[1] / best / 1e9}
+            res["compute"].append(row)
+            print(f"{name}, M={args.m_compute}, one thread: {row['ms']:.1f} ms, {row['gmac_s']:.1f} GMAC/s")
+    finally:
+        torch.set_num_threads(threads)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

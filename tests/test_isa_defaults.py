@@ -1,0 +1,76 @@
+"""kvmesh's defaults on every kernel level this CPU supports (``KVMESH_KERNEL_ISA`` forced, issue 39):
+the Python side (``cpu_kernel_level``, which picks the default dtype) and the kernels agree on the
+level; the default configuration (``dtype auto``, ``weight_format auto``) takes bfloat16 above the
+scalar level and float32 at it; and a decode step of that configuration runs kvmesh's kernels, not
+ATen's matmuls (no ``aten::mm``/``addmm``/``linear`` in its profile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.core.engine_config import KERNEL_LEVELS, EngineConfig, cpu_kernel_level
+from workers import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native kernels are not built here")
+
+ATEN_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
+
+
+def _supported(level: str) -> bool:
+    return KERNEL_LEVELS.index(level) <= KERNEL_LEVELS.index(kernels.cpu_isa())
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """force(level): the kernels and the settings at ``level``; the CPU's best again afterwards."""
+    def force(level: str) -> None:
+        monkeypatch.setenv("KVMESH_KERNEL_ISA", level)
+        assert kernels.set_isa(level) == level
+    yield force
+    monkeypatch.delenv("KVMESH_KERNEL_ISA", raising=False)
+    kernels.set_isa("auto")
+
+
+def test_settings_and_kernels_agree_on_the_level(forced, monkeypatch):
+    monkeypatch.delenv("KVMESH_KERNEL_ISA", raising=False)
+    assert cpu_kernel_level() == kernels.cpu_isa()
+    for level in KERNEL_LEVELS:
+        if _supported(level):
+            forced(level)
+            assert cpu_kernel_level() == kernels.isa() == level
+            want = torch.float32 if level == "scalar" else torch.bfloat16
+            assert EngineConfig(model="m", dtype="auto").torch_dtype == want
+    monkeypatch.setenv("KVMESH_KERNEL_ISA", "sse9")            # unknown: ignored, as the kernels do
+    assert cpu_kernel_level() == kernels.cpu_isa()
+    monkeypatch.setenv("KVMESH_NATIVE_KERNELS", "0")
+    assert cpu_kernel_level() == "scalar"
+    assert EngineConfig(model="m", dtype="auto").torch_dtype == torch.float32
+    assert EngineConfig(model="m", dtype="auto", device="cuda").torch_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("level", KERNEL_LEVELS)
+def test_default_decode_step_runs_kvmesh_kernels(level, forced, smollm2_dir, prose_ids, monkeypatch):
+    if not _supported(level):
+        pytest.skip(f"this CPU's best kernel level is {kernels.cpu_isa()}")
+    forced(level)
+    monkeypatch.delenv("KVMESH_WEIGHT_FORMAT", raising=False)       # the product's default: auto
+    from kvmesh.core.sampling import SamplingParams
+    from scheduler.engine import LLMEngine
+    cfg = EngineConfig(model=str(smollm2_dir), kv_cache_memory=32 * 2**20, max_model_len=256)
+    assert cfg.dtype == "auto" and cfg.weight_format == "auto"
+    engine = LLMEngine(cfg)
+    try:
+        assert engine.cfg.torch_dtype == (torch.float32 if level == "scalar" else torch.bfloat16)
+        engine.add_request("r", prose_ids[:40], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        produced = 0
+        while produced == 0:                       # the prefill (and its first token)
+            produced = sum(len(o.new_token_ids) for o in engine.step())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs = engine.step()                   # one decode step
+        assert sum(len(o.new_token_ids) for o in outs) == 1
+        ops = {e.key for e in prof.key_averages()}
+        assert "kvmesh::gguf_linear" in ops, sorted(ops)
+        assert not ops & ATEN_MATMULS, sorted(ops & ATEN_MATMULS)
+    finally:
+        engine.shutdown()
