@@ -5,6 +5,7 @@ weights, distinct tensors so nothing stays in cache between matrices) and each M
 it times one pass over the chain, y = x @ W.T per matrix, for:
 
 - ``aten fp32``: ``torch.mm(x, W_t)`` with fp32 x and a contiguous fp32 ``W_t [K, N]``;
+- ``onednn fp32``: the same prepacked oneDNN linear with fp32 x and an fp32 weight;
 - ``aten bf16``: ``F.linear(x, W)`` with bf16 x and bf16 ``W [N, K]`` (skipped when the
   previous M's time predicts more than ``--max-seconds``, shown as ``skip``);
 - ``onednn bf16``: oneDNN's linear on a weight prepacked for it
@@ -51,7 +52,7 @@ CHAINS = {
     "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
     "qwen2.5-0.5b": (24, [(1152, 896), (896, 896), (9728, 896), (896, 4864)]),
 }
-COLUMNS = ("aten fp32", "aten bf16", "onednn bf16", "kernel fp32 x", "kernel bf16 x")
+COLUMNS = ("aten fp32", "onednn fp32", "aten bf16", "onednn bf16", "kernel fp32 x", "kernel bf16 x")
 
 
 _clock = time.perf_counter
@@ -74,6 +75,8 @@ def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float,
     packed = [(n, k, gemm.pack_bf16_weight(w)) for n, k, w in mats]
     onednn = ([(n, k, torch.ops.mkldnn._reorder_linear_weight(w, 1024)) for n, k, w in w16]
               if "onednn bf16" in columns else [])
+    onednn32 = ([(n, k, torch.ops.mkldnn._reorder_linear_weight(w, 1024)) for n, k, w in mats]
+                if "onednn fp32" in columns else [])
     del mats
     ks = sorted({k for _, k in shapes})
     rows, last = [], {}
@@ -82,6 +85,8 @@ def bench_chain(name: str, ms: list[int], runs: int, max_seconds: float,
         x16 = {k: v.to(torch.bfloat16) for k, v in x32.items()}
         fns = {
             "aten fp32": (lambda: [torch.mm(x32[k], w) for _, k, w in w32t], 4),
+            "onednn fp32": (lambda: [torch.ops.mkldnn._linear_pointwise(x32[k], w, None, "none", [], "")
+                                     for _, k, w in onednn32], 4),
             "aten bf16": (lambda: [F.linear(x16[k], w) for _, k, w in w16], 2),
             "onednn bf16": (lambda: [torch.ops.mkldnn._linear_pointwise(x16[k], w, None, "none", [], "")
                                      for _, k, w in onednn], 2),

@@ -74,3 +74,26 @@ def test_default_decode_step_runs_kvmesh_kernels(level, forced, smollm2_dir, pro
         assert not ops & ATEN_MATMULS, sorted(ops & ATEN_MATMULS)
     finally:
         engine.shutdown()
+
+
+def test_float32_dense_linears_run_onednn_not_aten(smollm2_dir, prose_ids, h):
+    """``--dtype float32`` with dense weights (the parity reference) keeps no ATen float32 matmul
+    where kvmesh's kernels exist: every Linear is prepacked for oneDNN (multi-threaded JIT
+    kernels; MKL's float32 path is generic on AMD CPUs), and the step compiled by torch.compile
+    keeps ATen (oneDNN's opaque weights are not traced)."""
+    from kvmesh.core.sampling import SamplingParams
+    from workers.layers.linear import DENSE, ONEDNN, Linear
+    eng = h.make_engine(smollm2_dir, weight_format="none", dtype="float32", max_num_seqs=2)
+    model = eng.executor.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.method is ONEDNN and m.weight is None for m in linears)
+    eng.add_request("r", prose_ids[:40], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while sum(len(o.new_token_ids) for o in eng.step()) == 0:
+        pass
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eng.step()
+    ops = {e.key for e in prof.key_averages()}
+    assert "mkldnn::_linear_pointwise" in ops, sorted(ops)
+    assert not ops & ATEN_MATMULS, sorted(ops & ATEN_MATMULS)
+    compiled = h.make_engine(smollm2_dir, weight_format="none", dtype="float32", enable_compile=True, max_num_seqs=1)
+    assert all(m.method is DENSE for m in compiled.executor.runner.model.modules() if isinstance(m, Linear))

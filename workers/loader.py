@@ -10,7 +10,7 @@ import torch
 
 from kvmesh.core.errors import SettingsError
 from workers.checkpoint import load_config, load_dense
-from workers.layers.linear import bind_fast_paths, pack_bf16_linears
+from workers.layers.linear import bind_fast_paths, pack_bf16_linears, pack_onednn_linears
 from workers.models.llama import LlamaForCausalLM, use_native_ops
 from workers.quant.store import ensure_quantized, load_quantized
 
@@ -80,11 +80,16 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
                       end_layer=end_layer, num_layers=num_layers)
 
 
-def use_serving_kernels(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def use_serving_kernels(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, onednn: bool = True) -> None:
     """After :func:`load_model`, for serving: the native bf16 GEMM where it beats ATen
-    (:func:`workers.layers.linear.pack_bf16_linears`), the fused norm / rotary / SiLU-and-mul
+    (:func:`workers.layers.linear.pack_bf16_linears`), oneDNN for dense float32 Linears
+    (:func:`workers.layers.linear.pack_onednn_linears`), the fused norm / rotary / SiLU-and-mul
     ops (:func:`workers.models.llama.use_native_ops`), then each Linear's kernel arguments bound
-    once the weights are final (:func:`workers.layers.linear.bind_fast_paths`)."""
+    once the weights are final (:func:`workers.layers.linear.bind_fast_paths`). ``onednn`` False
+    keeps ATen for float32 (a step compiled by torch.compile: dynamo does not trace oneDNN's
+    opaque weight tensors)."""
     pack_bf16_linears(model, dtype, device)
+    if onednn:
+        pack_onednn_linears(model, dtype, device)
     use_native_ops(model, dtype, device)
     bind_fast_paths(model)

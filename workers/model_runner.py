@@ -161,7 +161,8 @@ class ModelRunner:
                                 start_layer=start_layer, end_layer=end_layer, weight_format=cfg.weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
-        use_serving_kernels(self.model, self.dtype, self.device)   # native GEMM / fused ops, bound Linear arguments
+        # native GEMM / fused ops, bound Linear arguments (oneDNN's float32 weights are opaque to torch.compile)
+        use_serving_kernels(self.model, self.dtype, self.device, onednn=not cfg.enable_compile)
         self.weight_bytes = weight_bytes(self.model)   # stored weights incl. scales/zeros (bytes)
         m = self.model.cfg
         self.vocab_size = m.vocab_size

@@ -61,6 +61,16 @@ class DenseBF16Panels(LinearMethod):
         return torch.ops.kvmesh.bf16_linear(x, layer.bf16_panels, layer.out_features, layer.bias)
 
 
+class DenseOneDNN(LinearMethod):
+    """float32 weight prepacked for oneDNN's inner product (``onednn_weight``,
+    :meth:`Linear.pack_onednn`), run by ``torch.ops.mkldnn._linear_pointwise``: oneDNN's JIT
+    kernel for the CPU's ISA on torch's threads, in place of ATen's float32 ``mm``/``addmm``
+    (MKL, which takes a generic code path on AMD CPUs); the bias goes into the op."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.onednn_weight, layer.bias, "none", [], "")
+
+
 class Quantized(LinearMethod):
     """A quantized weight (:meth:`Linear.set_quantized`): x is multiplied by ``input_scale``
     first when the layer has one, then the format's :meth:`mm`, then the bias is added."""
@@ -196,7 +206,7 @@ class GGUFDense(Dense):
     format = "gguf"
 
 
-DENSE, BF16_PANELS = Dense(), DenseBF16Panels()
+DENSE, BF16_PANELS, ONEDNN = Dense(), DenseBF16Panels(), DenseOneDNN()
 GGUF_NATIVE, GGUF_DENSE = GGUFNative(), GGUFDense()
 _QUANTIZED = {m.format: m for m in (Int8(), FP8(), W8A8Int8())}
 INT4_PACKED, INT4_NATIVE, INT4_DEQUANTIZED = Int4Packed(), Int4Native(), Int4Dequantized()
@@ -256,6 +266,7 @@ class Linear(nn.Module):
         self.group_size = 0
         self.register_buffer("input_scale", None)     # [in_features]: x * input_scale first
         self.register_buffer("bf16_panels", None)     # weight panels of the native bf16 GEMM (pack_bf16)
+        self.onednn_weight: torch.Tensor | None = None  # float32 weight prepacked for oneDNN (pack_onednn)
         self._qnames: list[str] = []
         # the native kernel's arguments as a plain tuple (bind_fast_path): a decode step calls
         # ~120 Linears, and each read of a buffer through nn.Module.__getattr__ costs ~0.5 us
@@ -383,7 +394,10 @@ class Linear(nn.Module):
         """Bytes of the stored weight: dense weight or quantized tensors incl. scales/zeros,
         bias and input scale."""
         ts = [self.weight, self.bias, self.input_scale, self.bf16_panels] + [getattr(self, n) for n in self._qnames]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        n = sum(t.numel() * t.element_size() for t in ts if t is not None)
+        if self.onednn_weight is not None:          # an opaque oneDNN tensor: its logical size
+            n += self.in_features * self.out_features * 4
+        return n
 
     def finalize(self, dtype: torch.dtype) -> None:
         """Convert loaded weights to the serving format: dense, ``dtype``, stored transposed
@@ -407,6 +421,18 @@ class Linear(nn.Module):
         self.bf16_panels = gemm.pack_bf16_weight(self.weight.data.t())     # stored [in, out]: W = .t()
         self.weight = None
         self.method = BF16_PANELS
+        self.fast = None
+
+    def pack_onednn(self, rows_hint: int) -> None:
+        """Serve a dense float32 layer through oneDNN's inner product: the weight is prepacked
+        (``torch.ops.mkldnn._reorder_linear_weight``, its layout chosen for ``rows_hint`` rows of
+        x) into ``onednn_weight`` and the ATen layout dropped (see :func:`pack_onednn_linears`)."""
+        if self.format != "none" or self.weight is None or self.weight.dtype != torch.float32:
+            raise ValueError("pack_onednn needs a dense float32 layer")
+        # stored [in, out] (finalize): oneDNN takes W [out, in]
+        self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data.t().contiguous(), rows_hint)
+        self.weight = None
+        self.method = ONEDNN
         self.fast = None
 
     def bind_fast_path(self) -> None:
@@ -470,4 +496,22 @@ def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device
     views = empty_on_huge_pages([(lin.bf16_panels.shape, lin.bf16_panels.dtype) for lin in layers])
     for lin, view in zip(layers, views or []):
         lin.bf16_panels = view.copy_(lin.bf16_panels)     # one at a time: the original is freed
+    return len(layers)
+
+
+def pack_onednn_linears(model: nn.Module, dtype: torch.dtype, device: torch.device, rows_hint: int = 64) -> int:
+    """Switch every dense Linear of a float32 model on an x86-64 CPU with kvmesh's kernels to
+    oneDNN's prepacked inner product (:meth:`Linear.pack_onednn`), so that no float32 linear
+    runs ATen's ``mm`` (MKL's generic path on AMD CPUs) where kvmesh's kernels exist
+    (docs/results.md, 0z10: ``python -m bench.gemm --columns "aten fp32" "onednn fp32"``).
+    No-op elsewhere: other dtypes, CUDA, no oneDNN, kernels unavailable. Returns how many layers
+    switched."""
+    if dtype != torch.float32 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return 0
+    from workers import kernels
+    if not kernels.available():
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.format == "none" and m.weight is not None]
+    for lin in layers:
+        lin.pack_onednn(rows_hint)
     return len(layers)
