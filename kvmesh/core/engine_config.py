@@ -4,6 +4,7 @@ speculative decoding, kernels), and the choices its fields accept.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,12 +28,14 @@ ATTENTION_BACKENDS = ("auto", "native", "torch")
 KERNEL_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")   # kvmesh's CPU kernel paths, lowest first
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere), read once per process."""
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def cpu_kernel_level() -> str:
