@@ -173,110 +173,113 @@ static void quantize_rows_scalar(const float* x, int64_t K, int64_t QB, int8_t* 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
 
-static inline void group_sz_avx512(const GgufProblem& pb, int64_t p, int64_t g, __m512& s, __m512& z) {
-  const int64_t ng = pb.K / pb.G;
-  if (pb.supers == nullptr) {
-    const uint16_t* h = (const uint16_t*)pb.scales + (p * ng + g) * 32;
-    s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h));
-    z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + 16)));
-  } else {
-    const int8_t* sm = (const int8_t*)pb.scales + (p * ng + g) * 32;
-    const float* dd = pb.supers + (p * (pb.K / pb.SB) + g * pb.G / pb.SB) * 32;
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm)));
-    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + 16))));
-    s = _mm512_mul_ps(_mm512_loadu_ps(dd), sc);
-    z = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_loadu_ps(dd + 16), mn));
+// acc[r][0] + acc[r][1] = the integer dot products q . xq of one group (G values of k) for rows
+// r < MR and the panel's 16 columns (int32; two chains per row for vpdpbusd's latency). q is
+// unsigned (u8 operand), xq signed: exact for every lane width.
+template <int MR, int BITS, int G>
+static inline __attribute__((always_inline)) void group_dots_vnni(const uint8_t* pg, const int32_t* const* xq4,
+                                                                  int64_t q0, __m512i (&acc)[MR][2]) {
+  constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);    // chunks per group, bytes each
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  // bits 6: per 128-bit lane l, the shift that brings bits 2l, 2l+1 of a high-plane byte down
+  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) {
+    const __m512i v = _mm512_loadu_si512(pg + c * kCB);
+    if constexpr (BITS == 4 || BITS == 6) {
+      __m512i w0 = _mm512_and_si512(v, lo4);
+      __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+      if constexpr (BITS == 6) {
+        const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 64)));
+        const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 80)));
+        w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
+        w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xq4[r][q0 + 2 * c]));
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, _mm512_set1_epi32(xq4[r][q0 + 2 * c + 1]));
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r][c & 1] = _mm512_dpbusd_epi32(acc[r][c & 1], v, _mm512_set1_epi32(xq4[r][q0 + c]));
+    }
   }
 }
 
-// rows [m0, m0 + MR) against panel p, BITS and G fixed
-template <int MR, int BITS, int G>
+// rows [m0, m0 + MR) against panel p, BITS, G and the scheme (KQ: k-quant) fixed. Flat: every
+// group scaled in float32 (s, z of float16). k-quant: a super-block's groups summed in integers
+// (sc isum, m xsum; |.| < 2^30) and scaled once per super-block by dx d and dx dmin (one
+// activation scale per super-block). No division in the loops: row pointers are set up once,
+// super-blocks and their groups are nested loops (as the avx2 path).
+template <int MR, int BITS, int G, bool KQ>
 static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
-  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2;
+  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2, nqb = K / pb.QB;
   const uint8_t* panel = pb.qw + p * pbytes;
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  __m512 out[MR];
   const int32_t* xq4[MR];       // the rows' int8 x as 32-bit quads
+  const float* dxr[MR];
+  const int32_t* xsr[MR];
+  __m512 out[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     out[r] = _mm512_setzero_ps();
     xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
+    dxr[r] = pb.dx + (m0 + r) * nqb;
+    xsr[r] = pb.xs16 + (m0 + r) * (K / 16);
   }
-  constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);    // chunks per group, bytes each
-  // bits 6: per 128-bit lane l, the shift that brings bits 2l, 2l+1 of a high-plane byte down
-  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
-  const int64_t per_sb = pb.supers != nullptr ? pb.SB / G : 1;
-  __m512i ks[MR], km[MR];
+  constexpr int64_t kGroupBytes = G / chunk_k(BITS) * chunk_bytes(BITS);
+  if constexpr (KQ) {
+    const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
+    const int8_t* sm = (const int8_t*)pb.scales + p * ng * 32;
+    const float* dd = pb.supers + p * nsb * 32;
+    const uint8_t* pg = panel;
+    int64_t g = 0;
+    for (int64_t sb = 0; sb < nsb; ++sb, dd += 32) {
+      __m512i ks[MR], km[MR];
 #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) ks[r] = km[r] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < ng; ++g) {
-    __m512i acc[MR][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-    const uint8_t* pg = panel + g * kChunks * kCB;
-    const int64_t q0 = g * G / 4;       // first k quad of the group
-#pragma GCC unroll 8
-    for (int c = 0; c < kChunks; ++c) {
-      const __m512i v = _mm512_loadu_si512(pg + c * kCB);
-      if constexpr (BITS == 4 || BITS == 6) {
-        __m512i w0 = _mm512_and_si512(v, lo4);
-        __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-        if constexpr (BITS == 6) {
-          const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 64)));
-          const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 80)));
-          w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
-          w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
-        }
+      for (int r = 0; r < MR; ++r) ks[r] = km[r] = _mm512_setzero_si512();
+      for (int64_t j = 0; j < per_sb; ++j, ++g, sm += 32, pg += kGroupBytes) {
+        __m512i acc[MR][2];
+        group_dots_vnni<MR, BITS, G>(pg, xq4, g * (G / 4), acc);
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm));
+        const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + 16)));
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
-          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xq4[r][q0 + 2 * c]));
-          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, _mm512_set1_epi32(xq4[r][q0 + 2 * c + 1]));
+          int32_t xsum = xsr[r][g * (G / 16)];
+          if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+          ks[r] = _mm512_add_epi32(ks[r], _mm512_mullo_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), sc));
+          km[r] = _mm512_add_epi32(km[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xsum)));
         }
-      } else {
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-          acc[r][c & 1] = _mm512_dpbusd_epi32(acc[r][c & 1], v, _mm512_set1_epi32(xq4[r][q0 + c]));
       }
-    }
-    if (pb.supers != nullptr) {
-      // k-quant: the super-block's groups summed in integers (sc * isum, m * xsum; |.| < 2^30),
-      // scaled once per super-block by dx d and dx dmin (one activation scale per super-block)
-      const int8_t* sm = (const int8_t*)pb.scales + (p * ng + g) * 32;
-      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm));
-      const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + 16)));
+      const __m512 d = _mm512_loadu_ps(dd), dmin = _mm512_loadu_ps(dd + 16);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        const int64_t m = m0 + r;
-        int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
-        if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
-        ks[r] = _mm512_add_epi32(ks[r], _mm512_mullo_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), sc));
-        km[r] = _mm512_add_epi32(km[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xsum)));
+        const __m512 dx = _mm512_set1_ps(dxr[r][sb]);
+        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ks[r]), _mm512_mul_ps(d, dx), out[r]);
+        out[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(km[r]), _mm512_mul_ps(dmin, dx), out[r]);
       }
-      if ((g + 1) % per_sb == 0) {
-        const int64_t sb = g / per_sb;
-        const float* dd = pb.supers + (p * (K / pb.SB) + sb) * 32;
-        const __m512 d = _mm512_loadu_ps(dd), dmin = _mm512_loadu_ps(dd + 16);
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) {
-          const __m512 dx = _mm512_set1_ps(pb.dx[(m0 + r) * (K / pb.QB) + sb]);
-          out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ks[r]), _mm512_mul_ps(d, dx), out[r]);
-          out[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(km[r]), _mm512_mul_ps(dmin, dx), out[r]);
-          ks[r] = km[r] = _mm512_setzero_si512();
-        }
-      }
-      continue;
     }
-    __m512 s, z;
-    group_sz_avx512(pb, p, g, s, z);
+  } else {
+    // flat: the activations' blocks are 32 values (QB), G = 16 or 32
+    const uint16_t* hs = (const uint16_t*)pb.scales + p * ng * 32;
+    const uint8_t* pg = panel;
+    for (int64_t g = 0; g < ng; ++g, hs += 32, pg += kGroupBytes) {
+      __m512i acc[MR][2];
+      group_dots_vnni<MR, BITS, G>(pg, xq4, g * (G / 4), acc);
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)hs));
+      const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(hs + 16)));
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      const int64_t m = m0 + r;
-      const float dx = pb.dx[m * (K / pb.QB) + g * G / pb.QB];
-      int32_t xsum = pb.xs16[m * (K / 16) + g * G / 16];
-      if constexpr (G == 32) xsum += pb.xs16[m * (K / 16) + g * 2 + 1];
-      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
-      out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dx), out[r]);
-      out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)xsum), out[r]);
+      for (int r = 0; r < MR; ++r) {
+        const float dx = dxr[r][g * G / 32];
+        int32_t xsum = xsr[r][g * (G / 16)];
+        if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
+        out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dx), out[r]);
+        out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)xsum), out[r]);
+      }
     }
   }
   if (pb.bias != nullptr) {
@@ -300,11 +303,12 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
 
 template <int BITS, int G>
 static void panel_vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
+  const bool kq = pb.supers != nullptr;
   switch (mr) {
-    case 4: return panel_rows_vnni<4, BITS, G>(pb, p, m0);
-    case 3: return panel_rows_vnni<3, BITS, G>(pb, p, m0);
-    case 2: return panel_rows_vnni<2, BITS, G>(pb, p, m0);
-    default: return panel_rows_vnni<1, BITS, G>(pb, p, m0);
+    case 4: return kq ? panel_rows_vnni<4, BITS, G, true>(pb, p, m0) : panel_rows_vnni<4, BITS, G, false>(pb, p, m0);
+    case 3: return kq ? panel_rows_vnni<3, BITS, G, true>(pb, p, m0) : panel_rows_vnni<3, BITS, G, false>(pb, p, m0);
+    case 2: return kq ? panel_rows_vnni<2, BITS, G, true>(pb, p, m0) : panel_rows_vnni<2, BITS, G, false>(pb, p, m0);
+    default: return kq ? panel_rows_vnni<1, BITS, G, true>(pb, p, m0) : panel_rows_vnni<1, BITS, G, false>(pb, p, m0);
   }
 }
 
@@ -313,7 +317,6 @@ static void panel_rows_avx512vnni(const GgufProblem& pb, int64_t p, int64_t m0, 
   if (pb.bits == 6) return pb.G == 32 ? panel_vnni<6, 32>(pb, p, m0, mr) : panel_vnni<6, 16>(pb, p, m0, mr);
   return pb.G == 32 ? panel_vnni<8, 32>(pb, p, m0, mr) : panel_vnni<8, 16>(pb, p, m0, mr);
 }
-
 static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 static inline __m512 load16(const uint16_t* x) {      // 16 bfloat16 -> float32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
