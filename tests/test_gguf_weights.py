@@ -55,6 +55,27 @@ def test_unpack_equals_the_gguf_package_dequantization(ggml_type):
     assert torch.equal(u.dequantize(), ref)
 
 
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_native_unpack_equals_the_torch_reference(ggml_type):
+    """kvmesh::gguf_unpack (the load path where the kernels are built) gives the very tensors of
+    unpack_torch, rows split across threads included (37 rows, K of 3 super-blocks)."""
+    from workers.kernels import gemm
+    if not gemm.gguf_available():
+        pytest.skip("native kernels unavailable")
+    k = 768
+    raw = torch.from_numpy(_random_blocks(ggml_type, 37, k, seed=len(ggml_type) * 7 + 3))
+    q, a, b, d, dmin = gemm.gguf_unpack(raw, ggml_type, k)
+    ref = gguf_blocks.unpack_torch(ggml_type, raw, k)
+    for got, want in ((q, ref.q), (a, ref.a), (b, ref.b), (d, ref.d), (dmin, ref.dmin)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    u = gguf_blocks.unpack(ggml_type, raw, k)
+    assert (u.bits, u.group, u.scheme) == (ref.bits, ref.group, ref.scheme) and torch.equal(u.q, ref.q)
+    with pytest.raises(RuntimeError, match="needs"):
+        gemm.gguf_unpack(raw[:, :-1], ggml_type, k)
+
+
 def test_unpack_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match="IQ2_XXS is not supported"):
         gguf_blocks.unpack("IQ2_XXS", torch.zeros(1, 66, dtype=torch.uint8), 256)
@@ -64,6 +85,8 @@ def test_unpack_rejects_what_it_cannot_serve():
     raw[0, 0:2] = torch.tensor([0xFF, 0x7B], dtype=torch.uint8)      # d = 65504: -128 d overflows float16
     with pytest.raises(ValueError, match="not exactly representable in float16"):
         gguf_blocks.unpack("Q8_0", raw, 32)
+    with pytest.raises(ValueError, match="not exactly representable in float16"):
+        gguf_blocks.unpack_torch("Q8_0", raw, 32)
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_0", "Q5_0", "Q8_0"), ("Q4_1", "Q8_0"),

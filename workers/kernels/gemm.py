@@ -250,6 +250,24 @@ def gguf_path() -> str:
     return torch.ops.kvmesh.gguf_gemm_path()
 
 
+def gguf_unpack(raw: torch.Tensor, ggml_type: str, k: int):
+    """One GGUF tensor's blocks decoded in one native pass (``kvmesh::gguf_unpack``,
+    csrc/gemm/gguf_unpack.cpp): the numbers of :func:`workers.quant.gguf_blocks.unpack_torch`.
+
+    Args:
+        raw: uint8 ``[N, row bytes]`` (the file's rows), on the CPU.
+        ggml_type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K.
+        k: values per row (a multiple of the block's values).
+    Returns:
+        ``(q, a, b, d, dmin)``: q uint8 ``[N, K]``; flat formats: a, b = s, z float32 ``[N, K / 32]``,
+        d, dmin None; k-quants: a, b = sc, m int8 ``[N, K / G]``, d, dmin float32 ``[N, K / 256]``.
+    Raises:
+        RuntimeError: kernels unavailable, an unsupported type or a byte count that does not fit.
+    """
+    _require()
+    return torch.ops.kvmesh.gguf_unpack(raw, ggml_type, k)
+
+
 def pack_gguf_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
     """The weight panels of :func:`gguf_linear` from unsigned integers ``q``.
 

@@ -124,7 +124,9 @@ def _flat(q, bits, d, z) -> Unpacked:
 
 
 def unpack(ggml_type: str, raw: torch.Tensor, k: int) -> Unpacked:
-    """Decode the rows of one GGUF tensor.
+    """Decode the rows of one GGUF tensor: in one native pass over the bytes where the kernels
+    are built (``kvmesh::gguf_unpack``, :func:`workers.kernels.gemm.gguf_unpack`), else with
+    :func:`unpack_torch` (the reference; the same numbers).
 
     Args:
         ggml_type: a key of :data:`BLOCK`.
@@ -134,11 +136,29 @@ def unpack(ggml_type: str, raw: torch.Tensor, k: int) -> Unpacked:
         ValueError: unknown type, a K or byte count that does not fit the format, or a flat scale
             float16 cannot hold.
     """
+    _check(ggml_type, raw, k)
+    from workers.kernels import gemm
+    if raw.device.type != "cpu" or not gemm.gguf_available():
+        return unpack_torch(ggml_type, raw, k)
+    q, a, b, d, dmin = gemm.gguf_unpack(raw, ggml_type, k)
+    if d is None:
+        return _flat(q, 8 if ggml_type == "Q8_0" else 4 if ggml_type in ("Q4_0", "Q4_1") else 6, a, b)
+    return Unpacked(q, 4 if ggml_type == "Q4_K" else 6, 16 if ggml_type == "Q6_K" else 32, "k", a, b, d, dmin)
+
+
+def _check(ggml_type: str, raw: torch.Tensor, k: int) -> None:
     if ggml_type not in BLOCK:
         raise ValueError(f"GGUF type {ggml_type} is not supported (kvmesh serves {', '.join(BLOCK)})")
     bv, bb = BLOCK[ggml_type]
     if k % bv or raw.shape[-1] != k // bv * bb:
         raise ValueError(f"{ggml_type}: a row of {k} values needs {k // bv * bb} bytes, got {raw.shape[-1]}")
+
+
+def unpack_torch(ggml_type: str, raw: torch.Tensor, k: int) -> Unpacked:
+    """:func:`unpack` in PyTorch ops (any device): the reference the native decode is tested
+    against. Same arguments and errors."""
+    _check(ggml_type, raw, k)
+    bv, bb = BLOCK[ggml_type]
     n = raw.shape[0]
     blk = raw.reshape(n, k // bv, bb)
     if ggml_type == "Q8_0":
