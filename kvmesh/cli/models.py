@@ -13,9 +13,12 @@ def register(sub) -> None:
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     p = msub.add_parser("list", help="known models, pulled or not, and where")
     p.set_defaults(func=cmd_list)
-    p = msub.add_parser("pull", help="download pinned weights and convert them (idempotent)")
+    p = msub.add_parser("pull", help="download the pinned GGUF weights, served as they are (idempotent)")
     p.add_argument("names", nargs="+", metavar="NAME", help="known model name(s)")
-    p.add_argument("--force", action="store_true", help="convert again even if already pulled")
+    p.add_argument("--force", action="store_true", help="pull again even if already pulled")
+    p.add_argument("--dense", action="store_true",
+                   help="also convert to bfloat16 safetensors now (--weight-format none, transformers/vLLM "
+                        "readers); otherwise converted on first use, once")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=cmd_pull)
 
@@ -37,6 +40,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    """``kvmesh models pull NAME...`` (:func:`kvmesh.hub.pull_cli`); a pulled model is a no-op."""
+    """``kvmesh models pull [--dense] NAME...`` (:func:`kvmesh.hub.pull_cli`); a pulled model is a
+    no-op (with ``--dense``, unless its dense weights are missing)."""
     from kvmesh.hub import pull_cli
-    return pull_cli(args.names, progress=not args.quiet, force=args.force)
+    return pull_cli(args.names, progress=not args.quiet, force=args.force, dense=args.dense)

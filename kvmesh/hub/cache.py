@@ -3,14 +3,16 @@
 ::
 
     kvmesh_home()/models/<name>/
-        config.json  generation_config.json  model.safetensors  model.gguf (the published file)
+        model.gguf (the published file)  config.json  generation_config.json
         tokenizer.json  tokenizer_config.json  chat_template.jinja  special_tokens_map.json (maybe)
+        model.safetensors     # only once the dense weights were asked for (kvmesh.hub.pull.ensure_dense)
         .kvmesh-complete      # written last: JSON record of the pull (MARKER)
 
-A directory without the marker (a crashed or interrupted conversion) never counts as pulled.
-Storage precision is that of format 2 (:mod:`kvmesh.hub.convert`); :data:`FORMAT_VERSION` 3 also
-keeps the published GGUF as ``model.gguf``; a marker without ``format_version`` is version 1
-(everything float32).
+A directory without the marker (a crashed or interrupted pull) never counts as pulled. The
+marker's ``dense`` entry says whether the dense safetensors are there (:func:`has_dense`).
+Storage precision of the dense weights is that of format 2 (:mod:`kvmesh.hub.convert`);
+:data:`FORMAT_VERSION` 3 also keeps the published GGUF as ``model.gguf``; a marker without
+``format_version`` is version 1 (everything float32).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def models_root() -> pathlib.Path:
 
 
 def model_dir(name: str) -> pathlib.Path:
-    """Where the converted Hugging Face directory of known model ``name`` lives:
+    """Where the pulled directory of known model ``name`` lives:
     ``kvmesh_home()/models/<name>`` (it may not exist yet). Raises EngineError for an unknown name."""
     return models_root() / get_spec(name).name
 
@@ -61,8 +63,14 @@ def read_marker(path: pathlib.Path) -> dict | None:
         return None
 
 
+def has_dense(marker: dict) -> bool:
+    """Whether the pull record ``marker`` says its directory holds the dense safetensors: its
+    ``dense`` entry; records without one (every pull before pulls kept the GGUF alone) do."""
+    return bool(marker.get("dense", True))
+
+
 def pulled_version(name: str) -> int | None:
-    """The format version of the complete conversion of the pinned GGUF in ``model_dir(name)``
+    """The format version of the complete pull of the pinned GGUF in ``model_dir(name)``
     (1 for markers without ``format_version``), or None when there is none."""
     spec = get_spec(name)
     d = model_dir(spec.name)
@@ -73,15 +81,26 @@ def pulled_version(name: str) -> int | None:
 
 
 def is_pulled(name: str) -> bool:
-    """True when ``model_dir(name)`` holds a complete conversion of the pinned GGUF in the
+    """True when ``model_dir(name)`` holds a complete pull of the pinned GGUF in the
     current :data:`FORMAT_VERSION` (its marker file exists, records the pinned GGUF's sha256
     and that version, and config.json is there). Raises EngineError for an unknown name."""
     return pulled_version(name) == FORMAT_VERSION
 
 
+def write_marker(path: pathlib.Path, record: dict) -> None:
+    """Write the pull record ``record`` as directory ``path``'s marker, atomically (a temporary
+    file, fsync, :func:`os.replace`): a reader sees the old record or the new one, never half."""
+    tmp = path / f"{MARKER}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(record, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / MARKER)
+
+
 def dir_bytes(path: pathlib.Path) -> int:
-    """Bytes of the files below ``path``."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes of the files below ``path`` but its marker (what the marker's ``bytes`` records)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.name.startswith(MARKER))
 
 
 @contextlib.contextmanager

@@ -1,13 +1,21 @@
-"""GGUF → Hugging Face directory: dequantize with transformers, store matrices in bfloat16.
+"""GGUF → Hugging Face files: config and tokenizer from the GGUF's metadata, and on request the
+dense weights (dequantized with transformers, matrices stored in bfloat16).
 
-Storage precision (:data:`kvmesh.hub.cache.FORMAT_VERSION` 2): matrices (every tensor of 2 or
+:func:`write_serving_files` writes what serving the GGUF itself needs beside it (config.json,
+tokenizer, chat template, generation_config.json) from the GGUF's metadata, without loading the
+model: every pull does this. :func:`convert` writes a whole dense checkpoint (the same files plus
+``*.safetensors``): only :func:`kvmesh.hub.pull.ensure_dense` (``--weight-format none`` and the
+formats quantized from the dense model, ``kvmesh models pull --dense``) runs it.
+
+Storage precision of the dense weights (:data:`kvmesh.hub.cache.FORMAT_VERSION` 2 and up):
+matrices (every tensor of 2 or
 more dimensions) are stored in bfloat16, vectors (RMSNorm weights, biases) in float32. In the
 pinned GGUFs the matrices are block-quantized (Q4_1/Q4_K/Q5_0/Q6_K/Q8_0) and the vectors F32; a
 dequantized block value ``d * q + m`` (f16 ``d``/``m``) is in general not a bfloat16 (nor a
 float16) number, so the matrices are the float32 dequantization rounded to nearest-even
 bfloat16, exactly what serving in bfloat16 did with the version-1 float32 files, while the F32
 vectors stay exact. The marker records how many matrix values the rounding changed. Format
-version 1 (everything float32, no ``format_version`` in the marker) is converted again on the
+version 1 (everything float32, no ``format_version`` in the marker) is pulled again on the
 next :func:`kvmesh.hub.pull.resolve_model` (or, if that fails, e.g. offline, still served as it is).
 torch and transformers are imported only inside these functions.
 """
@@ -39,28 +47,12 @@ def gguf_tensor_types(gguf_path: pathlib.Path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progress: bool) -> dict:
-    """Dequantize ``gguf_path`` to a Hugging Face directory ``out`` (created): matrices
-    bfloat16, vectors float32 (this module's docstring). Returns facts for the marker:
-    ``gguf_tensor_types`` (:func:`gguf_tensor_types`), ``matrix_values`` (number of matrix
-    elements) and ``matrix_values_rounded`` (how many of them bfloat16 cannot hold exactly).
-    Raises EngineError when the GGUF stores a matrix as F32/F16/F64 (bfloat16 would round
-    it) or transformers' GGUF support is missing."""
-    import importlib.util
-
-    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader insists on it
-        raise EngineError(f"pulling {spec.name}: converting GGUF weights needs the 'accelerate' "
-                          "package (pip install accelerate)")
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@contextlib.contextmanager
+def _quiet_transformers(progress: bool):
+    """transformers' GGUF path at error verbosity (it warns about every untouched config
+    default), its progress bars off unless ``progress``; everything restored on exit."""
     from transformers.utils import logging as hf_logging
 
-    types = gguf_tensor_types(gguf_path)
-    float_matrices = {k: n for k, n in types.items() if k.split()[0] in _FLOAT_GGML and k.split()[1] != "1d"}
-    if float_matrices:
-        raise EngineError(f"pulling {spec.name}: the GGUF stores matrices in float precision "
-                          f"({float_matrices}); bfloat16 storage would round them")
     was_enabled = hf_logging.is_progress_bar_enabled()
     old_verbosity = hf_logging.get_verbosity()
     gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
@@ -71,8 +63,69 @@ def convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progres
         hf_logging.disable_progress_bar()
         if gguf_tqdm is not None:  # the GGUF dequantization bar is a plain tqdm
             gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
-    hf_logging.set_verbosity_error()  # the GGUF path warns about every untouched config default
+    hf_logging.set_verbosity_error()
     try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(old_verbosity)
+
+
+def _save_tokenizer(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path):
+    """The GGUF's tokenizer (with its chat template) saved into ``out``; returns it. Raises
+    EngineError when the GGUF carries no chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not tok.chat_template:
+        raise EngineError(f"pulling {spec.name}: the GGUF carries no tokenizer.chat_template")
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def write_serving_files(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progress: bool) -> None:
+    """Write into directory ``out`` (created) what serving ``gguf_path`` as it is needs beside it:
+    config.json from the GGUF's metadata (transformers' ``AutoConfig`` with ``gguf_file``; no
+    tensor is read), the tokenizer with its chat template, and generation_config.json
+    (:func:`fix_config_files`). The config equals the one :func:`convert` writes for the same
+    GGUF but for its ``dtype`` entry. Raises EngineError when the GGUF carries no chat template."""
+    from transformers import AutoConfig
+
+    with _quiet_transformers(progress):
+        cfg = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        cfg.architectures = [spec.hf_architecture]
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save_pretrained(str(out))
+        tok = _save_tokenizer(spec, gguf_path, out)
+    fix_config_files(spec, out, tok)
+
+
+def convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progress: bool) -> dict:
+    """Dequantize ``gguf_path`` to a Hugging Face directory ``out`` (created): the files of
+    :func:`write_serving_files` plus the weights in ``*.safetensors``, matrices
+    bfloat16, vectors float32 (this module's docstring). Returns facts for the marker:
+    ``gguf_tensor_types`` (:func:`gguf_tensor_types`), ``matrix_values`` (number of matrix
+    elements) and ``matrix_values_rounded`` (how many of them bfloat16 cannot hold exactly).
+    Raises EngineError when the GGUF stores a matrix as F32/F16/F64 (bfloat16 would round
+    it) or transformers' GGUF support is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader insists on it
+        raise EngineError(f"converting {spec.name}: dequantizing GGUF weights needs the 'accelerate' "
+                          "package (pip install accelerate)")
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    types = gguf_tensor_types(gguf_path)
+    float_matrices = {k: n for k, n in types.items() if k.split()[0] in _FLOAT_GGML and k.split()[1] != "1d"}
+    if float_matrices:
+        raise EngineError(f"converting {spec.name}: the GGUF stores matrices in float precision "
+                          f"({float_matrices}); bfloat16 storage would round them")
+    with _quiet_transformers(progress):
         src, fname = str(gguf_path.parent), gguf_path.name
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, **{dtype_kw: torch.float32})
@@ -99,17 +152,7 @@ def convert(spec: ModelSpec, gguf_path: pathlib.Path, out: pathlib.Path, progres
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out), safe_serialization=True)
         del model
-
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
-        if not tok.chat_template:
-            raise EngineError(f"pulling {spec.name}: the GGUF carries no tokenizer.chat_template")
-        tok.save_pretrained(str(out))
-    finally:
-        if gguf_tqdm is not None:
-            gguf_utils.tqdm = gguf_tqdm
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-        hf_logging.set_verbosity(old_verbosity)
+        tok = _save_tokenizer(spec, gguf_path, out)
 
     fix_config_files(spec, out, tok)
     return {"gguf_tensor_types": types, "matrix_values": matrix_values, "matrix_values_rounded": rounded}
@@ -166,7 +209,9 @@ def fix_config_files(spec: ModelSpec, out: pathlib.Path, tok) -> None:
 
 
 def check_output(spec: ModelSpec, out: pathlib.Path) -> None:
-    """Sanity-check a converted directory; raise EngineError when something is off."""
+    """Sanity-check the serving files of a pulled directory (:func:`write_serving_files`):
+    raise EngineError when the config names another architecture or keeps a
+    quantization_config, or the tokenizer has no eos token or chat template."""
     from transformers import AutoConfig, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(str(out))
@@ -182,12 +227,17 @@ def check_output(spec: ModelSpec, out: pathlib.Path) -> None:
         ids = ids["input_ids"]
     if tok.eos_token_id is None or not ids:
         raise EngineError(f"pulling {spec.name}: converted tokenizer has no eos token or chat template")
+
+
+def check_dense(spec: ModelSpec, out: pathlib.Path) -> None:
+    """Sanity-check the dense weights :func:`convert` wrote into ``out``: raise EngineError when
+    there is no ``*.safetensors`` or a tensor is not bfloat16 (matrices) / float32 (vectors)."""
     files = list(out.glob("*.safetensors"))
     if not files:
-        raise EngineError(f"pulling {spec.name}: no safetensors written")
+        raise EngineError(f"converting {spec.name}: no safetensors written")
     wrong = [f"{k} {d}" for k, d, shape in stored_tensors(files) if d != ("BF16" if len(shape) >= 2 else "F32")]
     if wrong:
-        raise EngineError(f"pulling {spec.name}: expected bfloat16 matrices and float32 vectors, "
+        raise EngineError(f"converting {spec.name}: expected bfloat16 matrices and float32 vectors, "
                           f"got {wrong[:5]}")
 
 

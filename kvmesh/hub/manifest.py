@@ -49,8 +49,10 @@ class ModelSpec:
             whole file).
         gguf_sha256: hex sha256 of the joined GGUF.
         gguf_size: size of the joined GGUF in bytes.
-        quantization: what the GGUF holds (for humans; the conversion dequantizes it).
-        converted_bytes: approximate size of the converted directory in bytes (disk-space check).
+        quantization: what the GGUF holds (for humans; the dense conversion dequantizes it).
+        converted_bytes: approximate size of the dense conversion in bytes (disk-space check).
+        convert_seconds: approximate time of the dense conversion on a 2-core CPU (said when an
+            on-demand conversion starts).
     """
 
     name: str
@@ -62,6 +64,7 @@ class ModelSpec:
     gguf_size: int
     quantization: str
     converted_bytes: int
+    convert_seconds: int
 
     @property
     def packages(self) -> list[tuple[str, str]]:

@@ -85,7 +85,11 @@ def ensure_quantized(model_dir: str | Path, weight_format: str, group_size: int 
                      calibration: bool = True, calibration_data: str = "") -> Path:
     """The cached quantized checkpoint of ``model_dir`` in these settings, built (whole model,
     calibrated when the format uses it) when missing. Safe against concurrent callers (a file
-    lock; the directory appears complete, by rename). Returns its directory."""
+    lock; the directory appears complete, by rename). A pulled known model gets its dense
+    safetensors first (:func:`kvmesh.hub.ensure_dense`: converted from its GGUF once; its errors
+    propagate). Returns its directory."""
+    from kvmesh.hub import ensure_dense
+    ensure_dense(Path(model_dir), why=f"--weight-format {weight_format}")
     target = cache_dir(model_dir, weight_format, group_size, calibration, calibration_data)
     if (target / "quant.json").is_file():
         return target
