@@ -1,8 +1,10 @@
 """Engine processes (scheduler/engine_core.py) behind the real scheduler service, real SmolLM2:
 the defaults use the machine (local executor at pp 1, torch threads = the cores, shared among
-replicas), an engine process killed mid-stream ends its streams with UNAVAILABLE and the
-service reports NOT_SERVING, a request the core rejects is INVALID_ARGUMENT with the service
-still serving, and the wire format round-trips every output field."""
+replicas), an engine process killed mid-stream ends its streams that sent tokens with
+UNAVAILABLE and the service reports NOT_SERVING, a request that had sent nothing when its
+replica died is served elsewhere or after the restart (the death window, at --executor local
+and Ray pp 1 and 2), a request the core rejects is INVALID_ARGUMENT with the service still
+serving, and the wire format round-trips every output field."""
 
 from __future__ import annotations
 
