@@ -191,8 +191,10 @@ async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             # a warm engine first: its first step (first touches of the model and the KV pool)
-            # may itself take step_timeout on a busy machine
+            # may itself take step_timeout on a busy machine (then the watchdog kills it, and this
+            # request, nothing sent yet, is served after that restart: the death window)
             await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(2))))
+            restarts = (await stub.GetStats(pb.GetStatsRequest())).replicas[0].restarts
             call = stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(400)))
             await call.read()
             pid = srv.service.replicas[0].aengine.pid
@@ -202,7 +204,7 @@ async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
                 await _drain(call)
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "watchdog" in ei.value.details()
             assert 2.0 <= time.monotonic() - t0 < 10
-            await _until(lambda: _replica_back(stub, pid), 30)
+            await _until(lambda: _replica_back(stub, pid, restarts + 1), 30)
     finally:
         await srv.stop(grace=0)
 
