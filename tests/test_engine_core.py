@@ -305,7 +305,9 @@ async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> No
     """The death-window rule (docs/mesh.md) on a one-replica service: a request waiting in the
     replica when it dies, one sent in the same event-loop tick as the kill and 10 sent over the
     next second are all served, after the restart, with the greedy tokens of before; only the
-    stream that had already sent tokens ends UNAVAILABLE.
+    stream that had already sent tokens ends UNAVAILABLE. One sent with the kill under a 1 s
+    deadline is served within it or ends by it (DEADLINE_EXCEEDED, or UNAVAILABLE from the wait's
+    bound), and the service drops it then: never dispatched after its deadline.
 
     ``victim``: ``engine process`` or ``stage K``. The waiting request is made deterministic:
     the victim is stopped (SIGSTOP), the request sent and dispatched to the replica (its ADD
@@ -323,9 +325,15 @@ async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> No
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     sends = [asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60))]     # same tick as the kill
+    short = asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=1.0, request_id="short"))
     for _ in range(10):
         await asyncio.sleep(0.1)                             # pacing: 10 sends over the next second
         sends.append(asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60)))
+    try:
+        assert await short == want                           # (a restart within 1 s)
+    except grpc.aio.AioRpcError as e:
+        assert e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), e.details()
+        await _until(lambda: _truthy("short" not in srv.service.requests), 1)   # not left waiting for the restart
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await _drain(started)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
