@@ -15,8 +15,11 @@ their outputs, the requests it rejected, its :class:`~scheduler.engine.EngineSta
 step's KV events (for the prefix index, :mod:`kvstore.publisher`).
 
 The client (:class:`EngineCoreClient`) streams per-request outputs to asyncio callers with the
-same API as :class:`scheduler.async_engine.AsyncEngine`. A core that exits (killed, crashed) fails
-every open stream with EngineError at once and marks the client ``errored``.
+same API as :class:`scheduler.async_engine.AsyncEngine`. A core that exits (killed, crashed) or
+reports its loop's death (``FATAL``: a step failed, e.g. a pipeline stage died) fails every open
+stream with EngineError at once and marks the client ``errored``; from the moment the reader
+thread reads that end, before the event loop has run, :meth:`~EngineCoreClient.is_up` says down
+and ``add_request`` refuses, so the router sends it nothing more.
 
 The core's side is :mod:`scheduler.engine_core_process`, the channel's frames
 :mod:`scheduler.engine_core_wire`; this module is the client.
@@ -96,6 +99,7 @@ class EngineCoreClient(OutputStreams):
         self._num_sent = 0
         self._closing = False
         self._kill_reason = ""
+        self._down: EngineError | None = None    # the death, as the reader thread saw it (before ``_died`` runs)
         self._reader: threading.Thread | None = None
         self.last_message = time.monotonic()     # when the core last sent a message (watchdog)
         self._last_add = 0.0
@@ -137,7 +141,9 @@ class EngineCoreClient(OutputStreams):
                     traceparent: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
         """Send a request to the core; returns its output queue. A request the core cannot
         serve ends its stream with EngineError (the core's message). Raises EngineError when
-        the core is down."""
+        the core is down (DependencyUnavailableError, ``errored`` set)."""
+        if self._down is not None:
+            self._died(self._down)           # the reader has seen the death; its call to _died may not have run yet
         if self.errored is not None:
             raise DependencyUnavailableError(f"replica {self.replica}: engine process down: {self.errored}")
         params = params or SamplingParams()
@@ -158,10 +164,11 @@ class EngineCoreClient(OutputStreams):
 
     def is_up(self) -> bool:
         """Not known dead, and the process alive: one that has just died is down at once, before
-        the reader has noticed, so that no new request is sent to it. Looks without reaping
-        (``WNOWAIT``): the reader thread reaps, and ``Process.is_alive`` racing it can say alive
-        for a process it has just reaped."""
-        if self.errored is not None:
+        the reader has noticed, so that no new request is sent to it; one whose loop died (its
+        ``FATAL``, a failed step) is down from the moment the reader thread has read it. Looks
+        without reaping (``WNOWAIT``): the reader thread reaps, and ``Process.is_alive`` racing
+        it can say alive for a process it has just reaped."""
+        if self.errored is not None or self._down is not None:
             return False
         if not hasattr(os, "waitid"):
             return self.process.is_alive()
@@ -207,10 +214,13 @@ class EngineCoreClient(OutputStreams):
             if self._closing:
                 return
             if not isinstance(e, EngineError):
-                self._reap(2.0)
                 why = f" ({self._kill_reason})" if self._kill_reason else ""
+                self._down = DependencyUnavailableError(f"replica {self.replica}: the engine process (pid {self.pid}) "
+                                                        f"exited{why}")      # down now; the exit code once reaped
+                self._reap(2.0)
                 e = DependencyUnavailableError(f"replica {self.replica}: the engine process (pid {self.pid}) exited "
                                 f"(exit code {self.process.exitcode}){why}")
+            self._down = e
             self._loop.call_soon_threadsafe(self._died, e)
 
     def _on_step(self, msg) -> None:

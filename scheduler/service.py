@@ -21,6 +21,15 @@ cache_salt over 256 characters), ALREADY_EXISTS (request id in flight), RESOURCE
 chosen replica's waiting queue is full, or its KV pool can never hold the request), UNAVAILABLE
 (loading, shutting down, no healthy replica, or the replica's engine failed). Cancelling a ``Submit`` call aborts its
 request and frees its KV blocks.
+
+The death window: a request whose replica dies (its engine process exits, or its engine loop
+dies of a failed step, e.g. a Ray stage died) before the request has sent anything to its
+caller (it was waiting, or in the failed step before its first token) is not failed: it goes
+back to the router, which sends it to another live replica or waits for the restart (as a new
+request does: ``restart_wait`` seconds at most, within the call's deadline). Only a stream that
+has already sent tokens ends UNAVAILABLE (it cannot be resumed exactly). A request goes back at
+most :data:`MAX_REDISPATCHES` times (a request that kills every engine it reaches is not retried
+forever).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from kvmesh.core.status import abort
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
 from scheduler.engine import EngineOutput
+from scheduler.request import FinishReason
 from scheduler.replica import (Replica, build_engine_threads, close_engine_loop, restart_engine_process,
                                start_engine_processes, watch_steps)
 from scheduler.request_span import end_request_span, start_request_span
@@ -53,6 +63,7 @@ log = logging.getLogger("kvmesh.scheduler")
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 MAX_CACHE_SALT = 256      # characters of SubmitRequest.cache_salt
+MAX_REDISPATCHES = 2      # times a request whose replica died before its first message goes back to the router
 
 
 def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitResponse:
@@ -99,6 +110,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
         self.tenants: dict[str, str] = {}           # request id -> its SubmitRequest.tenant, while open
         self.restarting: set[int] = set()           # replicas whose engine process is being restarted
+        self.aborted: dict[str, asyncio.Event] = {}  # request id -> set by Abort (one between replicas ends at once)
         self.stopping = False
         self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
         from kvmesh.core.metrics import SchedulerMetrics
@@ -180,39 +192,75 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         # to the engine): concurrent Submits see each other's load.
         self.requests[rid] = replica
         self.tenants[rid] = request.tenant
+        aborted = self.aborted[rid] = asyncio.Event()
         span = start_request_span(self.tracer, context, self.engine_cfg.model, request, rid, replica, params)
-        aengine = replica.aengine           # this stream's engine loop (a restart gives the replica a new one)
-        stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span), cache_salt=request.cache_salt)
         last = None
+        dispatched = time.monotonic()       # when it first went to a replica
+        redispatches = 0
         try:
-            async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
-                async for out in stream:
-                    last = out
-                    if out.new_token_ids or out.finished:
-                        await context.write(_response(rid, replica.index, out))
-        except EngineError as e:        # e.g. DuplicateRequestError: an id another stream of the replica still has
-            if aengine.errored is not None:
-                await abort(context, DependencyUnavailableError(f"replica {replica.index} failed: {e}"))
-            await abort(context, e)
+            while True:
+                aengine = replica.aengine       # this stream's engine loop (a restart gives the replica a new one)
+                stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span),
+                                          cache_salt=request.cache_salt)
+                sent = False
+                try:
+                    async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
+                        async for out in stream:
+                            if redispatches:         # its queue time and TTFT count the wait for a replica
+                                out.arrival_time = dispatched
+                            last = out
+                            if out.new_token_ids or out.finished:
+                                await context.write(_response(rid, replica.index, out))
+                                sent = True
+                    return
+                except EngineError as e:    # e.g. DuplicateRequestError: an id another stream of the replica still has
+                    died = aengine.errored is not None and isinstance(e, DependencyUnavailableError)
+                    if not died:
+                        await abort(context, e)
+                    if aborted.is_set():    # an Abort that reached the replica as it died
+                        break
+                    if sent or redispatches >= MAX_REDISPATCHES:
+                        again = "" if sent else f" (its replicas died {redispatches + 1} times under it)"
+                        await abort(context, DependencyUnavailableError(f"replica {replica.index} failed: {e}{again}"))
+                    redispatches += 1
+                    log.warning("request %s: replica %d died before the request's first token (%s): back to the "
+                                "router", rid, replica.index, e)
+                # the death window: nothing sent yet, so it is served elsewhere or after the restart
+                picked = await self._pick(context, request.session_id, prompt, request.cache_salt, aborted)
+                if picked is None:
+                    break
+                self.requests[rid] = replica = picked
+                if span.is_recording():
+                    span.set_attributes({"kvmesh.replica": replica.index, "kvmesh.replica_id": replica.replica_id,
+                                         "kvmesh.redispatches": redispatches})
+            # aborted between replicas: ends as an aborted request does
+            last = EngineOutput(rid, [], [], True, FinishReason.ABORT, num_prompt_tokens=len(prompt),
+                                arrival_time=dispatched, finished_time=time.monotonic())
+            await context.write(_response(rid, replica.index, last))
         finally:
             self.requests.pop(rid, None)
             self.tenants.pop(rid, None)
+            self.aborted.pop(rid, None)
             if span.is_recording():
                 end_request_span(self.tracer, span, last, replica.info.block_size)
 
-    async def _pick(self, context, session_id: str, prompt: list[int], cache_salt: str = "") -> "Replica":
-        """The router's replica for a new request. While none is up and one is restarting or
-        will be (``restart_replicas``: an engine process that has just died, before the service
-        has noticed), waits for one (``restart_wait`` seconds at most, within the call's
-        deadline); then, or when none will come back, aborts the call with UNAVAILABLE."""
+    async def _pick(self, context, session_id: str, prompt: list[int], cache_salt: str = "",
+                    aborted: asyncio.Event | None = None) -> "Replica | None":
+        """The router's replica for a new request (or one whose replica died before its first
+        message). While none is up and one is restarting or will be (``restart_replicas``: an
+        engine process that has just died, before the service has noticed), waits for one
+        (``restart_wait`` seconds at most, within the call's deadline); then, or when none will
+        come back, aborts the call with UNAVAILABLE. Returns None once ``aborted`` is set."""
         t0 = time.monotonic()
+        remaining = context.time_remaining()
+        bound = self.sched_cfg.restart_wait if remaining is None else min(remaining, self.sched_cfg.restart_wait)
         while True:
+            if aborted is not None and aborted.is_set():
+                return None
             try:
                 return self.replicas[self.router.pick([r.load() for r in self.replicas], session_id, prompt,
                                                       cache_salt)]
             except NoHealthyReplicaError as e:
-                remaining = context.time_remaining()
-                bound = self.sched_cfg.restart_wait if remaining is None else min(remaining, self.sched_cfg.restart_wait)
                 waited = time.monotonic() - t0
                 comes_back = self.sched_cfg.restart_replicas and self.sched_cfg.engine_process
                 if not comes_back or self.stopping or waited >= bound:
@@ -222,11 +270,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def Abort(self, request, context):
         """Abort an in-flight request of the same tenant (``found`` False for another tenant's);
-        its stream ends with FINISH_REASON_ABORT."""
-        replica = self.requests.get(request.request_id)
-        found = (replica is not None and self.tenants.get(request.request_id, "") == request.tenant
-                 and replica.aengine.abort(request.request_id))
-        return scheduler_pb2.SchedulerAbortResponse(found=found)
+        its stream ends with FINISH_REASON_ABORT (one between replicas, its replica dead, within
+        50 ms)."""
+        rid = request.request_id
+        replica = self.requests.get(rid)
+        if replica is None or self.tenants.get(rid, "") != request.tenant:
+            return scheduler_pb2.SchedulerAbortResponse(found=False)
+        return scheduler_pb2.SchedulerAbortResponse(found=self._abort(rid, replica))
+
+    def _abort(self, rid: str, replica: Replica) -> bool:
+        """Abort open request ``rid`` on ``replica``; one between replicas (its replica died
+        before its first message) ends without going to another."""
+        aborted = self.aborted.get(rid)
+        if aborted is not None:
+            aborted.set()
+        return replica.aengine.abort(rid) or aborted is not None
 
     async def GetModelInfo(self, request, context):
         await self._check_available(context)
@@ -249,7 +307,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def abort_all(self) -> int:
         """Abort every in-flight request (their streams end with FINISH_REASON_ABORT)."""
-        return sum(replica.aengine.abort(rid) for rid, replica in list(self.requests.items()))
+        return sum(self._abort(rid, replica) for rid, replica in list(self.requests.items()))
 
 
 class SchedulerServer(Service):

@@ -1,8 +1,10 @@
 """Engine processes (scheduler/engine_core.py) behind the real scheduler service, real SmolLM2:
 the defaults use the machine (local executor at pp 1, torch threads = the cores, shared among
-replicas), an engine process killed mid-stream ends its streams with UNAVAILABLE and the
-service reports NOT_SERVING, a request the core rejects is INVALID_ARGUMENT with the service
-still serving, and the wire format round-trips every output field."""
+replicas), an engine process killed mid-stream ends its streams that sent tokens with
+UNAVAILABLE and the service reports NOT_SERVING, a request that had sent nothing when its
+replica died is served elsewhere or after the restart (the death window, at --executor local
+and Ray pp 1 and 2), a request the core rejects is INVALID_ARGUMENT with the service still
+serving, and the wire format round-trips every output field."""
 
 from __future__ import annotations
 
@@ -189,8 +191,10 @@ async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
         async with grpc.aio.insecure_channel(srv.address) as ch:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             # a warm engine first: its first step (first touches of the model and the KV pool)
-            # may itself take step_timeout on a busy machine
+            # may itself take step_timeout on a busy machine (then the watchdog kills it, and this
+            # request, nothing sent yet, is served after that restart: the death window)
             await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(2))))
+            restarts = (await stub.GetStats(pb.GetStatsRequest())).replicas[0].restarts
             call = stub.Submit(pb.SubmitRequest(prompt_token_ids=prose_ids[:20], sampling=_greedy(400)))
             await call.read()
             pid = srv.service.replicas[0].aengine.pid
@@ -200,7 +204,7 @@ async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
                 await _drain(call)
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "watchdog" in ei.value.details()
             assert 2.0 <= time.monotonic() - t0 < 10
-            await _until(lambda: _replica_back(stub, pid), 30)
+            await _until(lambda: _replica_back(stub, pid, restarts + 1), 30)
     finally:
         await srv.stop(grace=0)
 
@@ -297,8 +301,54 @@ async def test_two_replicas_keep_serving_while_one_restarts(smollm2_dir, prose_i
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def _tokens(stub, prompt: list[int], n: int, timeout: float | None = None) -> list[int]:
-    msgs = await _drain(stub.Submit(pb.SubmitRequest(prompt_token_ids=prompt, sampling=_greedy(n)), timeout=timeout))
+async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> None:
+    """The death-window rule (docs/mesh.md) on a one-replica service: a request waiting in the
+    replica when it dies, one sent in the same event-loop tick as the kill and 10 sent over the
+    next second are all served, after the restart, with the greedy tokens of before; only the
+    stream that had already sent tokens ends UNAVAILABLE. One sent with the kill under a 1 s
+    deadline is served within it or ends by it (DEADLINE_EXCEEDED, or UNAVAILABLE from the wait's
+    bound), and the service drops it then: never dispatched after its deadline.
+
+    ``victim``: ``engine process`` or ``stage K``. The waiting request is made deterministic:
+    the victim is stopped (SIGSTOP), the request sent and dispatched to the replica (its ADD
+    is in the engine's pipe, or its step on the stopped stage), then the victim is SIGKILLed."""
+    want = await _tokens(stub, prompt, 6)
+    old = srv.service.replicas[0].aengine
+    pid = old.pid if victim == "engine process" else old.stage_pids[int(victim[-1])]
+    started = stub.Submit(pb.SubmitRequest(prompt_token_ids=prompt, sampling=_greedy(400)))
+    await started.read()                                     # it has sent tokens
+    os.kill(pid, signal.SIGSTOP)
+    waiting = asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60, request_id="waiting"))
+    await _until(lambda: _truthy("waiting" in srv.service.requests), 10)     # dispatched to the stopped replica
+    assert srv.service.replicas[0].aengine is old
+    caplog.clear()
+    t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    sends = [asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60))]     # same tick as the kill
+    short = asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=1.0, request_id="short"))
+    for _ in range(10):
+        await asyncio.sleep(0.1)                             # pacing: 10 sends over the next second
+        sends.append(asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60)))
+    try:
+        assert await short == want                           # (a restart within 1 s)
+    except grpc.aio.AioRpcError as e:
+        assert e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), e.details()
+        await _until(lambda: _truthy("short" not in srv.service.requests), 1)   # not left waiting for the restart
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await _drain(started)
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
+    got = await asyncio.gather(waiting, *sends, return_exceptions=True)
+    lost = [(i, g.details() if isinstance(g, grpc.aio.AioRpcError) else g) for i, g in enumerate(got) if g != want]
+    assert not lost, f"(0: the waiting request, 1: sent with the kill, 2-11: over the next second) {lost}"
+    assert any("waiting" in r.getMessage() and "back to the router" in r.getMessage() for r in caplog.records)
+    st = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
+    assert st.healthy and st.pid != old.pid
+    assert time.monotonic() - t_kill < 60
+
+
+async def _tokens(stub, prompt: list[int], n: int, timeout: float | None = None, request_id: str = "") -> list[int]:
+    msgs = await _drain(stub.Submit(pb.SubmitRequest(request_id=request_id, prompt_token_ids=prompt,
+                                                     sampling=_greedy(n)), timeout=timeout))
     assert msgs[-1].finished
     return [t for m in msgs for t in m.token_ids]
 
@@ -342,6 +392,84 @@ async def _watch_health(ch, seen: list) -> None:
     """Record every health status the service reports (the Watch stream) into ``seen``."""
     async for r in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
         seen.append(r.status)
+
+
+@aio
+async def test_no_request_lost_in_the_death_window_local(smollm2_dir, prose_ids, caplog):
+    """--executor local, the engine process SIGKILLed: the death-window rule (:func:`_death_window`)."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1), _engine_cfg(smollm2_dir))
+    try:
+        await srv.wait_ready()
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            await _death_window(srv, stub, prose_ids[:20], "engine process", caplog)
+            # an Abort of a request between replicas (its replica dead, the restart not in yet) ends it
+            old = srv.service.replicas[0].aengine
+            os.kill(old.pid, signal.SIGSTOP)
+            call = stub.Submit(pb.SubmitRequest(request_id="between", prompt_token_ids=prose_ids[:20],
+                                                sampling=_greedy(6)), timeout=60)
+            await _until(lambda: _truthy("between" in srv.service.requests), 10)
+            caplog.clear()
+            os.kill(old.pid, signal.SIGKILL)
+            await _until(lambda: _truthy(any("between" in r.getMessage() and "back to the router" in r.getMessage()
+                                             for r in caplog.records)), 10)
+            assert (await stub.Abort(pb.SchedulerAbortRequest(request_id="between"))).found
+            assert srv.service.replicas[0].aengine is old        # aborted while the restart was under way
+            msgs = await _drain(call)
+            assert [m.finish_reason for m in msgs] == [common_pb2.FINISH_REASON_ABORT] and msgs[0].finished
+            assert not msgs[0].token_ids and "between" not in srv.service.requests
+    finally:
+        await srv.stop(grace=0)
+
+
+@aio
+async def test_no_request_lost_in_the_death_window_ray_pp1(ray_two_cpus, smollm2_dir, prose_ids, caplog):
+    """--executor ray at pp 1, its stage SIGKILLed (seen by the engine only when its step fails):
+    the death-window rule (:func:`_death_window`). Its own service, stopped before this module's
+    pp=2 one starts (file order: the module's Ray has 2 CPUs)."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, executor="ray", pp=1, stage_num_cpus=1),
+                                _engine_cfg(smollm2_dir, num_threads=1))
+    try:
+        await srv.wait_ready()
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            await _death_window(srv, scheduler_pb2_grpc.SchedulerServiceStub(ch), prose_ids[:20], "stage 0", caplog)
+    finally:
+        await srv.stop(grace=0)
+
+
+@aio
+async def test_death_window_request_moves_to_the_live_replica(smollm2_dir, prose_ids, caplog):
+    """Two replicas (round robin, engine processes): a request dispatched to a replica that dies
+    before its first token is served by the other, live replica, without waiting for the
+    restart; health stays SERVING."""
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=2, routing="round_robin"), _engine_cfg(smollm2_dir))
+    try:
+        await srv.wait_ready()
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            prompt = prose_ids[:20]
+            want = await _tokens(stub, prompt, 6)
+            seen: list = []
+            watcher = asyncio.ensure_future(_watch_health(ch, seen))
+            victim = srv.service.router._next % 2       # round robin: the next request's replica
+            old = srv.service.replicas[victim].aengine
+            os.kill(old.pid, signal.SIGSTOP)
+            moved = asyncio.ensure_future(_drain(stub.Submit(pb.SubmitRequest(
+                request_id="moved", prompt_token_ids=prompt, sampling=_greedy(6)), timeout=60)))
+            await _until(lambda: _truthy("moved" in srv.service.requests), 10)
+            assert srv.service.requests["moved"].index == victim
+            caplog.clear()
+            os.kill(old.pid, signal.SIGKILL)
+            msgs = await moved
+            assert [t for m in msgs for t in m.token_ids] == want
+            assert {m.replica for m in msgs} == {1 - victim}
+            assert srv.service.replicas[victim].aengine is old      # served before the restart was in
+            assert any("moved" in r.getMessage() and "back to the router" in r.getMessage() for r in caplog.records)
+            await _until(lambda: _replica_back(stub, old.pid, 1, victim), 60)
+            assert set(seen) == {SERVING}, seen
+            watcher.cancel()
+    finally:
+        await srv.stop(grace=0)
 
 
 @pytest.fixture(scope="module")
@@ -419,3 +547,12 @@ async def test_pp2_replica_restarts_whole_after_a_process_dies(pp2_server, prose
         assert _stage_processes() == set(new.stage_pids) and not set(new.stage_pids) & set(old.stage_pids)
         assert [pg["state"] for pg in placement_group_table().values()].count("CREATED") == 1
         assert await _tokens(stub, prose_ids[:20], 6) == want
+
+
+@aio
+@pytest.mark.parametrize("victim", ["stage 0", "stage 1"])
+async def test_pp2_no_request_lost_in_the_death_window(pp2_server, prose_ids, victim, caplog):
+    """pp=2, a stage SIGKILLed (stage 0: stage 1's link closes; stage 1: its call fails): the
+    death-window rule (:func:`_death_window`)."""
+    async with grpc.aio.insecure_channel(pp2_server.address) as ch:
+        await _death_window(pp2_server, scheduler_pb2_grpc.SchedulerServiceStub(ch), prose_ids[:20], victim, caplog)

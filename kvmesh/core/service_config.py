@@ -47,8 +47,9 @@ class SchedulerConfig(Settings):
         max_queued_requests: waiting requests per replica before RESOURCE_EXHAUSTED.
         restart_replicas: restart a replica whose engine process died or hung (with backoff
             from 0.5 s, doubling, at most 30 s between tries); False = it stays down.
-        restart_wait: how long a new request waits for a restarting replica when none is up
-            (seconds, within its deadline) before UNAVAILABLE.
+        restart_wait: how long a new request (or one whose replica died before its first
+            token: docs/mesh.md, the death window) waits for a restarting replica when none is
+            up (seconds, within its deadline) before UNAVAILABLE.
         step_timeout: watchdog: an engine process that has requests and sends no step for this
             long is taken as hung, killed and restarted (seconds; 0 = no watchdog).
         routing: replica selection (:mod:`scheduler.router`): ``prefix`` (cached prefix
