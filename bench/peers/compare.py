@@ -242,7 +242,8 @@ def serving(args, model_dir: Path, workload: Path, workdir: Path) -> dict[str, d
             cmd = [str(py), "-m", "llama_cpp.server", "--model", str(ensure_gguf(args.model)),
                    "--model_alias", args.model, "--host", "127.0.0.1", "--port", str(port),
                    "--n_ctx", str(longest), "--n_threads", str(args.threads),
-                   "--n_threads_batch", str(args.threads)]
+                   "--n_threads_batch", str(args.threads),
+                   "--interrupt_requests", "false"]       # else each new request cuts the one in flight short
             penv = {}
         try:
             with http_server(peer, cmd, penv, port, workdir, args.server_timeout) as base_url:
