@@ -40,12 +40,16 @@ def _matrix(n: int, k: int, bits: int, G: int, gen: torch.Generator):
     m = torch.randint(0, 64, (n, k // G), generator=gen, dtype=torch.int8)
     d = torch.rand(n, k // 256, generator=gen) * 1e-3
     dmin = torch.rand(n, k // 256, generator=gen) * 1e-3
+    d, dmin = d.half().float(), dmin.half().float()
+    if bits == 6:       # Q6_K: m = sc and dmin = 32 d, kept as sc and d alone (Linear.set_gguf)
+        return (gemm.pack_gguf_qweight(q, bits), gemm.pack_gguf_scales(sc, None, torch.int8),
+                gemm.pack_gguf_scales(d, None, torch.float16), bits, G, n, k)
     return (gemm.pack_gguf_qweight(q, bits), gemm.pack_gguf_scales(sc, m, torch.int8),
-            gemm.pack_gguf_scales(d, dmin, torch.float32), bits, G, n, k)
+            gemm.pack_gguf_scales(d, dmin, torch.float16), bits, G, n, k)
 
 
 def _bytes(mat) -> int:
-    return mat[0].numel() + mat[1].numel() + mat[2].numel() * 4
+    return mat[0].numel() + mat[1].numel() + mat[2].numel() * 2
 
 
 def _run(mat, x):

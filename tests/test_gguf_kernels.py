@@ -36,26 +36,31 @@ def _weights(n, k, bits, G, scheme, seed):
         z = (-s.float() * torch.randint(0, 2 ** bits, (n, k // G), generator=gen)).half()
         return q, gemm.pack_gguf_scales(s.float(), z.float(), torch.float16), None
     sc = torch.randint(-63, 64, (n, k // G), generator=gen, dtype=torch.int8)
-    m = torch.randint(0, 64, (n, k // G), generator=gen, dtype=torch.int8)
     d = (torch.rand(n, k // 256, generator=gen) * 1e-3).half().float()
+    if scheme == "k-sym":           # Q6_K's form: m = sc, dmin = 32 d, kept as sc and d alone
+        return q, gemm.pack_gguf_scales(sc, None, torch.int8), gemm.pack_gguf_scales(d, None, torch.float16)
+    m = torch.randint(0, 64, (n, k // G), generator=gen, dtype=torch.int8)
     dmin = (torch.rand(n, k // 256, generator=gen) * 1e-3).half().float()
-    return q, gemm.pack_gguf_scales(sc, m, torch.int8), gemm.pack_gguf_scales(d, dmin, torch.float32)
+    return q, gemm.pack_gguf_scales(sc, m, torch.int8), gemm.pack_gguf_scales(d, dmin, torch.float16)
 
 
 def _dequantized(q, scales, supers, G):
     n, k = q.shape
+    S = scales.shape[2]             # 1: m = sc, dmin = 32 d
     s = scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G)[:n].double()
-    z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G)[:n].double()
+    z = scales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // G)[:n].double()
     if supers is not None:
         sb = k // supers.shape[1]
         d = supers[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb)[:n].double().repeat_interleave(sb // G, 1)
-        dmin = supers[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // sb)[:n].double().repeat_interleave(sb // G, 1)
+        dmin = supers[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // sb)[:n].double().repeat_interleave(sb // G, 1)
+        dmin = dmin * (32 if S == 1 else 1)
         s, z = d * s, -dmin * z
     return q.double() * s.repeat_interleave(G, 1) + z.repeat_interleave(G, 1)      # float64: exact
 
 
 @pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
-                                           (6, 32, "k"), (8, 16, "k"), (4, 16, "k")], ids=str)
+                                           (6, 32, "k"), (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"),
+                                           (4, 32, "k-sym"), (8, 16, "k-sym")], ids=str)
 @pytest.mark.parametrize("n,k", [(40, 256), (64, 512), (16, 768)], ids=str)
 def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypatch):
     q, scales, supers = _weights(n, k, bits, G, scheme, seed=n + k + bits + G)
@@ -83,7 +88,7 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
 
 def test_reference_is_dequantize_then_matmul():
     """The reference equals x (as the kernel quantizes it) @ W.T with W dequantized, in float64."""
-    for bits, G, scheme in [(4, 32, "k"), (6, 16, "k"), (8, 16, "k"), (8, 32, "flat"), (6, 32, "flat")]:
+    for bits, G, scheme in [(4, 32, "k"), (6, 16, "k"), (8, 16, "k"), (6, 16, "k-sym"), (8, 32, "flat"), (6, 32, "flat")]:
         q, scales, supers = _weights(24, 512, bits, G, scheme, seed=bits * G)
         qw = gemm.pack_gguf_qweight(q, bits)
         x = torch.randn(5, 512)
@@ -143,6 +148,12 @@ def test_errors_name_the_argument():
         gemm.gguf_linear(x, qw, scales.float(), supers, 4, 32, 16)
     with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
         gemm.gguf_linear(x, qw, scales, None, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="superscales must be contiguous float16"):
+        gemm.gguf_linear(x, qw, scales, supers.float(), 4, 32, 16)
+    with pytest.raises(RuntimeError, match=r"superscales must be .*\[P, K / SB, 1, 16\]"):
+        gemm.gguf_linear(x, qw, scales[:, :, :1].contiguous(), supers, 4, 32, 16)      # sc alone, (d, dmin)
+    with pytest.raises(ValueError, match="not exactly representable in torch.float16"):
+        gemm.pack_gguf_scales(torch.full((16, 1), 70000.0), None, torch.float16)
     with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         gemm.gguf_linear(x, qw, scales, supers, 5, 32, 16)
     with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):

@@ -312,16 +312,21 @@ def pack_gguf_qweight_torch(q: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([nib, hb.reshape(p, k // 8, 32)], dim=2).contiguous().view(p, 12 * k)
 
 
-def pack_gguf_scales(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def pack_gguf_scales(a: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Per-group (or per-super-block) pairs of :func:`gguf_linear`: ``a``, ``b`` ``[N, G']`` →
     ``dtype`` ``[P, G', 2, 16]`` (``[p, g, 0, n] = a[16p + n, g]``, ``[p, g, 1, n] = b[...]``;
-    padding columns 0)."""
+    padding columns 0); ``b`` None (a k-quant weight with m = sc, dmin = 32 d) →
+    ``[P, G', 1, 16]``. Raises ValueError when ``dtype`` cannot hold a value exactly (the
+    scales are the file's own float16 numbers, or small integers)."""
     n, g = a.shape
     pad = (-n) % 16
-    t = torch.stack([a, b], dim=1)                   # [N, 2, G']
+    t = torch.stack([a] if b is None else [a, b], dim=1)        # [N, S, G']
     if pad:
-        t = torch.cat([t, t.new_zeros(pad, 2, g)])
-    return t.view(-1, 16, 2, g).permute(0, 3, 2, 1).to(dtype).contiguous()
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1], g)])
+    out = t.view(-1, 16, t.shape[1], g).permute(0, 3, 2, 1).to(dtype).contiguous()
+    if not torch.equal(out.to(t.dtype), t.view(-1, 16, t.shape[1], g).permute(0, 3, 2, 1)):
+        raise ValueError(f"a GGUF scale is not exactly representable in {dtype}")
+    return out
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
@@ -329,8 +334,8 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, su
     """``x @ W.T`` for a GGUF weight in the panels of :func:`pack_gguf_qweight` and
     :func:`pack_gguf_scales`: ``w = s q + z`` per group of ``group_size`` (16 or 32) along K,
     (s, z) float16 in ``scales`` (flat scheme, ``superscales`` None) or ``s = d sc``,
-    ``z = -dmin m`` with int8 (sc, m) in ``scales`` and float32 (d, dmin) per super-block in
-    ``superscales`` (k-quant scheme). x is quantized to int8 per 32 values (flat) or per
+    ``z = -dmin m`` with int8 (sc, m) in ``scales`` and float16 (d, dmin) per super-block in
+    ``superscales`` (k-quant scheme; both with a third dimension of 1 for m = sc, dmin = 32 d). x is quantized to int8 per 32 values (flat) or per
     super-block (k-quant; as llama.cpp's q8_0 / q8_K), round half to even of
     ``x * 127 / amax``; the dot products are exact int32, then scaled in float32
     (:func:`workers.kernels.reference.gguf_linear_ref` is the same in PyTorch).

@@ -97,10 +97,12 @@ def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
     else:
         sb = k // superscales.shape[1]
+        S = scales.shape[2]             # 1: m = sc and dmin = 32 d (kernels/gemm.py, pack_gguf_scales)
         d = superscales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
-        dmin = superscales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+        dmin = (superscales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+                * (32 if S == 1 else 1))
         s = d * scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
-        z = -dmin * scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+        z = -dmin * scales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
     qb = 32 if superscales is None else k // superscales.shape[1]
     xq, dx = quantize_activations(x, qb)
     xq, dx = xq.double(), dx.double()

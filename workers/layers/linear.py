@@ -365,7 +365,8 @@ class Linear(nn.Module):
         (:class:`GGUFDense`). ``bias`` ``[out]`` float or None.
 
         Raises:
-            ValueError: ``u`` is not ``[out_features, in_features]``.
+            ValueError: ``u`` is not ``[out_features, in_features]``; a super-block scale float16
+                cannot hold (``dmin = 32 d`` of a Q6_K stacked with other k-quants, at |d| > 2047).
         """
         if tuple(u.shape) != (self.out_features, self.in_features):
             raise ValueError(f"GGUF weight {list(u.shape)}, layer is [{self.out_features}, {self.in_features}]")
@@ -377,9 +378,13 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
         self.fast = None
         if device.type == "cpu" and gemm.gguf_available():
+            # a k-quant weight with m = sc and dmin = 32 d (Q6_K) keeps sc and d alone: the file's bytes
+            sym = u.scheme == "k" and torch.equal(u.a, u.b) and torch.equal(u.dmin, 32 * u.d)
             rt = {"gguf_qweight": gemm.pack_gguf_qweight(u.q, u.bits),
-                  "gguf_scales": gemm.pack_gguf_scales(u.a, u.b, torch.float16 if u.scheme == "flat" else torch.int8),
-                  "gguf_superscales": None if u.scheme == "flat" else gemm.pack_gguf_scales(u.d, u.dmin, torch.float32)}
+                  "gguf_scales": gemm.pack_gguf_scales(u.a, None if sym else u.b,
+                                                       torch.float16 if u.scheme == "flat" else torch.int8),
+                  "gguf_superscales": None if u.scheme == "flat" else gemm.pack_gguf_scales(u.d, None if sym else u.dmin,
+                                                                                            torch.float16)}
             self.weight = None
             for name, t in rt.items():
                 self.register_buffer(name, t)

@@ -16,7 +16,9 @@
 // the u8 [16 columns x 4 k] operand of vpdpbusd against 4 int8 activations broadcast to every
 // 32-bit lane.
 // Scales per group and column: flat: float16 (s, z) [P, K/G, 2, 16]; k-quant: int8 (sc, m)
-// [P, K/G, 2, 16] with float32 (d, dmin) [P, K/SB, 2, 16] per super-block: s = d sc, z = -dmin m.
+// [P, K/G, 2, 16] with float16 (d, dmin) [P, K/SB, 2, 16] per super-block (the file's own
+// numbers): s = d sc, z = -dmin m; a k-quant weight with m = sc and dmin = 32 d (Q6_K's
+// d sc (q - 32)) keeps sc and d alone ([P, K/G, 1, 16], [P, K/SB, 1, 16]): the file's bytes.
 //
 // Activations: per row and block of 32 k, dx = amax / 127, xq = round-half-even(x * 127 / amax)
 // (0 for an all-zero block); isum = sum xq q (int32, exact), xsum = sum xq, and
@@ -77,8 +79,10 @@ struct GgufProblem {
   const int32_t* xs16;    // [M, K / 16] sums of xq over 16
   int64_t M, K;
   const uint8_t* qw;      // [P, K * bits / 8 * 16]
-  const void* scales;     // flat: uint16 (half bits) [P, K/G, 2, 16]; k: int8 [P, K/G, 2, 16]
-  const float* supers;    // k: [P, K/SB, 2, 16]; flat: nullptr
+  const void* scales;     // flat: uint16 (half bits) [P, K/G, 2, 16]; k: int8 [P, K/G, S, 16]
+  const uint16_t* supers; // k: float16 (d, dmin) [P, K/SB, S, 16]; flat: nullptr
+  int64_t S;              // k: 2, or 1 for a weight whose m = sc and dmin = 32 d (Q6_K): its scales
+                          // hold sc alone [P, K/G, 1, 16] and its superscales d alone
   int64_t P;
   int bits, G, SB;
   void* y;                // [M, 16 P] float32, or bfloat16 when y_bf16
@@ -114,12 +118,15 @@ static inline void group_sz(const GgufProblem& pb, int64_t p, int64_t g, float* 
       z[n] = c10::detail::fp16_ieee_to_fp32_value(h[16 + n]);
     }
   } else {
-    const int8_t* sm = (const int8_t*)pb.scales + (p * ng + g) * 32;
+    const int8_t* sm = (const int8_t*)pb.scales + (p * ng + g) * 16 * pb.S;
     const int64_t sb = g * pb.G / pb.SB;
-    const float* dd = pb.supers + (p * (pb.K / pb.SB) + sb) * 32;
+    const uint16_t* dd = pb.supers + (p * (pb.K / pb.SB) + sb) * 16 * pb.S;
+    const int mo = pb.S == 2 ? 16 : 0;      // where m is: its own plane, or sc itself
     for (int n = 0; n < 16; ++n) {
-      s[n] = dd[n] * (float)sm[n];
-      z[n] = -(dd[16 + n] * (float)sm[16 + n]);
+      const float d = c10::detail::fp16_ieee_to_fp32_value(dd[n]);
+      const float dmin = pb.S == 2 ? c10::detail::fp16_ieee_to_fp32_value(dd[16 + n]) : 32.f * d;
+      s[n] = d * (float)sm[n];
+      z[n] = -(dmin * (float)sm[mo + n]);
     }
   }
 }
@@ -233,19 +240,20 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
   constexpr int64_t kGroupBytes = G / chunk_k(BITS) * chunk_bytes(BITS);
   if constexpr (KQ) {
     const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
-    const int8_t* sm = (const int8_t*)pb.scales + p * ng * 32;
-    const float* dd = pb.supers + p * nsb * 32;
+    const int64_t st = 16 * pb.S, mo = pb.S == 2 ? 16 : 0;     // bytes per group; where m is
+    const int8_t* sm = (const int8_t*)pb.scales + p * ng * st;
+    const uint16_t* dd = pb.supers + p * nsb * st;
     const uint8_t* pg = panel;
     int64_t g = 0;
-    for (int64_t sb = 0; sb < nsb; ++sb, dd += 32) {
+    for (int64_t sb = 0; sb < nsb; ++sb, dd += st) {
       __m512i ks[MR], km[MR];
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) ks[r] = km[r] = _mm512_setzero_si512();
-      for (int64_t j = 0; j < per_sb; ++j, ++g, sm += 32, pg += kGroupBytes) {
+      for (int64_t j = 0; j < per_sb; ++j, ++g, sm += st, pg += kGroupBytes) {
         __m512i acc[MR][2];
         group_dots_vnni<MR, BITS, G>(pg, xq4, g * (G / 4), acc);
         const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm));
-        const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + 16)));
+        const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + mo)));
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           int32_t xsum = xsr[r][g * (G / 16)];
@@ -254,7 +262,9 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
           km[r] = _mm512_add_epi32(km[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xsum)));
         }
       }
-      const __m512 d = _mm512_loadu_ps(dd), dmin = _mm512_loadu_ps(dd + 16);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dd));
+      const __m512 dmin = pb.S == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + 16)))
+                                    : _mm512_mul_ps(d, _mm512_set1_ps(32.f));
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const __m512 dx = _mm512_set1_ps(dxr[r][sb]);
@@ -450,13 +460,14 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
   constexpr int64_t kGroupBytes = G / chunk_k(BITS) * chunk_bytes(BITS);
   if constexpr (KQ) {
     const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
-    const int8_t* sm = (const int8_t*)pb.scales + p * ng * 32;
-    const float* dd = pb.supers + p * nsb * 32;
-    for (int64_t sb = 0; sb < nsb; ++sb, dd += 32) {
+    const int64_t st = 16 * pb.S, mo = pb.S == 2 ? 16 : 0;     // bytes per group; where m is
+    const int8_t* sm = (const int8_t*)pb.scales + p * ng * st;
+    const uint16_t* dd = pb.supers + p * nsb * st;
+    for (int64_t sb = 0; sb < nsb; ++sb, dd += st) {
       __m256i ks[MR][2], km[MR][2];
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) ks[r][0] = ks[r][1] = km[r][0] = km[r][1] = _mm256_setzero_si256();
-      for (int64_t g = sb * per_sb; g < (sb + 1) * per_sb; ++g, sm += 32) {
+      for (int64_t g = sb * per_sb; g < (sb + 1) * per_sb; ++g, sm += st) {
         __m256i sc[2], acc[MR][2];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {      // sc in both 16-bit halves of each column's lane
@@ -466,7 +477,7 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
         group_dots_avx2<MR, BITS, G>(panel + g * kGroupBytes, xq4, g * G / 4, sc, acc);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          const __m256i mn = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sm + 16 + 8 * h)));
+          const __m256i mn = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sm + mo + 8 * h)));
 #pragma GCC unroll 4
           for (int r = 0; r < MR; ++r) {
             int32_t xsum = xsr[r][g * G / 16];
@@ -483,7 +494,9 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
       }
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_loadu_ps(dd + 8 * h), dmin = _mm256_loadu_ps(dd + 16 + 8 * h);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dd + 8 * h)));
+        const __m256 dmin = pb.S == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dd + 16 + 8 * h)))
+                                      : _mm256_mul_ps(d, _mm256_set1_ps(32.f));
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           const __m256 dx = _mm256_set1_ps(dxr[r][sb]);
@@ -616,18 +629,19 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
               K, " (", K * bits * 2, " bytes at ", bits, " bits)");
   TORCH_CHECK(n > 0 && n <= P * 16, "gguf_linear: N (", n, ") must be in (0, ", P * 16, "]");
   const bool kq = superscales.has_value();
+  const int64_t S = kq ? scales.size(2) : 2;
   TORCH_CHECK(scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == P && scales.size(1) == K / G &&
-                  scales.size(2) == 2 && scales.size(3) == 16 &&
+                  (S == 2 || (kq && S == 1)) && scales.size(3) == 16 &&
                   scales.scalar_type() == (kq ? at::kChar : at::kHalf),
-              "gguf_linear: scales must be contiguous ", kq ? "int8" : "float16", " [P, K / G, 2, 16] = [", P, ", ",
-              K / G, ", 2, 16], got ", scales.scalar_type(), " ", scales.sizes());
+              "gguf_linear: scales must be contiguous ", kq ? "int8 [P, K / G, 2 or 1, 16]" : "float16 [P, K / G, 2, 16]",
+              " with P = ", P, ", K / G = ", K / G, ", got ", scales.scalar_type(), " ", scales.sizes());
   int64_t SB = 0;
   if (kq) {
     const at::Tensor& ss = *superscales;
-    TORCH_CHECK(ss.is_contiguous() && ss.dim() == 4 && ss.scalar_type() == at::kFloat && ss.size(0) == P &&
-                    ss.size(1) > 0 && K % ss.size(1) == 0 && ss.size(2) == 2 && ss.size(3) == 16,
-                "gguf_linear: superscales must be contiguous float32 [P, K / SB, 2, 16], got ", ss.scalar_type(), " ",
-                ss.sizes());
+    TORCH_CHECK(ss.is_contiguous() && ss.dim() == 4 && ss.scalar_type() == at::kHalf && ss.size(0) == P &&
+                    ss.size(1) > 0 && K % ss.size(1) == 0 && ss.size(2) == S && ss.size(3) == 16,
+                "gguf_linear: superscales must be contiguous float16 [P, K / SB, ", S, ", 16] (as scales' third "
+                "dimension), got ", ss.scalar_type(), " ", ss.sizes());
     SB = K / ss.size(1);
     TORCH_CHECK(SB % G == 0 && SB % 32 == 0, "gguf_linear: the super-block (", SB, ") must be a multiple of 32 and of G");
   }
@@ -675,7 +689,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   }
   at::Tensor y = at::empty({M, P * 16}, x.options());
   GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
-                 kq ? superscales->data_ptr<float>() : nullptr, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16,
+                 kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16,
                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
   auto* fn = &panel_rows_scalar;
 #if defined(__x86_64__)
