@@ -290,7 +290,8 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
         res = offline_res.get(peer)
         if not res or "error" in res:
             continue
-        note = "GGUF quantization vs kvmesh bf16" if peer == "llamacpp" else ""
+        # kvmesh's row runs its defaults: the known models' GGUF blocks where --weight-format auto picks them
+        note = "llama.cpp on the GGUF file; kvmesh with its defaults" if peer == "llamacpp" else ""
         for r in res.get("throughput", []):
             add(f"offline output tok/s, B={r['batch_size']}", peer, k_tp.get(r["batch_size"]),
                 r["output_tok_s"], True, note)
@@ -315,7 +316,7 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
     for peer, res in serve_res.items():
         if peer == "kvmesh" or "error" in res or "error" in ksv:
             continue
-        note = "kvmesh bench serve" + (", GGUF quantization vs kvmesh bf16" if peer == "llamacpp" else "")
+        note = "kvmesh bench serve" + (", llama.cpp on the GGUF file; kvmesh with its defaults" if peer == "llamacpp" else "")
         for key, value in _numbers(res).items():
             add(f"serving {key}", peer, _numbers(ksv).get(key), value, SERVE_KEYS[key], note)
     return rows
