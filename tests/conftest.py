@@ -256,6 +256,20 @@ class Helpers:
         return out[0, len(prompt_ids):].tolist()
 
     @staticmethod
+    def vma_flags(addr: int) -> dict:
+        """The /proc/self/smaps fields of the mapping holding ``addr``."""
+        fields, inside = {}, False
+        for line in open("/proc/self/smaps"):
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside:
+                k, _, v = line.partition(":")
+                fields[k] = v.strip()
+        return fields
+
+    @staticmethod
     def capture_logits(engine) -> list[torch.Tensor]:
         """Record every ``[N, vocab]`` logits tensor the engine's model produces (one per step
         that samples). Relies only on the model's documented ``compute_logits``."""

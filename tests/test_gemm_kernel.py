@@ -203,21 +203,7 @@ def test_torch_compile_fullgraph(best_isa):
     assert (err <= 2e-4 * scale).all(), (err / scale).max()
 
 
-def _vma_flags(addr: int) -> dict:
-    """The /proc/self/smaps fields of the mapping holding ``addr``."""
-    fields, inside = {}, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside:
-            k, _, v = line.partition(":")
-            fields[k] = v.strip()
-    return fields
-
-
-def test_packed_panels_move_to_huge_pages_unchanged(best_isa, monkeypatch):
+def test_packed_panels_move_to_huge_pages_unchanged(best_isa, monkeypatch, h):
     """pack_bf16_linears puts the panels in one mapping advised MADV_HUGEPAGE (workers/huge_pages.py):
     same values, same outputs; KVMESH_HUGE_PAGES=0 leaves them where they are."""
     from workers import huge_pages
@@ -245,6 +231,6 @@ def test_packed_panels_move_to_huge_pages_unchanged(best_isa, monkeypatch):
     for a, b in zip(plain, huge):
         assert torch.equal(a.bf16_panels, b.bf16_panels)
         assert b.bf16_panels.data_ptr() % 4096 == 0
-        assert _vma_flags(b.bf16_panels.data_ptr()).get("VmFlags", "").split().count("hg") == 1   # MADV_HUGEPAGE
-        assert "hg" not in _vma_flags(a.bf16_panels.data_ptr()).get("VmFlags", "").split()
+        assert h.vma_flags(b.bf16_panels.data_ptr()).get("VmFlags", "").split().count("hg") == 1   # MADV_HUGEPAGE
+        assert "hg" not in h.vma_flags(a.bf16_panels.data_ptr()).get("VmFlags", "").split()
     assert torch.equal(plain(x), huge(x))

@@ -220,6 +220,35 @@ def test_kernel_path_agrees_with_the_reference_path(smollm2_dir, prose_ids, h, m
     assert compared >= 12
 
 
+@pytest.mark.skipif("not __import__('workers.kernels.gemm', fromlist=['x']).gguf_available()",
+                    reason="the native kernels are not built here")
+def test_gguf_panels_load_onto_huge_pages_unchanged(smollm2_dir, monkeypatch, h):
+    """load_gguf moves every kernel-served Linear's panels and scales into a mapping advised
+    MADV_HUGEPAGE (decode streams them each step): the same tensors as with
+    KVMESH_HUGE_PAGES=0, which leaves them where they were made."""
+    from workers import huge_pages
+    from workers.gguf_checkpoint import load_gguf
+    from workers.layers.linear import GGUF_NATIVE, Linear
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages here (THP never, or not Linux)")
+    monkeypatch.setenv("KVMESH_HUGE_PAGES", "0")
+    plain = load_gguf(smollm2_dir, dtype=torch.bfloat16, device="cpu", max_positions=256)
+    monkeypatch.delenv("KVMESH_HUGE_PAGES")
+    huge = load_gguf(smollm2_dir, dtype=torch.bfloat16, device="cpu", max_positions=256)
+    pairs = [(a, b) for a, b in zip(plain.modules(), huge.modules()) if isinstance(a, Linear)]
+    assert pairs and all(a.method is GGUF_NATIVE and b.method is GGUF_NATIVE for a, b in pairs)
+    for a, b in pairs:
+        for name in ("gguf_qweight", "gguf_scales", "gguf_superscales"):
+            ta, tb = getattr(a, name), getattr(b, name)
+            assert (ta is None) == (tb is None)
+            if tb is None:
+                continue
+            assert torch.equal(ta, tb) and tb.data_ptr() % 4096 == 0
+            assert "hg" in h.vma_flags(tb.data_ptr()).get("VmFlags", "").split()          # MADV_HUGEPAGE
+            assert "hg" not in h.vma_flags(ta.data_ptr()).get("VmFlags", "").split()
+            assert name in dict(b.named_buffers())                                         # still the module's buffer
+
+
 def test_pipeline_stage_holds_its_layers_as_the_whole_model_does(smollm2_dir):
     """A stage [15, 30) reads only its layers from the GGUF and holds the same runtime tensors
     as layers 15.. of the whole model (the last stage: final norm and tied lm_head)."""

@@ -8,7 +8,8 @@ memory):
 
 - every Linear (q/k/v and gate/up stacked as in :mod:`workers.models.llama`) keeps its GGUF
   integers and scales in the ``gguf_linear`` kernel's representation
-  (:mod:`workers.quant.gguf_blocks`, :meth:`workers.layers.linear.Linear.set_gguf`);
+  (:mod:`workers.quant.gguf_blocks`, :meth:`workers.layers.linear.Linear.set_gguf`), then
+  moved onto 2 MiB pages (:func:`workers.layers.linear.gguf_to_huge_pages`);
   a Linear whose parts share no exact common representation, or that is stored in a float
   type, is served dense (dequantized once, logged);
 - the token embedding keeps its raw GGUF rows and dequantizes the rows a step looks up
@@ -32,7 +33,7 @@ from torch import nn
 
 from kvmesh.core.errors import SettingsError
 from kvmesh.hub.cache import GGUF_FILE
-from workers.layers.linear import GGUF_DENSE, Linear
+from workers.layers.linear import GGUF_DENSE, Linear, gguf_to_huge_pages
 from workers.models.llama import LlamaForCausalLM, ModelConfig
 from workers.quant import gguf_blocks
 
@@ -255,6 +256,7 @@ def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.
         model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
     try:
         _load_linears(rd, cfg, model, dtype, device)
+        gguf_to_huge_pages(model)                   # decode streams them every step
         model.allocate_weights(dtype, device)       # norms, RoPE; the embedding is replaced below
         _load_rest(rd, cfg, model, dtype, device)
     except ValueError as e:

@@ -504,6 +504,29 @@ def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device
     return len(layers)
 
 
+def gguf_to_huge_pages(model: nn.Module) -> int:
+    """Move the GGUF panels and scales of every Linear served by the ``gguf_linear`` kernel
+    onto 2 MiB pages (:mod:`workers.huge_pages`), one tensor at a time (the load's peak stays
+    near one copy): a decode step streams all of them. Measured on an AMD EPYC Zen 5 (family 26
+    model 2), Qwen2.5-Coder-1.5B's projection chain at M = 1 on one thread: 22.9 GB/s on 4 KiB
+    pages, 31.0 GB/s on 2 MiB pages (``python -m bench.gguf_gemm``, docs/results.md 0z11).
+    No-op where huge pages are unavailable. Returns how many layers moved."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.method is GGUF_NATIVE]
+    names = [[n for n in ("gguf_qweight", "gguf_scales", "gguf_superscales") if getattr(lin, n) is not None]
+             for lin in layers]
+    from workers.huge_pages import empty_on_huge_pages
+    views = empty_on_huge_pages([(getattr(lin, n).shape, getattr(lin, n).dtype)
+                                 for lin, ns in zip(layers, names) for n in ns])
+    if views is None:
+        return 0
+    it = iter(views)
+    for lin, ns in zip(layers, names):
+        for n in ns:
+            setattr(lin, n, next(it).copy_(getattr(lin, n)))      # the registered buffer replaced
+        lin.fast = None
+    return len(layers)
+
+
 def pack_onednn_linears(model: nn.Module, dtype: torch.dtype, device: torch.device, rows_hint: int = 64) -> int:
     """Switch every dense Linear of a float32 model on an x86-64 CPU with kvmesh's kernels to
     oneDNN's prepacked inner product (:meth:`Linear.pack_onednn`), so that no float32 linear
