@@ -3,7 +3,7 @@
 Builds the 28 layers' projections of Qwen2.5-Coder-1.5B (Q4_K_M) with random integers and scales
 in the kernel's layout (``workers.kernels.gemm.pack_gguf_qweight`` / ``pack_gguf_scales``):
 qkv 2048x1536, o 1536x1536, gate_up 17920x1536 as 4-bit k-quant lanes (Q4_K: groups of 32),
-down 1536x8960 as 6-bit lanes (Q6_K: groups of 16), distinct tensors (~0.9 GB, nothing stays in
+down 1536x8960 as 6-bit lanes (Q6_K: groups of 16), distinct tensors on 2 MiB pages as the model's (~0.9 GB, nothing stays in
 cache between matrices), and times
 
 - one pass over the chain at each ``--m`` (rows of x; M = 1 is a decode step's projections), in
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("the native kernels are not built here")
     gen = torch.Generator().manual_seed(0)
     chain = [_matrix(*s, gen) for _ in range(LAYERS) for s in SHAPES]
+    # on 2 MiB pages, as the model's (workers.layers.linear.gguf_to_huge_pages; KVMESH_HUGE_PAGES=0: not)
+    from workers.huge_pages import to_huge_pages
+    moved = iter(to_huge_pages([t for m in chain for t in m[:3]]))
+    chain = [(next(moved), next(moved), next(moved)) + m[3:] for m in chain]
     nbytes = sum(_bytes(m) for m in chain)
     bw = read_bandwidth()
     res = {"cpu": cpu_model(), "path": gemm.gguf_path(), "threads": torch.get_num_threads(),
