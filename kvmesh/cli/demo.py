@@ -14,7 +14,7 @@ from kvmesh.cli.services import run_services, service_configs
 from kvmesh.core.errors import SettingsError
 from kvmesh.core.flags import add_engine_args, add_scheduler_args
 
-DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
+DEMO_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEMO_QUESTION = "travel-02"
 
 
