@@ -19,8 +19,10 @@ Rules a client sees:
   (request and session ids), ``max_prompt_tokens`` and ``max_message_bytes``; over one →
   INVALID_ARGUMENT naming the field and the limit.
 * Request ids: an id in flight on this gateway is ALREADY_EXISTS (the scheduler answers the
-  same across gateways); an id is free again once its final message is sent. Ids (request,
-  session, ``cache_salt``) must not hold control characters (U+0000-U+001F, U+007F-U+009F).
+  same across gateways); an id is free again once its final message is sent. With API keys the
+  id space is the tenant's: only a request of the same tenant makes an id ALREADY_EXISTS,
+  another tenant's live request of that id is unseen (the caller gets its own request). Ids
+  (request, session, ``cache_salt``) must not hold control characters (U+0000-U+001F, U+007F-U+009F).
 * ``max_tokens`` (tokens): unset → ``min(default_max_tokens, max_tokens_cap, room)`` where room =
   ``max_model_len - prompt tokens``; set above ``max_tokens_cap`` → clamped to the cap. A set
   value (after clamping) with ``prompt + max_tokens > max_model_len`` is INVALID_ARGUMENT, as
@@ -46,7 +48,8 @@ Rules a client sees:
   ``finally``, so the scheduler aborts the request at its next step.
 * ``Abort(request_id)``: a request of this gateway has its upstream call cancelled and its
   stream ends with FINISH_REASON_ABORT; an id this gateway does not know is forwarded to the
-  scheduler's Abort. Only the request's own tenant can abort it (another's: ``found`` False).
+  scheduler's Abort. Only the request's own tenant can abort it (another's: ``found`` False,
+  as for an id that is not in flight).
 * Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
   ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is

@@ -13,11 +13,14 @@ is :mod:`scheduler.replica`; a request's trace span is :mod:`scheduler.request_s
 
 A request's ``cache_salt`` goes into its block hashes (:mod:`kvstore.hashing`): the router and
 its replica's block manager hash its prompt under it, so it shares cached blocks only with
-requests of the same salt (per-tenant isolation; the gateway sets the salt).
+requests of the same salt (per-tenant isolation; the gateway sets the salt). Request ids are
+per tenant (``SubmitRequest.tenant``): an id in flight is ALREADY_EXISTS only for a request of the
+same tenant (another tenant may use it at once and gets its own request), and ``Abort`` finds only
+a request of the tenant it names.
 
 Errors are gRPC statuses, by the class of the error (:mod:`kvmesh.core.status`): INVALID_ARGUMENT
 (a bad request: bad sampling value, empty or too long prompt, token id outside the vocabulary,
-cache_salt over 256 characters), ALREADY_EXISTS (request id in flight), RESOURCE_EXHAUSTED (the
+cache_salt over 256 characters), ALREADY_EXISTS (request id of the same tenant in flight), RESOURCE_EXHAUSTED (the
 chosen replica's waiting queue is full, or its KV pool can never hold the request), UNAVAILABLE
 (loading, shutting down, no healthy replica, or the replica's engine failed). Cancelling a ``Submit`` call aborts its
 request and frees its KV blocks.
@@ -96,8 +99,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                       if sched_cfg.routing == "prefix" else None)
         self.replicas: list[Replica] = []
         self.router: Router | None = None
-        self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
-        self.tenants: dict[str, str] = {}           # request id -> its SubmitRequest.tenant, while open
+        # (SubmitRequest.tenant, request id) -> replica, while its stream is open: ids are per tenant
+        self.requests: dict[tuple[str, str], Replica] = {}
         self.restarting: set[int] = set()           # replicas whose engine process is being restarted
         self.stopping = False
         self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
@@ -171,18 +174,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                      f"{MAX_CACHE_SALT}"))
         prompt = list(request.prompt_token_ids)
         replica = await self._pick(context, request.session_id, prompt, request.cache_salt)
-        if rid in self.requests:
+        key = (request.tenant, rid)
+        if key in self.requests:
             await abort(context, DuplicateRequestError(f"request id {rid!r} is already in flight"))
         if replica.num_waiting() >= self.sched_cfg.max_queued_requests:
             await abort(context, CapacityError(f"replica {replica.index} has {self.sched_cfg.max_queued_requests} "
                                                "requests waiting (max_queued_requests); retry later with backoff"))
         # No await between the pick above and the first __anext__ below (which adds the request
         # to the engine): concurrent Submits see each other's load.
-        self.requests[rid] = replica
-        self.tenants[rid] = request.tenant
+        self.requests[key] = replica
         span = start_request_span(self.tracer, context, self.engine_cfg.model, request, rid, replica, params)
         aengine = replica.aengine           # this stream's engine loop (a restart gives the replica a new one)
-        stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span), cache_salt=request.cache_salt)
+        stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span), cache_salt=request.cache_salt,
+                                  tenant=request.tenant)
         last = None
         try:
             async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
@@ -195,8 +199,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 await abort(context, DependencyUnavailableError(f"replica {replica.index} failed: {e}"))
             await abort(context, e)
         finally:
-            self.requests.pop(rid, None)
-            self.tenants.pop(rid, None)
+            self.requests.pop(key, None)
             if span.is_recording():
                 end_request_span(self.tracer, span, last, replica.info.block_size)
 
@@ -221,11 +224,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 await asyncio.sleep(0.05)
 
     async def Abort(self, request, context):
-        """Abort an in-flight request of the same tenant (``found`` False for another tenant's);
-        its stream ends with FINISH_REASON_ABORT."""
-        replica = self.requests.get(request.request_id)
-        found = (replica is not None and self.tenants.get(request.request_id, "") == request.tenant
-                 and replica.aengine.abort(request.request_id))
+        """Abort the in-flight request ``request_id`` of ``tenant`` (``found`` False when that
+        tenant has none: another tenant's request of that id is never touched); its stream ends
+        with FINISH_REASON_ABORT."""
+        replica = self.requests.get((request.tenant, request.request_id))
+        found = replica is not None and replica.aengine.abort(request.request_id, request.tenant)
         return scheduler_pb2.SchedulerAbortResponse(found=found)
 
     async def GetModelInfo(self, request, context):
@@ -249,7 +252,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def abort_all(self) -> int:
         """Abort every in-flight request (their streams end with FINISH_REASON_ABORT)."""
-        return sum(replica.aengine.abort(rid) for rid, replica in list(self.requests.items()))
+        return sum(replica.aengine.abort(rid, tenant) for (tenant, rid), replica in list(self.requests.items()))
 
 
 class SchedulerServer(Service):
