@@ -184,12 +184,26 @@ def _lenient(cls, max_bytes: int):
 
 # ---- the servicer -------------------------------------------------------------------------------
 
+MAX_DETAILS_BYTES = 1024    # UTF-8 bytes of a status message: grpc sends it percent-encoded in a header
+
+
+def _details(message: str) -> str:
+    """A status message cut to MAX_DETAILS_BYTES bytes of UTF-8 (on a character boundary, with
+    a mark): grpc sends it in the ``grpc-message`` header, percent-encoded (up to 3 characters a
+    byte), and a client refuses headers over 8 KiB: an error whose text echoed a huge value
+    would reach it as RESOURCE_EXHAUSTED instead of its own status."""
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message
+    return data[:MAX_DETAILS_BYTES].decode("utf-8", "ignore") + "... (message truncated)"
+
+
 def _rpc(method):
     """Map what an RPC method raises to a status: Status as is (a DEADLINE_EXCEEDED one with its
     usage in the trailing metadata ``kvmesh-usage-bin``), EngineError → its class's status
     (:func:`kvmesh.core.status.grpc_code`: InvalidRequestError INVALID_ARGUMENT ...), any
-    other exception → INTERNAL (logged). Also rejects unparsable requests and RPCs that arrive
-    before the gateway is ready."""
+    other exception → INTERNAL (logged); every message at most MAX_DETAILS_BYTES (:func:`_details`).
+    Also rejects unparsable requests and RPCs that arrive before the gateway is ready."""
 
     @functools.wraps(method)
     async def wrapper(self: "LLMServicer", request, context: grpc.aio.ServicerContext):
@@ -204,10 +218,10 @@ def _rpc(method):
             if e.usage is not None:
                 context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + (
                     ("kvmesh-usage-bin", e.usage.SerializeToString()),))
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, _details(e.message))
         except EngineError as e:           # its class says whose fault: kvmesh.core.status
             code = grpc_code(e).name
-            await context.abort(grpc_code(e), str(e))
+            await context.abort(grpc_code(e), _details(str(e)))
         except grpc.aio.AbortError:
             code = getattr(context.code(), "name", "UNKNOWN")
             raise
@@ -217,7 +231,7 @@ def _rpc(method):
         except Exception as e:
             code = "INTERNAL"
             log.exception("%s failed", method.__name__)
-            await context.abort(_Code.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
+            await context.abort(_Code.INTERNAL, _details(f"internal error in the gateway: {type(e).__name__}: {e}"))
         finally:
             if method.__name__ in ("Generate", "Chat"):
                 self.path.metrics.request_done(method.__name__, code, CURRENT_TENANT.get())

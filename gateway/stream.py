@@ -55,6 +55,16 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")     # not in ids: they reach logs 
 
 
 _FROM_MESSAGE = object()
+SHOWN_CHARS = 64          # characters of a client's value quoted back in an error message
+
+
+def shown(value: str) -> str:
+    """``repr(value)`` for an error message, cut to its first SHOWN_CHARS characters (with the
+    length) when longer: a message never quotes a client's megabyte back (in gRPC it is a
+    header, and a client refuses one over 8 KiB)."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 class Status(Exception):
@@ -162,7 +172,7 @@ class RequestPath:
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
         if model and model not in self.model_names:
-            raise invalid(f"model: unknown model {model!r}; this gateway serves {self.info.name!r}")
+            raise invalid(f"model: unknown model {shown(model)}; this gateway serves {self.info.name!r}")
 
     def check_limits(self, request) -> None:
         """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
@@ -220,7 +230,7 @@ class RequestPath:
             raise invalid("messages: at least one message is required")
         for i, m in enumerate(messages):
             if m.role not in ROLES:
-                raise invalid(f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(ROLES)})")
+                raise invalid(f"messages[{i}].role: unknown role {shown(m.role)} (expected one of {', '.join(ROLES)})")
         return self.text.encode_chat([{"role": m.role, "content": m.content} for m in messages])
 
     def _sampling(self, msg: common_pb2.SamplingParams, n_prompt: int
