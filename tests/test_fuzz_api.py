@@ -709,3 +709,30 @@ def test_error_messages_quote_a_huge_value_shortly(fuzz_mesh):
         assert status in (400, 404) and err["param"] in ("model", "messages[0].role"), err
         assert len(err["message"]) < 300, err
     fuzz_mesh.grpc_still_serves()
+
+
+def test_stop_token_ids_outside_the_vocabulary_under_min_tokens(fuzz_mesh):
+    """Stop token ids past the vocabulary with min_tokens are served (they never match): they
+    once were logit indexes in the engine, whose loop died of it (IndexError) and whose process
+    was restarted, failing every request in flight; the engine stays up."""
+    before = fuzz_mesh.sched_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10).replicas[0].restarts
+    req = llm_pb2.GenerateRequest(prompt="Hi", sampling=common_pb2.SamplingParams(
+        max_tokens=3, min_tokens=2, ignore_eos=True, stop_token_ids=[2**32 - 1, 1_747_579]))
+    msgs = fuzz_mesh.call("Generate", req.SerializeToString())
+    assert msgs[-1].finished and msgs[-1].usage.completion_tokens == 3
+    status, _, data = fuzz_mesh.post("/v1/completions", json.dumps(
+        {"prompt": "Hi", "max_tokens": 3, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [2**32 - 1]}).encode())
+    assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 3, data
+    assert fuzz_mesh.sched_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10).replicas[0].restarts == before
+
+
+def test_an_integer_past_the_largest_float_is_400_naming_the_field(fuzz_mesh):
+    """A float field given an integer of 400 digits is 400 naming the field (it was a 500:
+    OverflowError converting it to a float)."""
+    for route, body in (("/v1/completions", b'{"prompt": "Hi", "repetition_penalty": 1' + b"0" * 400 + b"}"),
+                        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], '
+                                                 b'"temperature": -' + b"9" * 400 + b"}")):
+        status, _, data = fuzz_mesh.post(route, body)
+        err = json.loads(data)["error"]
+        assert status == 400 and err["param"] in ("repetition_penalty", "temperature"), err
+        assert "out of range" in err["message"], err
