@@ -21,12 +21,18 @@ Properties, for every request:
   names a field of the request (its path resolves in the body sent, or, for a required field
   that is missing, is a field of the schema). A 2xx is a whole completion (``finish_reason``,
   ``usage``), or a stream of JSON events ending ``data: [DONE]`` with no error event.
-* gRPC: the stream ends with one final message (``finished``), or the call fails with a status
-  other than INTERNAL, UNKNOWN, UNAVAILABLE, CANCELLED or DATA_LOSS, with a details message; an
-  INVALID_ARGUMENT's message starts with the field it is about (``sampling.stop[0]: ...``).
+* gRPC: the stream ends with one final message (``finished``), or the call fails with
+  INVALID_ARGUMENT whose message starts with the field it is about (``sampling.stop[0]: ...``;
+  ``request`` for bytes that do not parse), DEADLINE_EXCEEDED (a tiny ``timeout``), or grpc's own
+  RESOURCE_EXHAUSTED for a message over twice max_message_bytes: never INTERNAL, UNKNOWN,
+  UNAVAILABLE or CANCELLED, nor a status the client cannot read.
 * Right after it, a good request is served (the server and its connections keep working).
-* After each test: the scheduler has 0 running and 0 waiting requests and 0 used KV blocks,
-  and the gateway no request in flight.
+* After each test: the scheduler has 0 running and 0 waiting requests, 0 used KV blocks and no
+  engine restart, and the gateway no request in flight.
+
+The last tests replay, deterministically, what the fuzzer found (and the fixes made): stop
+token ids past the vocabulary killing the engine loop, an integer past the largest float being
+a 500, a huge value quoted back whole in a gRPC status message the client then refused.
 
 Size: ``KVMESH_FUZZ_PROFILE`` = ``full`` (the default: 550 examples for each of the 4 tests,
 2,200 requests) or ``fast`` (40 each, 160); ``KVMESH_FUZZ_EXAMPLES=N`` sets the examples per test.
@@ -143,7 +149,8 @@ class FuzzMesh:
                                                    max_model_len=MAX_MODEL_LEN))
         await sched.wait_ready()
         gw = await serve_gateway(GatewayConfig(port=0, http_port=0, scheduler_address=sched.address,
-                                               connect_timeout=60, default_timeout=30, max_timeout=60,
+                                               # a loaded 2-core machine may take long over a 4-token request
+                                               connect_timeout=60, default_timeout=120, max_timeout=300,
                                                max_tokens_cap=4, default_max_tokens=2,
                                                max_message_bytes=MAX_MESSAGE_BYTES))
         return sched, gw
