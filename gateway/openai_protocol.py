@@ -142,7 +142,10 @@ def _number(body: dict, name: str) -> float | None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise invalid(f"{name}: expected a number, got {_kind(v)}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:               # an integer past the largest float (over 309 digits)
+        raise invalid(f"{name}: {len(str(abs(v)))}-digit integer is out of range for a number") from None
 
 
 def _int(body: dict, name: str, lo: int = 0, hi: int = _UINT64) -> int | None:

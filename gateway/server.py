@@ -19,8 +19,10 @@ Rules a client sees:
   (request and session ids), ``max_prompt_tokens`` and ``max_message_bytes``; over one →
   INVALID_ARGUMENT naming the field and the limit.
 * Request ids: an id in flight on this gateway is ALREADY_EXISTS (the scheduler answers the
-  same across gateways); an id is free again once its final message is sent. Ids (request,
-  session, ``cache_salt``) must not hold control characters (U+0000-U+001F, U+007F-U+009F).
+  same across gateways); an id is free again once its final message is sent. With API keys the
+  id space is the tenant's: only a request of the same tenant makes an id ALREADY_EXISTS,
+  another tenant's live request of that id is unseen (the caller gets its own request). Ids
+  (request, session, ``cache_salt``) must not hold control characters (U+0000-U+001F, U+007F-U+009F).
 * ``max_tokens`` (tokens): unset → ``min(default_max_tokens, max_tokens_cap, room)`` where room =
   ``max_model_len - prompt tokens``; set above ``max_tokens_cap`` → clamped to the cap. A set
   value (after clamping) with ``prompt + max_tokens > max_model_len`` is INVALID_ARGUMENT, as
@@ -46,7 +48,8 @@ Rules a client sees:
   ``finally``, so the scheduler aborts the request at its next step.
 * ``Abort(request_id)``: a request of this gateway has its upstream call cancelled and its
   stream ends with FINISH_REASON_ABORT; an id this gateway does not know is forwarded to the
-  scheduler's Abort. Only the request's own tenant can abort it (another's: ``found`` False).
+  scheduler's Abort. Only the request's own tenant can abort it (another's: ``found`` False,
+  as for an id that is not in flight).
 * Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
   ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
@@ -181,12 +184,26 @@ def _lenient(cls, max_bytes: int):
 
 # ---- the servicer -------------------------------------------------------------------------------
 
+MAX_DETAILS_BYTES = 1024    # UTF-8 bytes of a status message: grpc sends it percent-encoded in a header
+
+
+def _details(message: str) -> str:
+    """A status message cut to MAX_DETAILS_BYTES bytes of UTF-8 (on a character boundary, with
+    a mark): grpc sends it in the ``grpc-message`` header, percent-encoded (up to 3 characters a
+    byte), and a client refuses headers over 8 KiB: an error whose text echoed a huge value
+    would reach it as RESOURCE_EXHAUSTED instead of its own status."""
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message
+    return data[:MAX_DETAILS_BYTES].decode("utf-8", "ignore") + "... (message truncated)"
+
+
 def _rpc(method):
     """Map what an RPC method raises to a status: Status as is (a DEADLINE_EXCEEDED one with its
     usage in the trailing metadata ``kvmesh-usage-bin``), EngineError → its class's status
     (:func:`kvmesh.core.status.grpc_code`: InvalidRequestError INVALID_ARGUMENT ...), any
-    other exception → INTERNAL (logged). Also rejects unparsable requests and RPCs that arrive
-    before the gateway is ready."""
+    other exception → INTERNAL (logged); every message at most MAX_DETAILS_BYTES (:func:`_details`).
+    Also rejects unparsable requests and RPCs that arrive before the gateway is ready."""
 
     @functools.wraps(method)
     async def wrapper(self: "LLMServicer", request, context: grpc.aio.ServicerContext):
@@ -201,10 +218,10 @@ def _rpc(method):
             if e.usage is not None:
                 context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + (
                     ("kvmesh-usage-bin", e.usage.SerializeToString()),))
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, _details(e.message))
         except EngineError as e:           # its class says whose fault: kvmesh.core.status
             code = grpc_code(e).name
-            await context.abort(grpc_code(e), str(e))
+            await context.abort(grpc_code(e), _details(str(e)))
         except grpc.aio.AbortError:
             code = getattr(context.code(), "name", "UNKNOWN")
             raise
@@ -214,7 +231,7 @@ def _rpc(method):
         except Exception as e:
             code = "INTERNAL"
             log.exception("%s failed", method.__name__)
-            await context.abort(_Code.INTERNAL, f"internal error in the gateway: {type(e).__name__}: {e}")
+            await context.abort(_Code.INTERNAL, _details(f"internal error in the gateway: {type(e).__name__}: {e}"))
         finally:
             if method.__name__ in ("Generate", "Chat"):
                 self.path.metrics.request_done(method.__name__, code, CURRENT_TENANT.get())

@@ -15,7 +15,10 @@ client sees are listed in :mod:`gateway.server`'s docstring.
 The caller's tenant (:data:`gateway.auth.CURRENT_TENANT`, set by the front end's API key check)
 is read in :meth:`~RequestPath.span` and :meth:`~RequestPath.prepare`: it labels the request's
 span and metrics, and with the request's ``cache_salt`` it makes the salt the scheduler gets
-(:func:`gateway.auth.cache_salt`), so tenants never share cached KV blocks.
+(:func:`gateway.auth.cache_salt`), so tenants never share cached KV blocks. Request ids are the
+tenant's own: a request in flight is known by (tenant, request id), here and in the scheduler
+(``SubmitRequest.tenant``), so another tenant's live id is free to use (its own request) and
+tells nothing about the first tenant's; :meth:`~RequestPath.abort` finds only the caller's own.
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")     # not in ids: they reach logs 
 
 
 _FROM_MESSAGE = object()
+SHOWN_CHARS = 64          # characters of a client's value quoted back in an error message
+
+
+def shown(value: str) -> str:
+    """``repr(value)`` for an error message, cut to its first SHOWN_CHARS characters (with the
+    length) when longer: a message never quotes a client's megabyte back (in gRPC it is a
+    header, and a client refuses one over 8 KiB)."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 class Status(Exception):
@@ -91,7 +104,6 @@ class _Live:
     """A request streaming through this gateway."""
 
     call: grpc.aio.UnaryStreamCall
-    tenant: str = ""          # whose request it is (only that tenant may abort it)
     aborted: bool = False     # set by an Abort
 
 
@@ -117,7 +129,8 @@ class Prepared:
 class RequestPath:
     """Validation, tokenizing and streaming of requests to the scheduler at ``cfg.scheduler_address``
     over ``channel``. ``info`` (the scheduler's GetModelInfo) and ``text`` (tokenizer front end)
-    are None until :meth:`set_model`; ``live`` holds the requests in flight by id; ``serving`` is
+    are None until :meth:`set_model`; ``live`` holds the requests in flight by (tenant, request
+    id): ids are per tenant; ``serving`` is
     the gateway's health (True once the scheduler answered and while its connection is up)."""
 
     def __init__(self, cfg: GatewayConfig, channel: grpc.aio.Channel):
@@ -126,7 +139,7 @@ class RequestPath:
         self.info: scheduler_pb2.GetModelInfoResponse | None = None
         self.text: TextFront | None = None    # the model's tokenizer front
         self.model_names: set[str] = set()
-        self.live: dict[str, _Live] = {}
+        self.live: dict[tuple[str, str], _Live] = {}
         self.serving = False
         self.tracer = telemetry.setup_tracing(telemetry.GATEWAY)    # no-op unless OTEL_TRACES_EXPORTER is set
         from kvmesh.core.metrics import GatewayMetrics
@@ -159,7 +172,7 @@ class RequestPath:
     # ---- validation ------------------------------------------------------------------------
     def check_model(self, model: str) -> None:
         if model and model not in self.model_names:
-            raise invalid(f"model: unknown model {model!r}; this gateway serves {self.info.name!r}")
+            raise invalid(f"model: unknown model {shown(model)}; this gateway serves {self.info.name!r}")
 
     def check_limits(self, request) -> None:
         """The request limits that need no tokenizer (GatewayConfig: ids, stop lists): lengths
@@ -217,7 +230,7 @@ class RequestPath:
             raise invalid("messages: at least one message is required")
         for i, m in enumerate(messages):
             if m.role not in ROLES:
-                raise invalid(f"messages[{i}].role: unknown role {m.role!r} (expected one of {', '.join(ROLES)})")
+                raise invalid(f"messages[{i}].role: unknown role {shown(m.role)} (expected one of {', '.join(ROLES)})")
         return self.text.encode_chat([{"role": m.role, "content": m.content} for m in messages])
 
     def _sampling(self, msg: common_pb2.SamplingParams, n_prompt: int
@@ -278,14 +291,16 @@ class RequestPath:
         scheduler message that carries token ids or text, the last with ``finished``).
 
         Raises:
-            Status: ALREADY_EXISTS (the id is in flight here), DEADLINE_EXCEEDED (with ``usage``
+            Status: ALREADY_EXISTS (the id is in flight here for the same tenant: another tenant's
+                request of that id does not count), DEADLINE_EXCEEDED (with ``usage``
                 so far; the scheduler aborted the request), the scheduler's own status, or
                 UNAVAILABLE when it cannot be reached or ended the stream early.
         Closing the iterator (or cancelling its consumer) cancels the upstream call: the
         scheduler aborts the request and frees its KV blocks at its next step.
         """
         rid, prompt_ids, detok, params = p.request_id, p.prompt_ids, p.detok, p.params
-        if rid in self.live:
+        key = (p.tenant, rid)
+        if key in self.live:
             raise Status(_Code.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
         span = trace.get_current_span()
         if span.is_recording():
@@ -298,7 +313,7 @@ class RequestPath:
                                                             sampling=p.forward, session_id=p.session_id,
                                                             cache_salt=p.cache_salt, tenant=p.tenant),
                                 timeout=p.timeout, metadata=telemetry.inject_metadata(span))
-        live = self.live[rid] = _Live(call, p.tenant)
+        live = self.live[key] = _Live(call)
         usage = common_pb2.Usage()      # what the scheduler reported so far (cached tokens, speculation)
         try:
             try:
@@ -313,7 +328,7 @@ class RequestPath:
                     if params.logprobs is not None:
                         out.logprobs.extend(up.logprobs)
                     if delta.stop_string is not None:       # end upstream now, report STOP
-                        self._end_upstream(rid, live)       # the id is free before the client has the end
+                        self._end_upstream(key, live)       # the id is free before the client has the end
                         _finish(out, common_pb2.FINISH_REASON_STOP, delta.stop_string,
                                 _usage(usage, prompt_ids, detok), _timings(up, t0, t_first))
                     elif up.finished:
@@ -349,20 +364,21 @@ class RequestPath:
             raise Status(_Code.UNAVAILABLE, f"the scheduler at {self.cfg.scheduler_address} ended request "
                                             f"{rid} without a final message")
         finally:
-            self._end_upstream(rid, live)
+            self._end_upstream(key, live)
 
     async def abort(self, rid: str) -> bool:
         """Abort request ``rid`` of the caller's tenant (:data:`gateway.auth.CURRENT_TENANT`): one
         of this gateway has its upstream call cancelled (its stream ends with FINISH_REASON_ABORT);
         another id goes to the scheduler's Abort, with the tenant. Returns whether it was found
-        (False for another tenant's request). Raises Status for a failed scheduler call."""
-        live, tenant = self.live.get(rid), CURRENT_TENANT.get()
-        if live is not None and live.tenant == tenant:
+        (False when the tenant has no request of that id: another tenant's request of the same id
+        is never touched, and is answered as an unknown id is, by the scheduler). Raises Status
+        for a failed scheduler call."""
+        tenant = CURRENT_TENANT.get()
+        live = self.live.get((tenant, rid))
+        if live is not None:
             live.aborted = True
             live.call.cancel()
             return True
-        if live is not None:                # another tenant's request: as if unknown
-            return False
         try:
             r = await self.stub.Abort(scheduler_pb2.SchedulerAbortRequest(request_id=rid, tenant=tenant),
                                       timeout=ABORT_TIMEOUT)
@@ -370,12 +386,12 @@ class RequestPath:
             raise self.upstream_status(e) from None
         return r.found
 
-    def _end_upstream(self, rid: str, live: _Live) -> None:
+    def _end_upstream(self, key: tuple[str, str], live: _Live) -> None:
         """Cancel the upstream call (a no-op when it finished; else the scheduler aborts the
-        request) and free the id. Idempotent."""
+        request) and free the (tenant, id) ``key``. Idempotent."""
         live.call.cancel()
-        if self.live.get(rid) is live:
-            del self.live[rid]
+        if self.live.get(key) is live:
+            del self.live[key]
 
     def upstream_status(self, e: grpc.aio.AioRpcError) -> Status:
         """The status to answer for a failed scheduler call: the scheduler's own status as is,

@@ -23,8 +23,9 @@ class OutputStreams:
     request, delivery of each step's outputs on the event loop, and failure of every stream
     when the loop dies. Create it inside a running event loop.
 
-    Request ids: a caller's id names one open stream (:meth:`generate`) and is free again as
-    soon as that stream ends. The engine knows each submission by an id of its own
+    Request ids: a caller's id names one open stream (:meth:`generate`) of its ``tenant`` (the
+    caller's tenant, "" = none: each tenant has an id space of its own, so two tenants may use the
+    same id at once) and is free again as soon as that stream ends. The engine knows each submission by an id of its own
     (``<request id>#<n>``), so an id can be reused at once even while the engine is still
     ending its previous request (an abort waits for the step in progress) and that
     request's last output can never reach the new stream.
@@ -38,7 +39,7 @@ class OutputStreams:
     def __init__(self):
         self._loop = asyncio.get_running_loop()
         self._queues: dict[str, asyncio.Queue] = {}      # engine id -> its stream's queue
-        self._open: dict[str, str] = {}                  # request id -> engine id of its open stream
+        self._open: dict[tuple[str, str], str] = {}     # (tenant, request id) -> engine id of its open stream
         self._submissions = itertools.count()
         self.errored: BaseException | None = None
         self.on_outputs = None
@@ -52,17 +53,19 @@ class OutputStreams:
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int],
                        params: SamplingParams | None = None, traceparent: str | None = None,
-                       cache_salt: str | None = None) -> AsyncIterator[EngineOutput]:
+                       cache_salt: str | None = None, tenant: str = "") -> AsyncIterator[EngineOutput]:
         """Stream the request's outputs (their ``request_id`` is ``request_id``, or a generated
         one when None); aborts it if the consumer stops early. ``cache_salt``: see
-        :meth:`LLMEngine.add_request`. Raises DuplicateRequestError when a stream with this id
-        is open, EngineError for a request the engine cannot serve or when the engine loop died."""
+        :meth:`LLMEngine.add_request`; ``tenant``: whose id space ``request_id`` is in. Raises
+        DuplicateRequestError when a stream with this id is open for this tenant, EngineError for
+        a request the engine cannot serve or when the engine loop died."""
         rid = request_id or uuid.uuid4().hex
-        if rid in self._open:
+        key = (tenant, rid)
+        if key in self._open:
             raise DuplicateRequestError(f"duplicate request id {rid!r}: a stream with it is in flight")
         eid = f"{rid}#{next(self._submissions)}"
         q = self.add_request(eid, prompt_token_ids, params, traceparent, cache_salt)
-        self._open[rid] = eid
+        self._open[key] = eid
         try:
             while True:
                 out = await q.get()
@@ -73,23 +76,23 @@ class OutputStreams:
                 if out.finished:
                     return
         finally:
-            del self._open[rid]
+            del self._open[key]
             if self._queues.pop(eid, None) is not None:
                 self._abort(eid)
 
-    def engine_id(self, request_id: str) -> str | None:
-        """The engine's id of the open stream ``request_id`` (None when none is open)."""
-        return self._open.get(request_id)
+    def engine_id(self, request_id: str, tenant: str = "") -> str | None:
+        """The engine's id of the open stream ``request_id`` of ``tenant`` (None when none is open)."""
+        return self._open.get((tenant, request_id))
 
-    def abort(self, request_id: str) -> bool:
-        """Abort the open stream ``request_id`` (it ends with FINISH_REASON_ABORT); False when
-        no stream of that id is open."""
-        eid = self._open.get(request_id)
+    def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Abort the open stream ``request_id`` of ``tenant`` (it ends with FINISH_REASON_ABORT);
+        False when that tenant has no stream of that id open (another tenant's is never touched)."""
+        eid = self._open.get((tenant, request_id))
         return eid is not None and self._abort(eid)
 
-    def finish(self, request_id: str, reason: FinishReason, stop_reason=None) -> bool:
-        """End the open stream ``request_id`` with ``reason``; False when none is open."""
-        eid = self._open.get(request_id)
+    def finish(self, request_id: str, reason: FinishReason, stop_reason=None, tenant: str = "") -> bool:
+        """End the open stream ``request_id`` of ``tenant`` with ``reason``; False when none is open."""
+        eid = self._open.get((tenant, request_id))
         return eid is not None and self._finish(eid, reason, stop_reason)
 
     def _abort(self, engine_id: str) -> bool:

@@ -13,11 +13,14 @@ is :mod:`scheduler.replica`; a request's trace span is :mod:`scheduler.request_s
 
 A request's ``cache_salt`` goes into its block hashes (:mod:`kvstore.hashing`): the router and
 its replica's block manager hash its prompt under it, so it shares cached blocks only with
-requests of the same salt (per-tenant isolation; the gateway sets the salt).
+requests of the same salt (per-tenant isolation; the gateway sets the salt). Request ids are
+per tenant (``SubmitRequest.tenant``): an id in flight is ALREADY_EXISTS only for a request of the
+same tenant (another tenant may use it at once and gets its own request), and ``Abort`` finds only
+a request of the tenant it names.
 
 Errors are gRPC statuses, by the class of the error (:mod:`kvmesh.core.status`): INVALID_ARGUMENT
 (a bad request: bad sampling value, empty or too long prompt, token id outside the vocabulary,
-cache_salt over 256 characters), ALREADY_EXISTS (request id in flight), RESOURCE_EXHAUSTED (the
+cache_salt over 256 characters), ALREADY_EXISTS (request id of the same tenant in flight), RESOURCE_EXHAUSTED (the
 chosen replica's waiting queue is full, or its KV pool can never hold the request), UNAVAILABLE
 (loading, shutting down, no healthy replica, or the replica's engine failed). Cancelling a ``Submit`` call aborts its
 request and frees its KV blocks.
@@ -107,10 +110,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                       if sched_cfg.routing == "prefix" else None)
         self.replicas: list[Replica] = []
         self.router: Router | None = None
-        self.requests: dict[str, Replica] = {}      # request id -> replica, while its stream is open
-        self.tenants: dict[str, str] = {}           # request id -> its SubmitRequest.tenant, while open
+        # (SubmitRequest.tenant, request id) -> replica, while its stream is open: ids are per tenant
+        self.requests: dict[tuple[str, str], Replica] = {}
         self.restarting: set[int] = set()           # replicas whose engine process is being restarted
-        self.aborted: dict[str, asyncio.Event] = {}  # request id -> set by Abort (one between replicas ends at once)
+        # (tenant, request id) -> set by Abort: a request between replicas ends at once
+        self.aborted: dict[tuple[str, str], asyncio.Event] = {}
         self.stopping = False
         self.tracer = telemetry.setup_tracing(telemetry.SCHEDULER)    # no-op unless OTEL_TRACES_EXPORTER is set
         from kvmesh.core.metrics import SchedulerMetrics
@@ -183,16 +187,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                                                      f"{MAX_CACHE_SALT}"))
         prompt = list(request.prompt_token_ids)
         replica = await self._pick(context, request.session_id, prompt, request.cache_salt)
-        if rid in self.requests:
+        key = (request.tenant, rid)
+        if key in self.requests:
             await abort(context, DuplicateRequestError(f"request id {rid!r} is already in flight"))
         if replica.num_waiting() >= self.sched_cfg.max_queued_requests:
             await abort(context, CapacityError(f"replica {replica.index} has {self.sched_cfg.max_queued_requests} "
                                                "requests waiting (max_queued_requests); retry later with backoff"))
         # No await between the pick above and the first __anext__ below (which adds the request
         # to the engine): concurrent Submits see each other's load.
-        self.requests[rid] = replica
-        self.tenants[rid] = request.tenant
-        aborted = self.aborted[rid] = asyncio.Event()
+        self.requests[key] = replica
+        aborted = self.aborted[key] = asyncio.Event()
         span = start_request_span(self.tracer, context, self.engine_cfg.model, request, rid, replica, params)
         last = None
         dispatched = time.monotonic()       # when it first went to a replica
@@ -201,7 +205,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             while True:
                 aengine = replica.aengine       # this stream's engine loop (a restart gives the replica a new one)
                 stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span),
-                                          cache_salt=request.cache_salt)
+                                          cache_salt=request.cache_salt, tenant=request.tenant)
                 sent = False
                 try:
                     async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
@@ -229,7 +233,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 picked = await self._pick(context, request.session_id, prompt, request.cache_salt, aborted)
                 if picked is None:
                     break
-                self.requests[rid] = replica = picked
+                self.requests[key] = replica = picked
                 if span.is_recording():
                     span.set_attributes({"kvmesh.replica": replica.index, "kvmesh.replica_id": replica.replica_id,
                                          "kvmesh.redispatches": redispatches})
@@ -238,9 +242,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                                 arrival_time=dispatched, finished_time=time.monotonic())
             await context.write(_response(rid, replica.index, last))
         finally:
-            self.requests.pop(rid, None)
-            self.tenants.pop(rid, None)
-            self.aborted.pop(rid, None)
+            self.requests.pop(key, None)
+            self.aborted.pop(key, None)
             if span.is_recording():
                 end_request_span(self.tracer, span, last, replica.info.block_size)
 
@@ -269,22 +272,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 await asyncio.sleep(0.05)
 
     async def Abort(self, request, context):
-        """Abort an in-flight request of the same tenant (``found`` False for another tenant's);
-        its stream ends with FINISH_REASON_ABORT (one between replicas, its replica dead, within
-        50 ms)."""
-        rid = request.request_id
-        replica = self.requests.get(rid)
-        if replica is None or self.tenants.get(rid, "") != request.tenant:
+        """Abort the in-flight request ``request_id`` of ``tenant`` (``found`` False when that
+        tenant has none: another tenant's request of that id is never touched); its stream ends
+        with FINISH_REASON_ABORT (one between replicas, its replica dead, within 50 ms)."""
+        key = (request.tenant, request.request_id)
+        replica = self.requests.get(key)
+        if replica is None:
             return scheduler_pb2.SchedulerAbortResponse(found=False)
-        return scheduler_pb2.SchedulerAbortResponse(found=self._abort(rid, replica))
+        return scheduler_pb2.SchedulerAbortResponse(found=self._abort(key, replica))
 
-    def _abort(self, rid: str, replica: Replica) -> bool:
-        """Abort open request ``rid`` on ``replica``; one between replicas (its replica died
-        before its first message) ends without going to another."""
-        aborted = self.aborted.get(rid)
+    def _abort(self, key: tuple[str, str], replica: Replica) -> bool:
+        """Abort open request ``key`` = (tenant, request id) on ``replica``; one between
+        replicas (its replica died before its first message) ends without going to another."""
+        tenant, rid = key
+        aborted = self.aborted.get(key)
         if aborted is not None:
             aborted.set()
-        return replica.aengine.abort(rid) or aborted is not None
+        return replica.aengine.abort(rid, tenant) or aborted is not None
 
     async def GetModelInfo(self, request, context):
         await self._check_available(context)
@@ -307,7 +311,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def abort_all(self) -> int:
         """Abort every in-flight request (their streams end with FINISH_REASON_ABORT)."""
-        return sum(self._abort(rid, replica) for rid, replica in list(self.requests.items()))
+        return sum(self._abort(key, replica) for key, replica in list(self.requests.items()))
 
 
 class SchedulerServer(Service):

@@ -414,6 +414,62 @@ def test_only_the_requests_tenant_can_abort_it(mesh):
     assert msgs[-1].usage.completion_tokens < 200
 
 
+def test_request_ids_are_per_tenant(mesh):
+    """globex may use acme's live request id, over gRPC and HTTP, and gets its own request (no
+    ALREADY_EXISTS); acme's stream is untouched (the same greedy tokens as a run on its own);
+    globex cannot abort it; acme reusing its own live id still gets ALREADY_EXISTS (gRPC 409 over
+    HTTP), at the gateway and at the scheduler."""
+    from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+    def long_request(rid: str) -> llm_pb2.GenerateRequest:
+        req = llm_pb2.GenerateRequest(prompt="Once upon a time", request_id=rid)
+        req.sampling.temperature, req.sampling.max_tokens, req.sampling.ignore_eos = 0.0, 160, True
+        return req
+
+    call = mesh.stub.Generate(long_request("shared-id"), metadata=_bearer(ACME_1), timeout=120)
+    first = next(call)                                               # acme's request runs
+    live = mesh.gw.path.live
+    assert ("acme", "shared-id") in live
+    # globex, the same id: its own request, over both APIs
+    msgs = _generate(mesh.stub, GLOBEX, request_id="shared-id")
+    assert msgs[-1].finished and msgs[-1].usage.completion_tokens == 3
+    assert all(m.request_id == "shared-id" for m in msgs)
+    status, body, headers = _http(mesh, "/v1/completions", GLOBEX, dict(COMPLETION, request_id="shared-id"))
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    assert headers["x-request-id"] == "shared-id" and body["id"] == "cmpl-shared-id"
+    status, body, _ = _http(mesh, "/v1/chat/completions", GLOBEX,
+                            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "request_id": "shared-id"})
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
+    # globex cannot abort acme's request, at the gateway or at the scheduler
+    abort = llm_pb2.AbortRequest(request_id="shared-id")
+    assert not mesh.stub.Abort(abort, metadata=_bearer(GLOBEX), timeout=10).found
+    with grpc.insecure_channel(mesh.sched.address) as ch:
+        sched = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+        assert not sched.Abort(scheduler_pb2.SchedulerAbortRequest(request_id="shared-id", tenant="globex"),
+                               timeout=10).found
+        # the scheduler's own check, per tenant: acme's id is taken for acme, free for globex
+        sub = scheduler_pb2.SubmitRequest(request_id="shared-id", prompt_token_ids=[1, 2, 3], tenant="acme",
+                                          sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0))
+        with pytest.raises(grpc.RpcError) as e:
+            list(sched.Submit(sub, timeout=30))
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        sub.tenant = "globex"
+        assert list(sched.Submit(sub, timeout=30))[-1].finished
+    # acme, its own live id (its other key): ALREADY_EXISTS over gRPC, 409 over HTTP
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(mesh.stub, ACME_2, request_id="shared-id")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "shared-id" in e.value.details()
+    status, body, _ = _http(mesh, "/v1/completions", ACME_2, dict(COMPLETION, request_id="shared-id"))
+    assert status == 409 and body["error"]["code"] == "request_id_in_use", body
+    assert ("acme", "shared-id") in live                             # all of that while acme's ran
+    msgs = [first, *call]
+    assert msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and msgs[-1].usage.completion_tokens == 160
+    ids = [t for m in msgs for t in m.token_ids]
+    alone = list(mesh.stub.Generate(long_request("acme-alone"), metadata=_bearer(ACME_1), timeout=120))
+    assert ids == [t for m in alone for t in m.token_ids]            # unaffected by globex's requests
+    assert not live                                                  # every id is free again
+
+
 # ---- the HTTP API ---------------------------------------------------------------------------------
 
 def _http(mesh, route: str, key: str | None = None, body: dict | None = None) -> tuple[int, dict, dict]:

@@ -166,6 +166,19 @@ def test_min_tokens_defers_stop_token_ids(llm, greedy_text):
     assert g.token_ids[k] not in out.token_ids[:k + 3]      # masked, not merely ignored
 
 
+def test_min_tokens_with_stop_token_ids_outside_the_vocabulary(llm, greedy_text):
+    """Stop token ids past the vocabulary (a client may send any uint32) are allowed and never
+    match; under min_tokens they are skipped, not used as logit indexes (found by
+    tests/test_fuzz_api.py: it killed the engine loop, IndexError)."""
+    prompt, g = greedy_text
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, min_tokens=3, ignore_eos=True,
+                                              stop_token_ids=[2**32 - 1, 60000]))[0].outputs[0]
+    assert out.token_ids == g.token_ids[:4]                  # served, the greedy tokens
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, min_tokens=3, ignore_eos=True,
+                                              stop_token_ids=[2**32 - 1, g.token_ids[1]]))[0].outputs[0]
+    assert g.token_ids[1] not in out.token_ids[:3]           # the id in the vocabulary still masked
+
+
 # ---------------------------------------------------------------------------------------------
 # usage, finish reasons, logprobs
 

@@ -348,11 +348,14 @@ class ModelRunner:
     @staticmethod
     def _suppress_stops(logits: torch.Tensor, seqs: list[SeqInput]) -> None:
         """``min_tokens``: while a request has fewer output tokens, its EOS and stop token ids
-        cannot be sampled (their logits become -inf), as in vLLM."""
+        cannot be sampled (their logits become -inf), as in vLLM. Stop token ids outside the
+        logits (the vocabulary) are skipped: they can never be sampled, and a client may send any
+        (indexing with one would kill the engine loop)."""
+        vocab = logits.shape[-1]
         for row, s in enumerate(seqs):
             sp = s.params
             if s.num_output_tokens < sp.min_tokens:
-                ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(s.eos_token_ids))
+                ids = [t for t in sp.stop_token_ids if t < vocab] + ([] if sp.ignore_eos else list(s.eos_token_ids))
                 if ids:
                     logits[row, ids] = float("-inf")
 
