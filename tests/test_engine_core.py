@@ -319,7 +319,7 @@ async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> No
     await started.read()                                     # it has sent tokens
     os.kill(pid, signal.SIGSTOP)
     waiting = asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60, request_id="waiting"))
-    await _until(lambda: _truthy("waiting" in srv.service.requests), 10)     # dispatched to the stopped replica
+    await _until(lambda: _truthy(("", "waiting") in srv.service.requests), 10)     # dispatched to the stopped replica (keys: (tenant, id); no API keys: tenant "")
     assert srv.service.replicas[0].aengine is old
     caplog.clear()
     t_kill = time.monotonic()
@@ -333,7 +333,7 @@ async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> No
         assert await short == want                           # (a restart within 1 s)
     except grpc.aio.AioRpcError as e:
         assert e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE), e.details()
-        await _until(lambda: _truthy("short" not in srv.service.requests), 1)   # not left waiting for the restart
+        await _until(lambda: _truthy(("", "short") not in srv.service.requests), 1)   # not left waiting for the restart
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await _drain(started)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value.details()
@@ -408,7 +408,7 @@ async def test_no_request_lost_in_the_death_window_local(smollm2_dir, prose_ids,
             os.kill(old.pid, signal.SIGSTOP)
             call = stub.Submit(pb.SubmitRequest(request_id="between", prompt_token_ids=prose_ids[:20],
                                                 sampling=_greedy(6)), timeout=60)
-            await _until(lambda: _truthy("between" in srv.service.requests), 10)
+            await _until(lambda: _truthy(("", "between") in srv.service.requests), 10)
             caplog.clear()
             os.kill(old.pid, signal.SIGKILL)
             await _until(lambda: _truthy(any("between" in r.getMessage() and "back to the router" in r.getMessage()
@@ -417,7 +417,7 @@ async def test_no_request_lost_in_the_death_window_local(smollm2_dir, prose_ids,
             assert srv.service.replicas[0].aengine is old        # aborted while the restart was under way
             msgs = await _drain(call)
             assert [m.finish_reason for m in msgs] == [common_pb2.FINISH_REASON_ABORT] and msgs[0].finished
-            assert not msgs[0].token_ids and "between" not in srv.service.requests
+            assert not msgs[0].token_ids and ("", "between") not in srv.service.requests
     finally:
         await srv.stop(grace=0)
 
@@ -456,8 +456,8 @@ async def test_death_window_request_moves_to_the_live_replica(smollm2_dir, prose
             os.kill(old.pid, signal.SIGSTOP)
             moved = asyncio.ensure_future(_drain(stub.Submit(pb.SubmitRequest(
                 request_id="moved", prompt_token_ids=prompt, sampling=_greedy(6)), timeout=60)))
-            await _until(lambda: _truthy("moved" in srv.service.requests), 10)
-            assert srv.service.requests["moved"].index == victim
+            await _until(lambda: _truthy(("", "moved") in srv.service.requests), 10)
+            assert srv.service.requests["", "moved"].index == victim
             caplog.clear()
             os.kill(old.pid, signal.SIGKILL)
             msgs = await moved
