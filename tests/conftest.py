@@ -256,18 +256,24 @@ class Helpers:
         return out[0, len(prompt_ids):].tolist()
 
     @staticmethod
-    def vma_flags(addr: int) -> dict:
-        """The /proc/self/smaps fields of the mapping holding ``addr``."""
-        fields, inside = {}, False
+    def smaps() -> list[tuple[int, int, dict]]:
+        """This process's mappings: ``(start, end, /proc/self/smaps fields)``, read once."""
+        maps = []
         for line in open("/proc/self/smaps"):
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(v, 16) for v in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside:
+                maps.append((lo, hi, {}))
+            elif maps:
                 k, _, v = line.partition(":")
-                fields[k] = v.strip()
-        return fields
+                maps[-1][2][k] = v.strip()
+        return maps
+
+    @staticmethod
+    def vma_flags(addr: int, maps: list | None = None) -> dict:
+        """The smaps fields of the mapping holding ``addr`` (in ``maps`` from :meth:`smaps`, or
+        read now); empty when none holds it."""
+        return next((f for lo, hi, f in (maps if maps is not None else Helpers.smaps()) if lo <= addr < hi), {})
 
     @staticmethod
     def capture_logits(engine) -> list[torch.Tensor]:

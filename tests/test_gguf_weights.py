@@ -236,6 +236,7 @@ def test_gguf_panels_load_onto_huge_pages_unchanged(smollm2_dir, monkeypatch, h)
     monkeypatch.delenv("KVMESH_HUGE_PAGES")
     huge = load_gguf(smollm2_dir, dtype=torch.bfloat16, device="cpu", max_positions=256)
     pairs = [(a, b) for a, b in zip(plain.modules(), huge.modules()) if isinstance(a, Linear)]
+    maps = h.smaps()
     assert pairs and all(a.method is GGUF_NATIVE and b.method is GGUF_NATIVE for a, b in pairs)
     for a, b in pairs:
         for name in ("gguf_qweight", "gguf_scales", "gguf_superscales"):
@@ -244,8 +245,8 @@ def test_gguf_panels_load_onto_huge_pages_unchanged(smollm2_dir, monkeypatch, h)
             if tb is None:
                 continue
             assert torch.equal(ta, tb) and tb.data_ptr() % 4096 == 0
-            assert "hg" in h.vma_flags(tb.data_ptr()).get("VmFlags", "").split()          # MADV_HUGEPAGE
-            assert "hg" not in h.vma_flags(ta.data_ptr()).get("VmFlags", "").split()
+            assert "hg" in h.vma_flags(tb.data_ptr(), maps).get("VmFlags", "").split()    # MADV_HUGEPAGE
+            assert "hg" not in h.vma_flags(ta.data_ptr(), maps).get("VmFlags", "").split()
             assert name in dict(b.named_buffers())                                         # still the module's buffer
 
 
