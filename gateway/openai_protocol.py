@@ -69,9 +69,11 @@ def json_depth(body: bytes) -> int:
     return max(map(sub, accumulate(steps), count(1)), default=0)
 
 
-def _not_unicode(obj, path: str) -> Status | None:
+def _not_unicode(obj, path: str, ended: bool = False) -> Status | None:
     """INVALID_ARGUMENT naming the first string or object key in ``obj`` (parsed JSON, at most
-    MAX_JSON_DEPTH deep) holding a lone surrogate; None when every one is Unicode text."""
+    MAX_JSON_DEPTH deep) holding a lone surrogate; None when every one is Unicode text.
+    ``ended``: the path stopped at an object above (a key that is not a name): nothing below it
+    extends it."""
     if isinstance(obj, str):
         if _SURROGATE.search(obj):
             return invalid(f"{path or 'request body'}: not valid Unicode text (an unpaired surrogate such as "
@@ -83,11 +85,12 @@ def _not_unicode(obj, path: str) -> Status | None:
                 return invalid(f"{path or 'request body'}: an object key is not valid Unicode text (an unpaired "
                                "surrogate such as \\ud800 cannot be UTF-8)", param=path or None)
             # a key that is not a name ends the path at its object (the param must stay a path)
-            if (bad := _not_unicode(v, (f"{path}.{k}" if path else k) if _NAME.fullmatch(k) else path)) is not None:
+            stop = ended or not _NAME.fullmatch(k)
+            if (bad := _not_unicode(v, path if stop else (f"{path}.{k}" if path else k), stop)) is not None:
                 return bad
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            if (bad := _not_unicode(v, f"{path}[{i}]" if path else path)) is not None:
+            if (bad := _not_unicode(v, f"{path}[{i}]" if path and not ended else path, ended)) is not None:
                 return bad
     return None
 

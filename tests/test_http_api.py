@@ -351,6 +351,9 @@ MSG = '{"role": "user", "content": "hi"}'
     ("/chat/completions", '{"messages": [' + MSG + '], "user": "%s"}', "user"),
     ("/chat/completions", '{"messages": [' + MSG + '], "x_unknown": {"deep": ["%s"]}}', "x_unknown.deep[0]"),
     ("/chat/completions", '{"messages": [' + MSG + '], "k%s": 1}', None),                      # a key
+    # a key that is not a name ends the path at its object, lists below it included (found by
+    # tests/test_fuzz_api.py: the list's index was appended to the object's path)
+    ("/completions", '{"prompt": "0", "__proto__": {"": "", "": ["%s"]}}', "__proto__"),
     ("/completions", '{"prompt": "%s"}', "prompt"),
     ("/completions", '{"prompt": ["%s"]}', "prompt[0]"),
     ("/completions", '{"prompt": "hi", "stop": "%s"}', "stop"),
