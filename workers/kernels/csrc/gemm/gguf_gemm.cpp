@@ -108,6 +108,40 @@ static inline void store_row_scalar(const GgufProblem& pb, int64_t m, int64_t p,
   }
 }
 
+// What the vector paths read per panel call, set up once (no division in their loops): the
+// rows' int8 x as 32-bit quads, their activation scales and 16-sums ...
+template <int MR>
+struct RowPointers {
+  const int32_t* xq4[MR];
+  const float* dx[MR];
+  const int32_t* xs16[MR];
+  RowPointers(const GgufProblem& pb, int64_t m0) {
+    for (int r = 0; r < MR; ++r) {
+      xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * pb.K);
+      dx[r] = pb.dx + (m0 + r) * (pb.K / pb.QB);
+      xs16[r] = pb.xs16 + (m0 + r) * (pb.K / 16);
+    }
+  }
+};
+
+// ... the sum of a row's xq over group g (G = 16 or 32) ...
+template <int G>
+static inline int32_t group_xsum(const int32_t* xs16, int64_t g) {
+  if constexpr (G == 32) return xs16[2 * g] + xs16[2 * g + 1];
+  return xs16[g];
+}
+
+// ... and a k-quant panel's scale streams: sc (and m) per group, 16 S bytes; d (and dmin) per
+// super-block, 16 S halves; m is sc itself when S = 1.
+struct KScales {
+  int64_t st, mo;         // bytes per group (halves per super-block); offset of m from sc
+  const int8_t* sm;
+  const uint16_t* dd;
+  KScales(const GgufProblem& pb, int64_t p)
+      : st(16 * pb.S), mo(pb.S == 2 ? 16 : 0), sm((const int8_t*)pb.scales + p * (pb.K / pb.G) * st),
+        dd(pb.supers + p * (pb.K / pb.SB) * st) {}
+};
+
 // The group's (s, z) for the 16 columns of panel p: written to s[16], z[16].
 static inline void group_sz(const GgufProblem& pb, int64_t p, int64_t g, float* s, float* z) {
   const int64_t ng = pb.K / pb.G;
@@ -224,25 +258,17 @@ static inline __attribute__((always_inline)) void group_dots_vnni(const uint8_t*
 // super-blocks and their groups are nested loops (as the avx2 path).
 template <int MR, int BITS, int G, bool KQ>
 static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
-  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2, nqb = K / pb.QB;
+  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2;
   const uint8_t* panel = pb.qw + p * pbytes;
-  const int32_t* xq4[MR];       // the rows' int8 x as 32-bit quads
-  const float* dxr[MR];
-  const int32_t* xsr[MR];
+  const RowPointers<MR> rows(pb, m0);
+  const auto &xq4 = rows.xq4, &dxr = rows.dx, &xsr = rows.xs16;
   __m512 out[MR];
 #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) {
-    out[r] = _mm512_setzero_ps();
-    xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
-    dxr[r] = pb.dx + (m0 + r) * nqb;
-    xsr[r] = pb.xs16 + (m0 + r) * (K / 16);
-  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
   constexpr int64_t kGroupBytes = G / chunk_k(BITS) * chunk_bytes(BITS);
   if constexpr (KQ) {
     const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
-    const int64_t st = 16 * pb.S, mo = pb.S == 2 ? 16 : 0;     // bytes per group; where m is
-    const int8_t* sm = (const int8_t*)pb.scales + p * ng * st;
-    const uint16_t* dd = pb.supers + p * nsb * st;
+    auto [st, mo, sm, dd] = KScales(pb, p);
     const uint8_t* pg = panel;
     int64_t g = 0;
     for (int64_t sb = 0; sb < nsb; ++sb, dd += st) {
@@ -256,8 +282,7 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
         const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + mo)));
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
-          int32_t xsum = xsr[r][g * (G / 16)];
-          if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+          const int32_t xsum = group_xsum<G>(xsr[r], g);
           ks[r] = _mm512_add_epi32(ks[r], _mm512_mullo_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), sc));
           km[r] = _mm512_add_epi32(km[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xsum)));
         }
@@ -284,8 +309,7 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const float dx = dxr[r][g * G / 32];
-        int32_t xsum = xsr[r][g * (G / 16)];
-        if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+        const int32_t xsum = group_xsum<G>(xsr[r], g);
         const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
         out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dx), out[r]);
         out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)xsum), out[r]);
@@ -444,25 +468,17 @@ static inline __attribute__((always_inline)) void group_dots_avx2(const uint8_t*
 // loops: row pointers are set up once, super-blocks and their groups are nested loops.
 template <int MR, int BITS, int G, bool KQ>
 static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
-  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2, nqb = K / pb.QB;
+  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2;
   const uint8_t* panel = pb.qw + p * pbytes;
-  const int32_t* xq4[MR];
-  const float* dxr[MR];
-  const int32_t* xsr[MR];
+  const RowPointers<MR> rows(pb, m0);
+  const auto &xq4 = rows.xq4, &dxr = rows.dx, &xsr = rows.xs16;
   __m256 out[MR][2];
 #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) {
-    xq4[r] = (const int32_t*)(pb.xq + (m0 + r) * K);
-    dxr[r] = pb.dx + (m0 + r) * nqb;
-    xsr[r] = pb.xs16 + (m0 + r) * (K / 16);
-    out[r][0] = out[r][1] = _mm256_setzero_ps();
-  }
+  for (int r = 0; r < MR; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
   constexpr int64_t kGroupBytes = G / chunk_k(BITS) * chunk_bytes(BITS);
   if constexpr (KQ) {
     const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
-    const int64_t st = 16 * pb.S, mo = pb.S == 2 ? 16 : 0;     // bytes per group; where m is
-    const int8_t* sm = (const int8_t*)pb.scales + p * ng * st;
-    const uint16_t* dd = pb.supers + p * nsb * st;
+    auto [st, mo, sm, dd] = KScales(pb, p);
     for (int64_t sb = 0; sb < nsb; ++sb, dd += st) {
       __m256i ks[MR][2], km[MR][2];
 #pragma GCC unroll 4
@@ -480,8 +496,7 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
           const __m256i mn = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sm + mo + 8 * h)));
 #pragma GCC unroll 4
           for (int r = 0; r < MR; ++r) {
-            int32_t xsum = xsr[r][g * G / 16];
-            if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+            const int32_t xsum = group_xsum<G>(xsr[r], g);
             __m256i a = acc[r][h];
             if constexpr (BITS == 8) {       // acc summed sc (q - 128) xq
               a = _mm256_add_epi32(a, _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(sm + 8 * h))),
@@ -520,8 +535,7 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
           const float dx = dxr[r][g * G / 32];
-          int32_t xsum = xsr[r][g * G / 16];
-          if constexpr (G == 32) xsum += xsr[r][g * 2 + 1];
+          const int32_t xsum = group_xsum<G>(xsr[r], g);
           const __m256 isum = _mm256_cvtepi32_ps(acc[r][h]);
           out[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(isum, sv), _mm256_set1_ps(dx), out[r][h]);
           out[r][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(dx * (float)xsum), out[r][h]);
