@@ -1,8 +1,9 @@
 """``kvmesh::gguf_linear`` (workers/kernels/csrc/gemm/gguf_gemm.cpp) against its PyTorch reference
-(:func:`workers.kernels.reference.gguf_linear_ref`), on every path this CPU has (avx512vnni,
-avx2, scalar, forced with ``KVMESH_KERNEL_ISA``): both scale schemes, 4- and 8-bit lanes, groups
-of 16 and 32, N not a multiple of 16, row counts across the 4-row register blocks and the
-64-row cache blocks, float32 and bfloat16 x. The reference itself is checked against a plain
+(:func:`workers.kernels.reference.gguf_linear_ref`), on every path this CPU has (amx,
+avx512vnni, avx2, scalar, forced with ``KVMESH_KERNEL_ISA``): both scale schemes, 4-, 6- and
+8-bit lanes, groups of 16 and 32, N not a multiple of 16, row counts across the 4-row register
+blocks, the 16-row AMX tiles and the 64-row cache blocks, float32 and bfloat16 x. The amx path
+must give the avx512vnni path's outputs bit for bit (the same integers, the same float steps). The reference itself is checked against a plain
 dequantize-then-matmul, so it cannot drift from the weights' meaning.
 
 Tolerance: the integer parts are exact; the float32 scaling and sums in another order differ
@@ -19,7 +20,7 @@ from workers.kernels.reference import gguf_linear_ref, quantize_activations, unp
 
 pytestmark = pytest.mark.skipif(not gemm.gguf_available(), reason="the native kernels are not built here")
 
-PATHS = {"amx": "avx512vnni", "avx512bf16": "avx512vnni", "avx512": "avx512vnni", "avx2": "avx2", "scalar": "scalar"}
+PATHS = {"amx": "amx", "avx512bf16": "avx512vnni", "avx512": "avx512vnni", "avx2": "avx2", "scalar": "scalar"}
 
 
 def _levels():
@@ -84,6 +85,30 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
                 mag = (dx.double().repeat_interleave(qb, 1) * xq.double()).abs() @ w.abs().T
                 tol = 1e-5 * mag + (2 ** -7 * ref.double().abs() if dtype == torch.bfloat16 else 0)   # one bf16 ulp
                 assert ((y.double() - ref.double()).abs() <= tol + 1e-30).all(), (level, m, dtype)
+
+
+@pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
+                                           (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
+def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
+    """From 16 rows the amx path multiplies in AMX-INT8 tiles (rows padded to 16, k-quant m xsum
+    as a tile product); its outputs are the avx512vnni path's, bit for bit, below and above
+    the 16-row threshold, with row tails, bias and both output dtypes."""
+    if "amx" not in _levels():
+        pytest.skip("this CPU has no AMX")
+    n, k = 56, 1024 if G == 32 else 512
+    q, scales, supers = _weights(n, k, bits, G, scheme, seed=7 * bits + G)
+    qw = gemm.pack_gguf_qweight(q, bits)
+    gen = torch.Generator().manual_seed(bits + G)
+    for m in (15, 16, 17, 33, 200):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+            x[m // 2, :256] = 0                            # all-zero blocks and a whole zero super-block
+            bias = torch.randn(n, generator=gen) if m == 17 else None
+            out = {}
+            for level in ("amx", "avx512"):
+                monkeypatch.setenv("KVMESH_KERNEL_ISA", level)
+                out[level] = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
+            assert torch.equal(out["amx"], out["avx512"]), (m, dtype)
 
 
 def test_reference_is_dequantize_then_matmul():

@@ -26,6 +26,17 @@ bool cpu_has_amx_bf16() {
 #endif
 }
 
+// CPUID.(EAX=7, ECX=0):EDX bit 25 AMX-INT8 (the GGUF kernel's tiles, gemm/gguf_gemm.cpp)
+bool cpu_has_amx_int8() {
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d & (1u << 25)) && (d & (1u << 24)) && at::cpu::init_amx();
+#else
+  return false;
+#endif
+}
+
 Isa cpu_isa() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();

@@ -16,6 +16,7 @@ void run_items_amx(const AttnArgs&, const WorkItem*, int64_t, int64_t);
 enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4 };
 
 bool cpu_has_amx_bf16();          // AMX-BF16 present and its tile state granted by the kernel
+bool cpu_has_amx_int8();          // AMX-INT8 present and its tile state granted by the kernel
 Isa cpu_isa();                    // the best path this CPU supports
 Isa active_isa();                 // the path in use (<= cpu_isa())
 const char* isa_name(Isa);

@@ -23,8 +23,9 @@
 // Activations: per row and block of 32 k, dx = amax / 127, xq = round-half-even(x * 127 / amax)
 // (0 for an all-zero block); isum = sum xq q (int32, exact), xsum = sum xq, and
 //   y[n] = sum_g dx * (s isum + z xsum).
-// Paths (chosen per call from the GEMM's ISA selection, KVMESH_KERNEL_ISA lowers it):
-// avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
+// Paths (chosen per call from the GEMM's ISA selection, KVMESH_KERNEL_ISA lowers it): amx
+// (AMX-INT8 tiles for 16 rows or more -- the compute-bound prefill -- and avx512vnni below;
+// bitwise the avx512vnni path's outputs), avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
 // q - 128 with the sign moved onto x, exact, and 128 * xsum added back), scalar. Threads split
 // the panels; rows go in blocks of 64 (their int8 x stays in L2 across a thread's panels), 4
 // rows at a time per panel (each weight load feeds 4 rows).
@@ -44,6 +45,7 @@
 #include <immintrin.h>
 #endif
 
+#include "dispatch.h"
 #include "micro.h"
 
 namespace kvmesh_gemm {
@@ -51,6 +53,7 @@ namespace {
 
 constexpr int kMR = 4;      // rows per register block
 constexpr int64_t kMC = 64;  // rows per cache block
+constexpr int64_t kAmxMinRows = 16;   // the amx path's tiles from 16 rows; fewer take avx512vnni
 
 // Chunk geometry per lane width: k per chunk and bytes per chunk.
 constexpr int chunk_k(int bits) { return bits == 8 ? 4 : 8; }
@@ -214,6 +217,21 @@ static void quantize_rows_scalar(const float* x, int64_t K, int64_t QB, int8_t* 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
 
+// y[m][16 p .. 16 p + 15] = v (+ the bias), as float32 or bfloat16 (round to nearest even in
+// integers: no AVX512-BF16 needed)
+static inline __attribute__((always_inline)) void store_row_avx512(const GgufProblem& pb, int64_t m, int64_t p, __m512 v) {
+  if (pb.bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(pb.bias + p * 16));
+  const int64_t off = m * pb.P * 16 + p * 16;
+  if (pb.y_bf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256((__m256i*)((uint16_t*)pb.y + off), _mm512_cvtepi32_epi16(b));
+  } else {
+    _mm512_storeu_ps((float*)pb.y + off, v);
+  }
+}
+
 // acc[r][0] + acc[r][1] = the integer dot products q . xq of one group (G values of k) for rows
 // r < MR and the panel's 16 columns (int32; two chains per row for vpdpbusd's latency). q is
 // unsigned (u8 operand), xq signed: exact for every lane width.
@@ -316,23 +334,8 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
       }
     }
   }
-  if (pb.bias != nullptr) {
-    const __m512 b = _mm512_loadu_ps(pb.bias + p * 16);
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) out[r] = _mm512_add_ps(out[r], b);
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) {
-    const int64_t off = (m0 + r) * pb.P * 16 + p * 16;
-    if (pb.y_bf16) {      // round to nearest even in integers (no AVX512-BF16 needed)
-      const __m512i u = _mm512_castps_si512(out[r]);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      const __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-      _mm256_storeu_si256((__m256i*)((uint16_t*)pb.y + off), _mm512_cvtepi32_epi16(b));
-    } else {
-      _mm512_storeu_ps((float*)pb.y + off, out[r]);
-    }
-  }
+  for (int r = 0; r < MR; ++r) store_row_avx512(pb, m0 + r, p, out[r]);
 }
 
 template <int BITS, int G>
@@ -375,6 +378,195 @@ static void quantize_rows_avx512(const T* x, int64_t K, int64_t QB, int8_t* xq, 
       xs16[(b * QB + i) / 16] = _mm512_reduce_add_epi32(q);
     }
   }
+}
+#pragma GCC pop_options
+
+// ---- AMX-INT8 -------------------------------------------------------------------------------
+// Rows in blocks of 16 (x's int8 rows padded with zeros to a multiple of 16) against one panel
+// at a time: TDPBSUD multiplies an A tile of 16 rows x G int8 activations (xq itself, row stride
+// K) by a B tile of G / 4 rows x 16 columns x 4 unsigned weights -- the rows of the panel's
+// vpdpbusd operands (w0, w1 of each chunk), expanded to bytes once per panel and row chunk
+// (8-bit lanes are that layout already and are read from the panel) -- into a C tile of the
+// group's isum (16 rows x 16 columns, int32, exact). C goes through memory (tilestored) to the
+// AVX-512 scaling, which is the VNNI path's, operation for operation: the outputs are bitwise
+// those of the avx512vnni path. k-quant: the super-block's m xsum = sum_k xq[k] m_g(k)[n] is
+// itself a product, of x (A tiles of 64 k) and a B tile holding each group's m (or sc, Q6_K's
+// form) in every row of its k: TDPBSSD, once per 64 k, no per-group vector work. Tiles: tmm0
+// C of a group, tmm1 C of m xsum, tmm2 A (16 x G), tmm3 B (G / 4 x 64), tmm4 A (16 x 64),
+// tmm5 B of m (16 x 64).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,amx-tile,amx-int8")
+
+constexpr int64_t kAmxXBytes = 1 << 20;  // a row chunk's int8 x (rows x K) kept within L2
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+// static objects: GCC 12 drops stores into a stack copy before ldtilecfg (micro_amx.cpp)
+const AmxTileConfig kAmxTiles32 = {1, 0, {}, {64, 64, 32, 32, 64, 64, 64, 64}, {16, 16, 16, 16, 8, 8, 16, 8}};
+const AmxTileConfig kAmxTiles16 = {1, 0, {}, {64, 64, 16, 16, 64, 64, 64, 64}, {16, 16, 16, 16, 4, 4, 16, 4}};
+
+// Per thread: the panel's weights as B tile rows (K / 4 x 64 bytes), the k-quant m per k
+// (K / 4 x 64 int8), a super-block's group results and m xsum, the row block's outputs.
+struct AmxScratch {
+  std::vector<uint8_t> bt;
+  std::vector<int8_t> bm;
+  alignas(64) int32_t c[16][16][16];      // [group of the super-block][row][column]
+  alignas(64) int32_t km[16][16];
+  alignas(64) float out[16][16];
+};
+
+// The panel's chunks (BITS 4 or 6) as B tile rows: row 2c holds k 8c..8c+3 of the 16 columns,
+// row 2c + 1 k 8c+4..8c+7 (the w0, w1 of group_dots_vnni).
+template <int BITS>
+static void amx_expand_panel(const uint8_t* panel, int64_t K, uint8_t* bt) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
+  constexpr int kCB = chunk_bytes(BITS);
+  for (int64_t c = 0; c < K / 8; ++c) {
+    const uint8_t* pc = panel + c * kCB;
+    const __m512i v = _mm512_loadu_si512(pc);
+    __m512i w0 = _mm512_and_si512(v, lo4);
+    __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+    if constexpr (BITS == 6) {
+      const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 64)));
+      const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 80)));
+      w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
+      w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
+    }
+    _mm512_store_si512(bt + c * 128, w0);
+    _mm512_store_si512(bt + c * 128 + 64, w1);
+  }
+}
+
+// The k-quant m of every k as B tile rows of 16 columns x 4 k: the group's m (int8) in every
+// byte of its column's lane, G / 4 identical rows per group.
+static void amx_expand_m(const GgufProblem& pb, int64_t p, int8_t* bm) {
+  const int64_t ng = pb.K / pb.G, st = 16 * pb.S, mo = pb.S == 2 ? 16 : 0;
+  const int8_t* sm = (const int8_t*)pb.scales + p * ng * st + mo;
+  const __m512i spread = _mm512_set1_epi32(0x01010101);
+  for (int64_t g = 0; g < ng; ++g, sm += st) {
+    const __m512i row = _mm512_mullo_epi32(_mm512_and_si512(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm)),
+                                                            _mm512_set1_epi32(0xFF)), spread);
+    for (int i = 0; i < pb.G / 4; ++i) _mm512_store_si512(bm + (g * pb.G / 4 + i) * 64, row);
+  }
+}
+
+// Rows [m0, m0 + 16) (x padded) against panel p: the group products in tiles, the scaling as
+// panel_rows_vnni's; rows < M are stored.
+template <int G, bool KQ>
+static void amx_row_block(const GgufProblem& pb, int64_t p, int64_t m0, const uint8_t* bt, int64_t bstride,
+                          const int8_t* bm, AmxScratch& sc) {
+  const int64_t K = pb.K, ng = K / G;
+  const int8_t* xa = pb.xq + m0 * K;
+  const int rows = (int)std::min<int64_t>(16, pb.M - m0);
+  for (int r = 0; r < 16; ++r) _mm512_store_ps(sc.out[r], _mm512_setzero_ps());
+  if constexpr (KQ) {
+    const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
+    auto [st, mo, sm, dd] = KScales(pb, p);
+    for (int64_t sb = 0; sb < nsb; ++sb, dd += st) {
+      const int64_t k0 = sb * pb.SB;
+      _tile_zero(6);
+      for (int64_t j = 0; j < per_sb; j += 2) {      // two groups in flight (per_sb is even)
+        const int64_t k = k0 + j * G;
+        _tile_loadd(2, xa + k, K);
+        _tile_loadd(4, bt + k / 4 * bstride, bstride);
+        _tile_loadd(3, xa + k + G, K);
+        _tile_loadd(5, bt + (k + G) / 4 * bstride, bstride);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 3, 5);
+        _tile_loadd(7, bm + k * 16, 64);
+        _tile_dpbssd(6, 2, 7);
+        _tile_stored(0, sc.c[j], 64);
+        _tile_loadd(7, bm + (k + G) * 16, 64);
+        _tile_dpbssd(6, 3, 7);
+        _tile_stored(1, sc.c[j + 1], 64);
+      }
+      _tile_stored(6, sc.km, 64);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dd));
+      const __m512 dmin = pb.S == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + 16)))
+                                    : _mm512_mul_ps(d, _mm512_set1_ps(32.f));
+      const int8_t* smj = sm;
+      __m512i scv[16];
+      for (int64_t j = 0; j < per_sb; ++j, smj += st) scv[j] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)smj));
+      sm = smj;
+      for (int r = 0; r < rows; ++r) {
+        __m512i ks = _mm512_setzero_si512();
+        for (int64_t j = 0; j < per_sb; ++j) ks = _mm512_add_epi32(ks, _mm512_mullo_epi32(_mm512_load_si512(sc.c[j][r]), scv[j]));
+        const __m512i km = _mm512_load_si512(sc.km[r]);
+        const __m512 dx = _mm512_set1_ps(pb.dx[(m0 + r) * (K / pb.QB) + sb]);
+        __m512 o = _mm512_load_ps(sc.out[r]);
+        o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ks), _mm512_mul_ps(d, dx), o);
+        o = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(km), _mm512_mul_ps(dmin, dx), o);
+        _mm512_store_ps(sc.out[r], o);
+      }
+    }
+  } else {
+    const uint16_t* hs = (const uint16_t*)pb.scales + p * ng * 32;
+    for (int64_t g = 0; g < ng; ++g, hs += 32) {
+      if (g % 2 == 0) {                        // two groups in flight
+        _tile_loadd(2, xa + g * G, K);
+        _tile_loadd(4, bt + g * G / 4 * bstride, bstride);
+        _tile_zero(0);
+        _tile_dpbsud(0, 2, 4);
+        if (g + 1 < ng) {
+          _tile_loadd(3, xa + (g + 1) * G, K);
+          _tile_loadd(5, bt + (g + 1) * G / 4 * bstride, bstride);
+          _tile_zero(1);
+          _tile_dpbsud(1, 3, 5);
+        }
+        _tile_stored(0, sc.c[0], 64);
+        if (g + 1 < ng) _tile_stored(1, sc.c[1], 64);
+      }
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)hs));
+      const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(hs + 16)));
+      for (int r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        const float dx = pb.dx[m * (K / 32) + g * G / 32];
+        const int32_t xsum = group_xsum<G>(pb.xs16 + m * (K / 16), g);
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sc.c[g % 2][r]));
+        __m512 o = _mm512_load_ps(sc.out[r]);
+        o = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dx), o);
+        o = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)xsum), o);
+        _mm512_store_ps(sc.out[r], o);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) store_row_avx512(pb, m0 + r, p, _mm512_load_ps(sc.out[r]));
+}
+
+// Panels [p0, p1) for every row (pb.xq padded to a multiple of 16 rows): rows in chunks of at
+// most kAmxXBytes of x, each panel expanded once per chunk.
+static void amx_panels(const GgufProblem& pb, int64_t p0, int64_t p1) {
+  const int64_t K = pb.K, Mp = (pb.M + 15) / 16 * 16;
+  const int64_t mc = std::max<int64_t>(16, kAmxXBytes / K / 16 * 16);
+  const bool kq = pb.supers != nullptr;
+  AmxScratch sc;
+  sc.bt.resize(pb.bits == 8 ? 0 : K * 16 + 64);
+  sc.bm.resize(kq ? K * 16 + 64 : 0);
+  uint8_t* bt0 = (uint8_t*)(((uintptr_t)sc.bt.data() + 63) & ~(uintptr_t)63);
+  int8_t* bm = (int8_t*)(((uintptr_t)sc.bm.data() + 63) & ~(uintptr_t)63);
+  _tile_loadconfig(pb.G == 32 ? &kAmxTiles32 : &kAmxTiles16);
+  for (int64_t mb = 0; mb < Mp; mb += mc) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = pb.qw + p * K * pb.bits * 2;
+      const uint8_t* bt = panel;           // 8-bit lanes: the panel is the B layout
+      if (pb.bits == 4) amx_expand_panel<4>(panel, K, bt0), bt = bt0;
+      if (pb.bits == 6) amx_expand_panel<6>(panel, K, bt0), bt = bt0;
+      if (kq) amx_expand_m(pb, p, bm);
+      for (int64_t m = mb; m < std::min(Mp, mb + mc); m += 16) {
+        if (pb.G == 32) kq ? amx_row_block<32, true>(pb, p, m, bt, 64, bm, sc) : amx_row_block<32, false>(pb, p, m, bt, 64, bm, sc);
+        else kq ? amx_row_block<16, true>(pb, p, m, bt, 64, bm, sc) : amx_row_block<16, false>(pb, p, m, bt, 64, bm, sc);
+      }
+    }
+  }
+  _tile_release();
 }
 #pragma GCC pop_options
 
@@ -608,8 +800,8 @@ static void panel_rows_avx2_any(const GgufProblem& pb, int64_t p, int64_t m0, in
 #pragma GCC pop_options
 #endif  // __x86_64__
 
-enum class Path { kScalar, kAvx2, kAvx512Vnni };
-const char* const kPathNames[] = {"scalar", "avx2", "avx512vnni"};
+enum class Path { kScalar, kAvx2, kAvx512Vnni, kAmx };
+const char* const kPathNames[] = {"scalar", "avx2", "avx512vnni", "amx"};
 
 Path selected_path() {
 #if defined(__x86_64__)
@@ -619,6 +811,8 @@ Path selected_path() {
     return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   }();
+  static const bool amx = vnni && kvmesh::cpu_has_amx_int8();
+  if (level >= 4 && amx) return Path::kAmx;
   if (level >= 2 && vnni) return Path::kAvx512Vnni;
   if (level >= 1) return Path::kAvx2;
 #endif
@@ -661,13 +855,17 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   }
   const at::Tensor xc = x.contiguous();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  std::vector<int8_t> xq(M * K);
   // the activations' blocks: 32 values (flat scheme, as llama.cpp's q8_0), or the k-quant
   // super-block (as its q8_K), so that the vnni path sums a super-block's groups in integers
   const int64_t QB = kq ? SB : 32;
-  std::vector<float> dx(M * (K / QB));
-  std::vector<int32_t> xs16(M * (K / 16));
-  const Path path = selected_path();
+  Path path = selected_path();
+  // AMX: 16 rows or more, and (k-quant) super-blocks of whole 64-k A tiles and <= 16 groups
+  const bool amx = path == Path::kAmx && M >= kAmxMinRows && (!kq || (SB % 64 == 0 && SB / G <= 16));
+  if (path == Path::kAmx && !amx) path = Path::kAvx512Vnni;
+  const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;     // AMX tiles read 16 rows: zero rows past M
+  std::vector<int8_t> xq(Mp * K);
+  std::vector<float> dx(Mp * (K / QB));
+  std::vector<int32_t> xs16(Mp * (K / 16));
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(bf16 ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
@@ -675,7 +873,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       float* d = dx.data() + m * (K / QB);
       int32_t* s16 = xs16.data() + m * (K / 16);
 #if defined(__x86_64__)
-      if (path == Path::kAvx512Vnni) {
+      if (path == Path::kAvx512Vnni || path == Path::kAmx) {
         if (bf16) quantize_rows_avx512((const uint16_t*)xc.data_ptr<at::BFloat16>() + m * K, K, QB, q, d, s16);
         else quantize_rows_avx512(xc.data_ptr<float>() + m * K, K, QB, q, d, s16);
         continue;
@@ -705,6 +903,12 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
                  kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16,
                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+#if defined(__x86_64__)
+  if (amx) {
+    at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) { amx_panels(pb, p0, p1); });
+    return n == P * 16 ? y : y.narrow(1, 0, n);
+  }
+#endif
   auto* fn = &panel_rows_scalar;
 #if defined(__x86_64__)
   if (path == Path::kAvx512Vnni) fn = &panel_rows_avx512vnni;
