@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from workers.kernels import gemm
-from workers.kernels.reference import gguf_linear_ref, quantize_activations, unpack_gguf_qweight
+from workers.kernels.reference import gguf_linear_bf16_ref, gguf_linear_ref, quantize_activations, unpack_gguf_qweight
 
 pytestmark = pytest.mark.skipif(not gemm.gguf_available(), reason="the native kernels are not built here")
 
@@ -77,6 +77,8 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
                 x[0, 32:64] = 0                              # an all-zero block
                 bias = torch.randn(n, generator=gen) if m == 3 else None
                 y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
+                if level == "amx" and dtype == torch.bfloat16 and m >= 64:
+                    continue        # the amx path's bfloat16 route: test_amx_bf16_route_matches_its_reference
                 ref = gguf_linear_ref(x, qw, scales, supers, bits, G, n, bias)
                 assert y.dtype == dtype and y.shape == (m, n)
                 qb = 32 if supers is None else k // supers.shape[1]
@@ -91,16 +93,19 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
                                            (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
 def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
     """From 16 rows the amx path multiplies in AMX-INT8 tiles (rows padded to 16, k-quant m xsum
-    as a tile product); its outputs are the avx512vnni path's, bit for bit, below and above
-    the 16-row threshold, with row tails, bias and both output dtypes."""
+    as a tile product; float32 x, and bfloat16 x below 64 rows); its outputs are the avx512vnni
+    path's, bit for bit, below and above the 16-row threshold, with row tails, bias and both
+    output dtypes."""
     if "amx" not in _levels():
         pytest.skip("this CPU has no AMX")
     n, k = 56, 1024 if G == 32 else 512
     q, scales, supers = _weights(n, k, bits, G, scheme, seed=7 * bits + G)
     qw = gemm.pack_gguf_qweight(q, bits)
     gen = torch.Generator().manual_seed(bits + G)
-    for m in (15, 16, 17, 33, 200):
+    for m in (15, 16, 17, 33, 63, 200):
         for dtype in (torch.float32, torch.bfloat16):
+            if dtype == torch.bfloat16 and m >= 64:
+                continue                                   # the bfloat16 route (next test)
             x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
             x[m // 2, :256] = 0                            # all-zero blocks and a whole zero super-block
             bias = torch.randn(n, generator=gen) if m == 17 else None
@@ -109,6 +114,36 @@ def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
                 monkeypatch.setenv("KVMESH_KERNEL_ISA", level)
                 out[level] = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
             assert torch.equal(out["amx"], out["avx512"]), (m, dtype)
+
+
+@pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
+                                           (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
+def test_amx_bf16_route_matches_its_reference(bits, G, scheme, monkeypatch):
+    """bfloat16 x of 64 rows or more on the amx path: the panels dequantized to bfloat16 and
+    multiplied with AMX-BF16 tiles, x not quantized. Against :func:`gguf_linear_bf16_ref`
+    (float64 sums of x and the bfloat16 weights): float32 sums in another order (~1e-6 of the
+    terms' magnitudes), a weight whose float32 ``s q + z`` rounds to the other bfloat16
+    neighbour (2^-8 of it), and the output's bfloat16 rounding (one ulp). Row tails (pairs of
+    16-row tiles, an odd panel count) and bias covered."""
+    if "amx" not in _levels():
+        pytest.skip("this CPU has no AMX")
+    monkeypatch.setenv("KVMESH_KERNEL_ISA", "amx")
+    n, k = 40, 1024 if G == 32 else 512                    # 3 panels: a pair and a single one
+    q, scales, supers = _weights(n, k, bits, G, scheme, seed=3 * bits + G)
+    qw = gemm.pack_gguf_qweight(q, bits)
+    w = _dequantized(q, scales, supers, G).to(torch.bfloat16).double()
+    gen = torch.Generator().manual_seed(bits * G)
+    for m in (64, 65, 80, 300):
+        x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
+        bias = torch.randn(n, generator=gen) if m == 65 else None
+        y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
+        ref = gguf_linear_bf16_ref(x, qw, scales, supers, bits, G, n, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        mag = x.double().abs() @ w.abs().T
+        tol = 2 ** -8 * mag + 1e-5 * mag + 2 ** -7 * ref.double().abs()
+        assert ((y.double() - ref.double()).abs() <= tol + 1e-30).all(), m
+        # and not the int8 route's numbers: x is not quantized here
+        assert not torch.equal(y, gguf_linear_ref(x, qw, scales, supers, bits, G, n, bias))
 
 
 def test_reference_is_dequantize_then_matmul():

@@ -114,3 +114,30 @@ def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)
+
+
+def gguf_linear_bf16_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
+                         bits: int, group_size: int, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``kvmesh::gguf_linear``'s amx path for bfloat16 x of 64 rows or more: the weights
+    dequantized (``s q + z``) and rounded to bfloat16, x as it is, float64 sums; ``[M, n]``
+    bfloat16. The kernel rounds each weight from ``s q + z`` computed in float32 (one ulp of a
+    weight may differ from this float64 rounding) and sums in float32."""
+    k = x.shape[1]
+    q = unpack_gguf_qweight(qweight, bits, k).double()
+    G = group_size
+    if superscales is None:
+        s = scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
+        z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    else:
+        sb = k // superscales.shape[1]
+        S = scales.shape[2]
+        d = superscales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+        dmin = (superscales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+                * (32 if S == 1 else 1))
+        s = d * scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
+        z = -dmin * scales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    w = (q * s.repeat_interleave(G, 1) + z.repeat_interleave(G, 1))[:n].to(torch.bfloat16).double()
+    y = x.double() @ w.T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)

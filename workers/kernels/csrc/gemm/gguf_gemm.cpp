@@ -24,13 +24,15 @@
 // (0 for an all-zero block); isum = sum xq q (int32, exact), xsum = sum xq, and
 //   y[n] = sum_g dx * (s isum + z xsum).
 // Paths (chosen per call from the GEMM's ISA selection, KVMESH_KERNEL_ISA lowers it): amx
-// (AMX-INT8 tiles for 16 rows or more -- the compute-bound prefill -- and avx512vnni below;
-// bitwise the avx512vnni path's outputs), avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
+// (bfloat16 x of 64 rows or more -- the compute-bound prefill --: the panels dequantized to
+// bfloat16 and AMX-BF16 tiles, no activation quantization; other x of 16 rows or more: AMX-INT8
+// tiles, bitwise the avx512vnni path's outputs; fewer rows: avx512vnni), avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
 // q - 128 with the sign moved onto x, exact, and 128 * xsum added back), scalar. Threads split
 // the panels; rows go in blocks of 64 (their int8 x stays in L2 across a thread's panels), 4
 // rows at a time per panel (each weight load feeds 4 rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -579,6 +581,96 @@ static void amx_panels(const GgufProblem& pb, int64_t p0, int64_t p1) {
     }
   }
   _tile_release();
+  at::native::cpublas::brgemm_release();   // ATen's AMX GEMMs: their tile configuration is gone
+}
+
+// ---- AMX-BF16 for bfloat16 x: the panels dequantized, TDPBF16PS ----------------------------
+// For bfloat16 activations of kAmxBf16MinRows rows or more, the int8 route above is bound by
+// its per-group work (a C tile through memory and a vector scaling per group of 16-32 k): on
+// the Xeon of docs/results.md section 0z12 it ran the 1.5B's cold prefill ~2x slower than the
+// dense bfloat16 conversion's AMX GEMM. This route dequantizes a pair of panels per row chunk
+// to bfloat16 (w = s q + z in float32, rounded to nearest even: the values of the dense
+// conversion) in the bf16 GEMM's VNNI-2 layout (micro.h) and multiplies x as it is with the bf16
+// GEMM's AMX block kernel (micro_amx.cpp): no activation quantization, float32 sums; the
+// reference is dequantize-then-matmul (workers/kernels/reference.py gguf_linear_bf16_ref).
+constexpr int64_t kAmxBf16MinRows = 64;   // from here 1.7x the int8 route on Q4_K gate_up (one thread)
+
+// Panel p dequantized: out[t][c][j] = bf16(W[16 p + c][2 t + j]), uint16 [K / 2][16][2].
+template <int BITS>
+static void dequant_panel_bf16(const GgufProblem& pb, int64_t p, uint16_t* out) {
+  const int64_t K = pb.K, ng = K / pb.G;
+  const uint8_t* panel = pb.qw + p * K * BITS * 2;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), b255 = _mm512_set1_epi32(0xFF);
+  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
+  const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+  // 4 consecutive k of the 16 columns (w's lanes) -> two k-pair rows of out
+  auto emit = [&](__m512i w, __m512 s, __m512 z, uint16_t* o) {
+    __m512i r[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * j), b255)), s, z);
+      const __m512i u = _mm512_castps_si512(f);
+      r[j] = _mm512_add_epi32(u, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    }
+    _mm512_store_si512(o, _mm512_or_si512(_mm512_srli_epi32(r[0], 16), _mm512_and_si512(r[1], hi16)));
+    _mm512_store_si512(o + 32, _mm512_or_si512(_mm512_srli_epi32(r[2], 16), _mm512_and_si512(r[3], hi16)));
+  };
+  alignas(64) float s[16], z[16];
+  for (int64_t g = 0; g < ng; ++g) {
+    group_sz(pb, p, g, s, z);
+    const __m512 sv = _mm512_load_ps(s), zv = _mm512_load_ps(z);
+    for (int64_t k = g * pb.G; k < (g + 1) * pb.G; k += chunk_k(BITS)) {
+      const uint8_t* pc = panel + k / chunk_k(BITS) * chunk_bytes(BITS);
+      const __m512i v = _mm512_loadu_si512(pc);
+      uint16_t* o = out + k * 16;
+      if constexpr (BITS == 8) {
+        emit(v, sv, zv, o);
+      } else {
+        __m512i w0 = _mm512_and_si512(v, lo4), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        if constexpr (BITS == 6) {
+          const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 64)));
+          const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 80)));
+          w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
+          w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
+        }
+        emit(w0, sv, zv, o);
+        emit(w1, sv, zv, o + 64);
+      }
+    }
+  }
+}
+
+// Panel pairs [q0, q1) (pair q: panels 2q, 2q + 1) for every row of the bfloat16 x (xb: at least
+// 16 * ceil(M / 16) readable rows of K), rows in chunks whose x stays in L2, but at least 256
+// rows, so that the dequantization of a pair is spread over enough rows (down_proj, K = 8960, one
+// thread, M = 256: 107 GMAC/s in chunks of 32 rows, 302 in chunks of 256).
+static void amx_bf16_pairs(const GgufProblem& pb, const uint16_t* xb, int64_t q0, int64_t q1) {
+  const int64_t K = pb.K, M = pb.M;
+  const int64_t mc = std::max<int64_t>(256, kAmxXBytes / (K * 2) / 32 * 32);
+  std::vector<uint16_t> wv(2 * K * 16 + 32);
+  uint16_t* w = (uint16_t*)(((uintptr_t)wv.data() + 63) & ~(uintptr_t)63);
+  alignas(64) float tile[32 * 32];
+  const AmxTable& amx = amx_table();
+  amx_configure();
+  for (int64_t mb = 0; mb < M; mb += mc) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int np = 2 * q + 1 < pb.P ? 2 : 1;
+      for (int i = 0; i < np; ++i) {
+        uint16_t* o = w + i * K * 16;
+        if (pb.bits == 4) dequant_panel_bf16<4>(pb, 2 * q + i, o);
+        else if (pb.bits == 6) dequant_panel_bf16<6>(pb, 2 * q + i, o);
+        else dequant_panel_bf16<8>(pb, 2 * q + i, o);
+      }
+      for (int64_t r = mb; r < std::min(M, mb + mc); r += 32) {
+        const int mbk = M - r > 16 ? 2 : 1;
+        amx.fn[mbk][np](xb + r * K, K, w, K * 16, K / 2, tile);
+        const int rows = (int)std::min<int64_t>(16 * mbk, M - r);
+        for (int rr = 0; rr < rows; ++rr)
+          for (int i = 0; i < np; ++i) store_row_avx512(pb, r + rr, 2 * q + i, _mm512_load_ps(tile + rr * np * 16 + i * 16));
+      }
+    }
+  }
+  amx_release();
 }
 #pragma GCC pop_options
 
@@ -868,11 +960,33 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   }
   const at::Tensor xc = x.contiguous();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor bias_f;      // float32 [16 P], zero past N
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "gguf_linear: bias must be [N] = [", n, "], got ", bias->sizes());
+    bias_f = at::zeros({P * 16}, x.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, n).copy_(*bias);
+  }
+  at::Tensor y = at::empty({M, P * 16}, x.options());
   // the activations' blocks: 32 values (flat scheme, as llama.cpp's q8_0), or the k-quant
   // super-block (as its q8_K), so that the vnni path sums a super-block's groups in integers
   const int64_t QB = kq ? SB : 32;
   Path path = selected_path();
-  // AMX: 16 rows or more, and (k-quant) super-blocks of whole 64-k A tiles and <= 16 groups
+#if defined(__x86_64__)
+  if (path == Path::kAmx && bf16 && M >= kAmxBf16MinRows) {    // bfloat16 x: dequantized panels, AMX-BF16
+    at::Tensor xb = xc;
+    if (M % 16 != 0) {                                         // the tiles read whole 16-row blocks
+      xb = at::zeros({(M + 15) / 16 * 16, K}, xc.options());
+      xb.narrow(0, 0, M).copy_(xc);
+    }
+    const GgufProblem pb{nullptr, nullptr, 0, nullptr, M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
+                         kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB,
+                         y.data_ptr(), true, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+    const uint16_t* xp = (const uint16_t*)xb.data_ptr<at::BFloat16>();
+    at::parallel_for(0, (P + 1) / 2, 2, [&](int64_t q0, int64_t q1) { amx_bf16_pairs(pb, xp, q0, q1); });
+    return n == P * 16 ? y : y.narrow(1, 0, n);
+  }
+#endif
+  // AMX-INT8: 16 rows or more, and (k-quant) super-blocks of whole 64-k A tiles and <= 16 groups
   const bool amx = path == Path::kAmx && M >= kAmxMinRows && (!kq || (SB % 64 == 0 && SB / G <= 16));
   if (path == Path::kAmx && !amx) path = Path::kAvx512Vnni;
   const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;     // AMX tiles read 16 rows: zero rows past M
@@ -906,13 +1020,6 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       }
     }
   });
-  at::Tensor bias_f;      // float32 [16 P], zero past N
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "gguf_linear: bias must be [N] = [", n, "], got ", bias->sizes());
-    bias_f = at::zeros({P * 16}, x.options().dtype(at::kFloat));
-    bias_f.narrow(0, 0, n).copy_(*bias);
-  }
-  at::Tensor y = at::empty({M, P * 16}, x.options());
   GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
                  kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16,
                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
