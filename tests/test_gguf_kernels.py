@@ -77,7 +77,7 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
                 x[0, 32:64] = 0                              # an all-zero block
                 bias = torch.randn(n, generator=gen) if m == 3 else None
                 y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
-                if level == "amx" and dtype == torch.bfloat16 and m >= 64:
+                if level == "amx" and dtype == torch.bfloat16 and m >= 32:
                     continue        # the amx path's bfloat16 route: test_amx_bf16_route_matches_its_reference
                 ref = gguf_linear_ref(x, qw, scales, supers, bits, G, n, bias)
                 assert y.dtype == dtype and y.shape == (m, n)
@@ -93,7 +93,7 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
                                            (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
 def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
     """From 16 rows the amx path multiplies in AMX-INT8 tiles (rows padded to 16, k-quant m xsum
-    as a tile product; float32 x, and bfloat16 x below 64 rows); its outputs are the avx512vnni
+    as a tile product; float32 x, and bfloat16 x below 32 rows); its outputs are the avx512vnni
     path's, bit for bit, below and above the 16-row threshold, with row tails, bias and both
     output dtypes."""
     if "amx" not in _levels():
@@ -102,9 +102,9 @@ def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
     q, scales, supers = _weights(n, k, bits, G, scheme, seed=7 * bits + G)
     qw = gemm.pack_gguf_qweight(q, bits)
     gen = torch.Generator().manual_seed(bits + G)
-    for m in (15, 16, 17, 33, 63, 200):
+    for m in (15, 16, 17, 31, 33, 200):
         for dtype in (torch.float32, torch.bfloat16):
-            if dtype == torch.bfloat16 and m >= 64:
+            if dtype == torch.bfloat16 and m >= 32:
                 continue                                   # the bfloat16 route (next test)
             x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
             x[m // 2, :256] = 0                            # all-zero blocks and a whole zero super-block
@@ -119,7 +119,7 @@ def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
 @pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
                                            (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
 def test_amx_bf16_route_matches_its_reference(bits, G, scheme, monkeypatch):
-    """bfloat16 x of 64 rows or more on the amx path: the panels dequantized to bfloat16 and
+    """bfloat16 x of 32 rows or more on the amx path: the panels dequantized to bfloat16 and
     multiplied with AMX-BF16 tiles, x not quantized. Against :func:`gguf_linear_bf16_ref`
     (float64 sums of x and the bfloat16 weights): float32 sums in another order (~1e-6 of the
     terms' magnitudes), a weight whose float32 ``s q + z`` rounds to the other bfloat16
@@ -133,9 +133,9 @@ def test_amx_bf16_route_matches_its_reference(bits, G, scheme, monkeypatch):
     qw = gemm.pack_gguf_qweight(q, bits)
     w = _dequantized(q, scales, supers, G).to(torch.bfloat16).double()
     gen = torch.Generator().manual_seed(bits * G)
-    for m in (64, 65, 80, 300):
+    for m in (32, 33, 80, 300):
         x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
-        bias = torch.randn(n, generator=gen) if m == 65 else None
+        bias = torch.randn(n, generator=gen) if m == 33 else None
         y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
         ref = gguf_linear_bf16_ref(x, qw, scales, supers, bits, G, n, bias)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)

@@ -244,8 +244,9 @@ def gguf_available() -> bool:
 
 
 def gguf_path() -> str:
-    """The path :func:`gguf_linear` takes now: ``amx`` (AMX-INT8 tiles from 16 rows of x, the
-    avx512vnni kernel below), ``avx512vnni``, ``avx2`` or ``scalar`` (the CPU's best under the
+    """The path :func:`gguf_linear` takes now: ``amx`` (bfloat16 x of 32 rows or more: the
+    panels dequantized to bfloat16 and AMX-BF16 tiles; other x of 16 rows or more: AMX-INT8
+    tiles; the avx512vnni kernel below), ``avx512vnni``, ``avx2`` or ``scalar`` (the CPU's best under the
     GEMM's ISA selection, ``KVMESH_KERNEL_ISA``)."""
     _require()
     return torch.ops.kvmesh.gguf_gemm_path()

@@ -118,7 +118,7 @@ def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def gguf_linear_bf16_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
                          bits: int, group_size: int, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``kvmesh::gguf_linear``'s amx path for bfloat16 x of 64 rows or more: the weights
+    """``kvmesh::gguf_linear``'s amx path for bfloat16 x of 32 rows or more: the weights
     dequantized (``s q + z``) and rounded to bfloat16, x as it is, float64 sums; ``[M, n]``
     bfloat16. The kernel rounds each weight from ``s q + z`` computed in float32 (one ulp of a
     weight may differ from this float64 rounding) and sums in float32."""

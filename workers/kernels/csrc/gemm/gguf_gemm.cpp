@@ -24,7 +24,7 @@
 // (0 for an all-zero block); isum = sum xq q (int32, exact), xsum = sum xq, and
 //   y[n] = sum_g dx * (s isum + z xsum).
 // Paths (chosen per call from the GEMM's ISA selection, KVMESH_KERNEL_ISA lowers it): amx
-// (bfloat16 x of 64 rows or more -- the compute-bound prefill --: the panels dequantized to
+// (bfloat16 x of 32 rows or more -- the compute-bound prefill --: the panels dequantized to
 // bfloat16 and AMX-BF16 tiles, no activation quantization; other x of 16 rows or more: AMX-INT8
 // tiles, bitwise the avx512vnni path's outputs; fewer rows: avx512vnni), avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
 // q - 128 with the sign moved onto x, exact, and 128 * xsum added back), scalar. Threads split
@@ -593,7 +593,7 @@ static void amx_panels(const GgufProblem& pb, int64_t p0, int64_t p1) {
 // conversion) in the bf16 GEMM's VNNI-2 layout (micro.h) and multiplies x as it is with the bf16
 // GEMM's AMX block kernel (micro_amx.cpp): no activation quantization, float32 sums; the
 // reference is dequantize-then-matmul (workers/kernels/reference.py gguf_linear_bf16_ref).
-constexpr int64_t kAmxBf16MinRows = 64;   // from here 1.7x the int8 route on Q4_K gate_up (one thread)
+constexpr int64_t kAmxBf16MinRows = 32;   // 2 threads, M = 48: 1.25-1.45x the int8 route on Qwen 0.5B's shapes
 
 // Panel p dequantized: out[t][c][j] = bf16(W[16 p + c][2 t + j]), uint16 [K / 2][16][2].
 template <int BITS>
