@@ -1,5 +1,8 @@
 # kvmesh developer entry points. `make demo` and `make test` do all the set-up themselves.
-#   venv  .venv with kvmesh installed editable (+ test extras); torch pinned by constraints-cpu.txt
+#   venv  .venv with kvmesh installed editable (+ test extras); torch pinned by constraints-cpu.txt;
+#         then the native CPU kernels built into $KVMESH_HOME/torch_extensions (python -m
+#         workers.kernels.build: compiles only when these kernel sources have no build there yet,
+#         so no first start compiles anything; MAX_JOBS=N caps the compiler processes)
 #   pull  fetch the test model (smollm2-135m-instruct) into $KVMESH_HOME (~/.cache/kvmesh), with its
 #         dense bf16 conversion (--dense: the tests compare against transformers on it)
 #   demo  venv + the demo model + a two-turn PolicyDesk chat (`kvmesh demo`)
@@ -21,6 +24,7 @@ DEMO_MODEL  ?= qwen2.5-coder-1.5b-instruct
 .PHONY: venv pull demo test protos
 
 venv: $(STAMP)
+	$(BIN)/python -m workers.kernels.build
 
 # Re-runs only when the venv is missing or the dependencies changed.
 $(STAMP): pyproject.toml constraints-cpu.txt
