@@ -15,7 +15,7 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.kvmesh-installed
 TEST_MODEL  := smollm2-135m-instruct
 # The demo's model: the model recommended for PolicyDesk (README). On a 2-core AMD EPYC Zen 5
-# (2026-12-04, docs/results.md section 0z11) its first demo answer, from its published GGUF
+# (2026-12-04, docs/results-history.md section 0z11) its first demo answer, from its published GGUF
 # weights, came in 7.4 s (5.6 s to the first token of a 1,677-token prompt, 56 tokens at 29.5
 # tokens/s), within the demo's 10 s; on an AVX2-only Zen 3 its first token alone takes ~21 s
 # (section 0z10): `make demo DEMO_MODEL=qwen2.5-coder-0.5b-instruct` there.
