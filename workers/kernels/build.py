@@ -148,8 +148,8 @@ def load(ext: Extension = KERNELS, wait_s: float | None = None) -> Loaded:
     with _BuildLock(d, wait_bound_s() if wait_s is None else wait_s):
         if (d / RECORD).is_file():           # built by the process we waited for
             return Loaded(_import(ext, d), d, False, 0.0)
-        _say(f"compiling the native CPU kernels ({ext.name}): no build of these sources yet "
-             f"(`make venv` builds them ahead of time); once, ~2-3 min on 2 cores, cached in {d}")
+        _say(f"compiling the native CPU kernels ({ext.name}) for these sources, once (~2-3 min on 2 cores; "
+             f"`make venv` does it ahead of time), into {d}")
         return _compile(ext, d)
 
 
