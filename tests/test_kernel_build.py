@@ -9,6 +9,7 @@ kernels:
 - a build killed while holding the lock does not stall the next start: it takes over, saying so;
 - a start that finds the lock held says so on stderr, naming the holder, and gives up after the
   bound with DependencyUnavailableError; it builds once the holder is gone;
+- a source edited while it compiles leaves no build behind;
 - the real kernels, once built (``make venv``), load in a new process without compiling.
 """
 
@@ -205,3 +206,22 @@ def test_the_kernels_load_without_compiling_once_built():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["True", "None"], r.stderr
     assert "compiling" not in r.stderr
+
+
+def test_a_source_edited_during_the_build_leaves_no_build(tmp_path, monkeypatch):
+    """The library would not be the key's: nothing is kept, the next start builds again."""
+    from torch.utils import cpp_extension
+    home, src = tmp_path / "home", tiny_sources(tmp_path / "checkout")
+    monkeypatch.setenv("KVMESH_HOME", str(home))
+    ext = tiny(src, "kvmesh_test_edited")
+    real = cpp_extension.load
+
+    def load_then_edit(*a, **k):
+        m = real(*a, **k)
+        (src / "tiny.h").write_text("#define TINY_ANSWER 43\n")
+        return m
+
+    monkeypatch.setattr(cpp_extension, "load", load_then_edit)
+    with pytest.raises(RuntimeError, match="changed during the build"):
+        build.load(ext, wait_s=10)
+    assert not any(p.is_dir() for p in (home / "torch_extensions").iterdir())     # no directory for either key

@@ -45,7 +45,7 @@ from types import ModuleType
 from kvmesh.core.errors import DependencyUnavailableError, SettingsError
 from kvmesh.hub.cache import kvmesh_home
 
-DEFAULT_WAIT_S = 600.0      # seconds; a cold build takes ~2-3 min on 2 busy cores
+DEFAULT_WAIT_S = 600.0      # seconds; a cold build took 196-313 s on 2 busy cores (MAX_JOBS=1)
 RECORD = "build.json"
 
 
@@ -148,7 +148,7 @@ def load(ext: Extension = KERNELS, wait_s: float | None = None) -> Loaded:
     with _BuildLock(d, wait_bound_s() if wait_s is None else wait_s):
         if (d / RECORD).is_file():           # built by the process we waited for
             return Loaded(_import(ext, d), d, False, 0.0)
-        _say(f"compiling the native CPU kernels ({ext.name}) for these sources, once (~2-3 min on 2 cores; "
+        _say(f"compiling the native CPU kernels ({ext.name}) for these sources, once (a few minutes on 2 cores; "
              f"`make venv` does it ahead of time), into {d}")
         return _compile(ext, d)
 
@@ -174,6 +174,7 @@ def _compile(ext: Extension, d: Path) -> Loaded:
 
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
+    sources = _digests(ext)
     t0 = time.monotonic()
     try:
         module = cpp_extension.load(
@@ -185,6 +186,9 @@ def _compile(ext: Extension, d: Path) -> Loaded:
         shutil.rmtree(d, ignore_errors=True)
         raise
     seconds = time.monotonic() - t0
+    if _digests(ext) != sources:             # edited while compiling: the library is not this key's
+        shutil.rmtree(d, ignore_errors=True)
+        raise RuntimeError(f"the kernel sources in {ext.source_dir} changed during the build; run it again")
     lib = f"{ext.name}.so"
     for p in d.iterdir():                    # objects, build.ninja (it names this checkout's paths)
         if p.name != lib:
@@ -192,8 +196,7 @@ def _compile(ext: Extension, d: Path) -> Loaded:
     record = {"name": ext.name, "key": d.name.rsplit("-", 1)[1], "torch": torch.__version__,
               "python": sys.implementation.cache_tag, "machine": platform.machine(),
               "cflags": list(ext.cflags), "ldflags": list(ext.ldflags), "source_dir": str(ext.source_dir),
-              "sources": {p.relative_to(ext.source_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-                          for p in ext.sources()},
+              "sources": sources,
               "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "build_seconds": round(seconds, 1),
               "built_by": {"pid": os.getpid(), "argv": sys.argv}}
     tmp = d / f"{RECORD}.tmp"
@@ -201,6 +204,11 @@ def _compile(ext: Extension, d: Path) -> Loaded:
     os.replace(tmp, d / RECORD)
     _say(f"compiled the native CPU kernels in {seconds:.0f} s: {d}")
     return Loaded(module, d, True, seconds)
+
+
+def _digests(ext: Extension) -> dict[str, str]:
+    """{source name relative to ``source_dir``: sha256 of its bytes}."""
+    return {p.relative_to(ext.source_dir).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in ext.sources()}
 
 
 class _BuildLock:
