@@ -246,7 +246,7 @@ class _BuildLock:
                     raise DependencyUnavailableError(
                         f"gave up after {waited:.0f} s waiting for {holder} to finish building the native CPU "
                         f"kernels into {self.dir} (lock {self.path}); wait for it or stop it, raise "
-                        f"KVMESH_KERNEL_BUILD_WAIT, or run without the kernels: KVMESH_NATIVE_KERNELS=0")
+                        f"KVMESH_KERNEL_BUILD_WAIT, or run without the kernels: KVMESH_NATIVE_KERNELS=0") from None
                 time.sleep(min(self.poll_s, max(self.wait_s - waited, 0.0)))
         if told:
             _say(f"the other build finished after {time.monotonic() - t0:.0f} s")
