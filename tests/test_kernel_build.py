@@ -32,6 +32,9 @@ from workers.kernels import build
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                reason="no C++ compiler to build the test extensions with")
+
 TINY_CPP = """
 #include <Python.h>
 #include "tiny.h"
