@@ -1,5 +1,8 @@
 # kvmesh developer entry points. `make demo` and `make test` do all the set-up themselves.
-#   venv  .venv with kvmesh installed editable (+ test extras); torch pinned by constraints-cpu.txt
+#   venv  .venv with kvmesh installed editable (+ test extras); torch pinned by constraints-cpu.txt;
+#         then the native CPU kernels built into $KVMESH_HOME/torch_extensions (python -m
+#         workers.kernels.build: compiles only when these kernel sources have no build there yet,
+#         so no first start compiles anything; MAX_JOBS=N caps the compiler processes)
 #   pull  fetch the test model (smollm2-135m-instruct) into $KVMESH_HOME (~/.cache/kvmesh), with its
 #         dense bf16 conversion (--dense: the tests compare against transformers on it)
 #   demo  venv + the demo model + a two-turn PolicyDesk chat (`kvmesh demo`)
@@ -12,7 +15,7 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.kvmesh-installed
 TEST_MODEL  := smollm2-135m-instruct
 # The demo's model: the model recommended for PolicyDesk (README). On a 2-core AMD EPYC Zen 5
-# (2026-12-04, docs/results.md section 0z11) its first demo answer, from its published GGUF
+# (2026-12-04, docs/results-history.md section 0z11) its first demo answer, from its published GGUF
 # weights, came in 7.4 s (5.6 s to the first token of a 1,677-token prompt, 56 tokens at 29.5
 # tokens/s), within the demo's 10 s; on an AVX2-only Zen 3 its first token alone takes ~21 s
 # (section 0z10): `make demo DEMO_MODEL=qwen2.5-coder-0.5b-instruct` there.
@@ -21,6 +24,7 @@ DEMO_MODEL  ?= qwen2.5-coder-1.5b-instruct
 .PHONY: venv pull demo test protos
 
 venv: $(STAMP)
+	$(BIN)/python -m workers.kernels.build
 
 # Re-runs only when the venv is missing or the dependencies changed.
 $(STAMP): pyproject.toml constraints-cpu.txt

@@ -18,8 +18,8 @@ Usage::
     python -m bench.isa_table [--model smollm2-135m-instruct] [--levels scalar avx2] [--batch 1 8]
                               [--context 512] [--prefill-tokens 512] [--steps 8] [--out isa.json]
 
-Levels run one after the other (never two at once); keep the table in docs/results.md with the
-CPU model it prints.
+Levels run one after the other (never two at once); keep the table in a dated section of docs/results-history.md with
+the CPU model it prints.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ with the paired gate (:func:`bench.gate.verdict`, same items).
 
 Usage::
 
-    python -m bench.model_choice --output docs/model_choice.json --markdown docs/results.md
+    python -m bench.model_choice --output docs/model_choice_<date>_<cpu>.json   # then name it in bench/results_page.py
     python -m bench.model_choice --configs smollm2-135m-instruct:none --num-questions 6 --num-chats 1  # smoke
 """
 

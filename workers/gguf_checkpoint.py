@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvmesh.core.errors import SettingsError
+from kvmesh.core.errors import DependencyUnavailableError, SettingsError
 from kvmesh.hub.cache import GGUF_FILE
 from workers.layers.linear import GGUF_DENSE, Linear, gguf_to_huge_pages
 from workers.models.llama import LlamaForCausalLM, ModelConfig
@@ -235,7 +235,8 @@ def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.
     """Build the model (or a pipeline stage, or its first ``num_layers`` layers) from
     ``<model_dir>/model.gguf`` with config.json from ``model_dir``; arguments as
     :func:`workers.loader.load_model`. Raises SettingsError: no GGUF file, unreadable file,
-    missing tensor, unsupported GGML type or shape mismatch."""
+    missing tensor, unsupported GGML type or shape mismatch; DependencyUnavailableError: another
+    process's build of the native kernels outlasted ``KVMESH_KERNEL_BUILD_WAIT``."""
     import dataclasses
 
     from workers.checkpoint import check_servable, load_config
@@ -259,6 +260,8 @@ def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.
         gguf_to_huge_pages(model)                   # decode streams them every step
         model.allocate_weights(dtype, device)       # norms, RoPE; the embedding is replaced below
         _load_rest(rd, cfg, model, dtype, device)
+    except DependencyUnavailableError:          # not the file's fault: e.g. another process building the kernels
+        raise
     except ValueError as e:
         raise SettingsError(f"{path}: {e}") from None
     finally:

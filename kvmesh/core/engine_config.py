@@ -233,7 +233,7 @@ class EngineConfig(Settings):
         ``KVMESH_KERNEL_ISA``); float32 at the scalar level. Measured: with AVX512-BF16/AMX bf16 is
         faster for prefill and batched decode (docs/engine_offline.md); on an AVX2-only Zen 3
         bf16 decodes 2.6x faster than float32 with dense weights and 1.25x with the GGUF weights,
-        and prefills faster with both (docs/results.md, section 0z10)."""
+        and prefills faster with both (docs/results-history.md, section 0z10)."""
         import torch
 
         if self.dtype == "auto":

@@ -1,18 +1,21 @@
 """Native CPU kernels (``torch.ops.kvmesh.*``): paged attention and KV cache writes (here), the
 bf16-weight GEMM (:mod:`workers.kernels.gemm`, sources in ``csrc/gemm/``).
 
-The C++ sources under ``csrc/`` are compiled, as one extension, on first use with
-``torch.utils.cpp_extension.load`` into ``$KVMESH_HOME/torch_extensions/<key>`` (``KVMESH_HOME``
-defaults to ``~/.cache/kvmesh``; ``key`` hashes the checkout's path, the sources, the torch and
-Python versions and the compiler flags), so a build is reused by every later process and a changed source builds
-into a new directory. Several processes may load at once: an exclusive ``flock`` on
-``<build dir>.flock`` lets one of them build while the others wait; the kernel releases it when
-its holder dies, and the holder clears a baton file (``<build dir>/lock``) that a process
-killed mid-build left behind, so an interrupted build never blocks later ones.
+The C++ sources under ``csrc/`` are one extension, built ahead of time by ``make venv``
+(``python -m workers.kernels.build``) into ``kvmesh_home()/torch_extensions/kvmesh_kernels-<key>``,
+``key`` a hash of the sources, the compiler flags and the torch and Python versions (not the
+checkout's path): :mod:`workers.kernels.build` is the one place that finds, builds and loads it.
+A start whose sources have a build loads it without compiling; one whose sources changed (an
+editable checkout) builds it on first use, once, saying so on stderr. A start that finds
+another process building says so on stderr and waits at most ``KVMESH_KERNEL_BUILD_WAIT``
+seconds (600 by default), then :func:`available` raises
+:class:`~kvmesh.core.errors.DependencyUnavailableError`; a build that was killed is started
+again by the next process, never waited for.
 
-Nothing here raises when the kernels cannot be used: :func:`available` returns False (after one
-warning on the ``kvmesh.kernels`` logger naming the reason) when ``KVMESH_NATIVE_KERNELS=0``, on
-a CPU that is not x86-64, or when the build fails (no compiler, no ``ninja``...).
+Otherwise nothing here raises when the kernels cannot be used: :func:`available` returns
+False (after one warning on the ``kvmesh.kernels`` logger naming the reason) when
+``KVMESH_NATIVE_KERNELS=0``, on a CPU that is not x86-64, or when the build fails (no compiler,
+no ``ninja``...).
 
 Instruction set: one build carries a scalar, an AVX2+FMA+F16C, an AVX-512F, an AVX-512F +
 AVX512-BF16 and an AMX attention path (each translation unit compiled with ``#pragma GCC
@@ -47,44 +50,19 @@ Ops (schemas as registered; fake implementations below make them opaque to ``tor
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import platform
-import sys
 import threading
-from pathlib import Path
 
 import torch
 
+from kvmesh.core.errors import DependencyUnavailableError
+
 log = logging.getLogger("kvmesh.kernels")
 
-_CSRC = Path(__file__).parent / "csrc"
-_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]
-_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _state: dict = {"tried": False, "module": None, "reason": None}
-
-
-def _sources() -> list[Path]:
-    return sorted(p for p in _CSRC.rglob("*") if p.suffix in (".cpp", ".h"))
-
-
-def _build_key() -> str:
-    # The checkout's path is part of the key: ninja's build file names the sources by absolute
-    # path, so two checkouts (git worktrees, a CI clone) sharing one build directory would
-    # rebuild it for each other in turn.
-    h = hashlib.sha256(str(_CSRC.resolve()).encode() + b"\0")
-    for p in _sources():
-        h.update(str(p.relative_to(_CSRC)).encode() + b"\0" + p.read_bytes() + b"\0")
-    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{_CFLAGS}|{_LDFLAGS}".encode())
-    return h.hexdigest()[:16]
-
-
-def build_directory() -> Path:
-    """Where this source tree's build lives: ``$KVMESH_HOME/torch_extensions/<key>``."""
-    home = Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh")).expanduser()
-    return home / "torch_extensions" / _build_key()
 
 
 def _load():
@@ -98,12 +76,18 @@ def _load():
         elif platform.machine().lower() not in ("x86_64", "amd64"):
             reason = f"CPU architecture {platform.machine()} is not x86-64"
         else:
+            from workers.kernels import build
             try:
-                _state["module"] = _build()
+                got = build.load(build.KERNELS)
+            except DependencyUnavailableError:   # another process's build outlasted the wait: not cached,
+                _state["tried"] = False          # a later call waits again
+                raise
             except Exception as e:          # compiler missing, build error, import error
                 lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
                 errs = [ln for ln in lines if "error:" in ln.lower()]
                 reason = f"build failed: {type(e).__name__}: {(errs or lines or [''])[0][:300]}"
+            else:
+                _state["module"] = got.module
         if reason is not None:
             _state["reason"] = reason
             log.warning("kvmesh: native CPU kernels unavailable (%s); using the PyTorch path", reason)
@@ -122,28 +106,10 @@ def _load():
         return _state["module"]
 
 
-def _build():
-    from torch.utils import cpp_extension
-
-    bdir = build_directory()
-    bdir.mkdir(parents=True, exist_ok=True)
-    name = "kvmesh_kernels"
-    if not any(bdir.glob(f"{name}*.so")):
-        print(f"kvmesh: compiling native CPU kernels (once; cached in {bdir})", file=sys.stderr, flush=True)
-    sources = [str(p) for p in _sources() if p.suffix == ".cpp"]
-    import fcntl
-    with open(bdir.with_name(bdir.name + ".flock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)          # released by the kernel if this process dies
-        (bdir / "lock").unlink(missing_ok=True)   # a baton left by a build that was killed
-        # copies: cpp_extension.load appends torch's library flags to the lists it is given,
-        # which would change _build_key() (build_directory()) for the rest of the process
-        return cpp_extension.load(name=name, sources=sources, extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
-                                  extra_include_paths=[str(_CSRC), str(_CSRC / "gemm")],
-                                  build_directory=str(bdir), verbose=False)
-
-
 def available() -> bool:
-    """True when the extension is built and loaded (builds it on the first call)."""
+    """True when the extension is loaded (the first call loads it, building it when its sources
+    have no build yet). Raises DependencyUnavailableError when another process's build of the
+    same sources outlasted ``KVMESH_KERNEL_BUILD_WAIT`` seconds."""
     return _load() is not None
 
 

@@ -14,8 +14,9 @@ where the CPU has AVX512-BF16), AVX2+FMA or a scalar path at run time;
 GotoBLAS / BLIS register and cache blocking (Goto & van de Geijn, TOMS 2008); weight layout:
 the "VNNI-2" bf16 pair layout of oneDNN and SGLang's CPU kernels (also AMX's B-tile layout).
 
-The sources are part of the one kvmesh extension that :mod:`workers.kernels` builds on first
-use; ``KVMESH_NATIVE_KERNELS=0`` disables it (:func:`available` is then False).
+The sources are part of the one kvmesh extension that :mod:`workers.kernels` loads
+(:mod:`workers.kernels.build` builds it); ``KVMESH_NATIVE_KERNELS=0`` disables it
+(:func:`available` is then False).
 
 Ops (also reachable as ``torch.ops.kvmesh.*`` once :func:`available` returned True; both have
 fake implementations, so ``torch.compile(fullgraph=True)`` treats them as opaque calls)::
@@ -36,8 +37,8 @@ _state: dict[str, object] = {}    # "lib": True once loaded, None after a failur
 
 
 def _build() -> bool | None:
-    """Load the kvmesh extension (:mod:`workers.kernels` builds every source under ``csrc/``,
-    these included, into one library) and register the fakes. None when it is unavailable
+    """Load the kvmesh extension (every source under ``csrc/``, these included, is one library:
+    :mod:`workers.kernels.build`) and register the fakes. None when it is unavailable
     (the loader logged why: ``KVMESH_NATIVE_KERNELS=0``, not x86-64, build failure)."""
     from workers import kernels
     if not kernels.available():
@@ -74,7 +75,8 @@ def _register_fakes() -> None:
 
 
 def available() -> bool:
-    """True when the extension is built and loaded (builds it on the first call)."""
+    """True when the extension is loaded (:func:`workers.kernels.available`, which may build it
+    and raises as it does)."""
     with _lock:
         if "lib" not in _state:
             _state["lib"] = _build()

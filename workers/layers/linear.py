@@ -509,7 +509,7 @@ def gguf_to_huge_pages(model: nn.Module) -> int:
     onto 2 MiB pages (:mod:`workers.huge_pages`), one tensor at a time (the load's peak stays
     near one copy): a decode step streams all of them. Measured on an AMD EPYC Zen 5 (family 26
     model 2), Qwen2.5-Coder-1.5B's projection chain at M = 1 on one thread: 22.9 GB/s on 4 KiB
-    pages, 31.0 GB/s on 2 MiB pages (``python -m bench.gguf_gemm``, docs/results.md 0z11).
+    pages, 31.0 GB/s on 2 MiB pages (``python -m bench.gguf_gemm``, docs/results-history.md 0z11).
     No-op where huge pages are unavailable. Returns how many layers moved."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.method is GGUF_NATIVE]
     names = [[n for n in ("gguf_qweight", "gguf_scales", "gguf_superscales") if getattr(lin, n) is not None]
@@ -531,7 +531,7 @@ def pack_onednn_linears(model: nn.Module, dtype: torch.dtype, device: torch.devi
     """Switch every dense Linear of a float32 model on an x86-64 CPU with kvmesh's kernels to
     oneDNN's prepacked inner product (:meth:`Linear.pack_onednn`), so that no float32 linear
     runs ATen's ``mm`` (MKL's generic path on AMD CPUs) where kvmesh's kernels exist
-    (docs/results.md, 0z10: ``python -m bench.gemm --columns "aten fp32" "onednn fp32"``).
+    (docs/results-history.md, 0z10: ``python -m bench.gemm --columns "aten fp32" "onednn fp32"``).
     No-op elsewhere: other dtypes, CUDA, no oneDNN, kernels unavailable. Returns how many layers
     switched."""
     if dtype != torch.float32 or device.type != "cpu" or not torch.backends.mkldnn.is_available():
