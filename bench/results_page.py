@@ -434,7 +434,11 @@ QUESTIONS: tuple[Question, ...] = (
         "SmolLM2-135M-Instruct in bf16; the latest run on each CPU. Ratios are kvmesh / vLLM (for TTFT, "
         "start-up and RSS lower is better).",
         ("metric", "model", "kvmesh", "vLLM-CPU", "kvmesh / vLLM"),
-        (Source(("peers_2026-12-04_zen5_smollm2_vllm.json",), "0z11", "family 26 model 2",
+        (Source(("peers_2026-12-04_xeon_smollm2_vllm.json",), "0z12", "family 6 model 167",
+                note="kvmesh's row is its default, the GGUF blocks"),
+         Source(("peers_2026-12-04_xeon_qwen05_vllm.json",), "0z12", "family 6 model 167",
+                note="kvmesh's row is its default, the GGUF blocks"),
+         Source(("peers_2026-12-04_zen5_smollm2_vllm.json",), "0z11", "family 26 model 2",
                 note="kvmesh's row is the dense bf16 conversion"),
          Source(("peers_2026-12-04_zen3_smollm2.json",), "0z10", "family 25 model 1",
                 note="kvmesh's row is the dense bf16 conversion"),
@@ -460,7 +464,12 @@ QUESTIONS: tuple[Question, ...] = (
         "2 threads each (rounds: `a / b / c`); and `bench.serving`'s chat load through `kvmesh serve` and "
         "llama.cpp's OpenAI server on that file. Ratios are kvmesh / llama.cpp.",
         ("metric", "model", "kvmesh", "llama.cpp", "kvmesh / llama.cpp"),
-        (Source(("peers_2026-12-04_zen5_gguf_1p5b_1.json", "peers_2026-12-04_zen5_gguf_1p5b_2.json"), "0z11",
+        (Source(("peers_2026-12-04_xeon_gguf_1p5b_1.json", "peers_2026-12-04_xeon_gguf_1p5b_2.json",
+                 "peers_2026-12-04_xeon_gguf_1p5b_3.json"), "0z12", "family 6 model 167"),
+         Source(("serving_2026-12-04_xeon_1p5b_llamacpp.json",), "0z12", "family 6 model 167",
+                command="python -m bench.serving --model qwen2.5-coder-1.5b-instruct --systems kvmesh,llamacpp "
+                        "--loads chat --sessions 4 --dtype auto"),
+         Source(("peers_2026-12-04_zen5_gguf_1p5b_1.json", "peers_2026-12-04_zen5_gguf_1p5b_2.json"), "0z11",
                 "family 26 model 2"),
          Source(("serving_2026-12-04_zen5_1p5b_llamacpp.json",), "0z11", "family 26 model 2",
                 command="python -m bench.serving --model qwen2.5-coder-1.5b-instruct --systems kvmesh,llamacpp "
