@@ -12,7 +12,8 @@ Routes (Starlette, served by uvicorn as a task of the gateway's loop):
   ``max_tokens`` default and cap, deadline (``default_timeout``), usage. The ``max_tokens`` used is
   in the response header ``x-kvmesh-max-tokens``, the request id in ``x-request-id``.
 * ``GET /v1/models``: the served model. ``GET /health``: 200 ``{"status": "ok"}`` while the gateway
-  is SERVING (scheduler reached), else 503.
+  is SERVING (its gRPC readiness, which follows the scheduler's health: :mod:`gateway.server`),
+  else 503.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` with ``param`` naming the field (a bad value, a limit exceeded, ``n`` >

@@ -70,10 +70,19 @@ request's ``cache_salt``, so two tenants never share cached blocks). With
 ``scheduler_tls_*`` make it dial the scheduler with TLS (mutual TLS with a client certificate);
 ``health_port`` serves plaintext health checks for probes that cannot speak TLS.
 
-Health (``grpc.health.v1``): "" and ``kvmesh.v1.LLMService`` are SERVING once the scheduler
-answered and the tokenizer is loaded, NOT_SERVING while the connection to the scheduler is
-failing and after :meth:`GatewayServer.stop`. Server reflection lists the LLMService, health
-and reflection services.
+Health (``grpc.health.v1``; the HTTP API's ``/health`` says the same): "" and
+``kvmesh.v1.LLMService`` (readiness) follow the scheduler's own health: the gateway keeps a
+``Health.Watch`` of ``kvmesh.v1.SchedulerService`` open on its channel to the scheduler and is
+SERVING while the scheduler reports SERVING (it has a replica up), NOT_SERVING while it reports
+anything else (no replica up: a restart under way; loading; shutting down) and while the Watch
+fails (the scheduler unreachable); also before the tokenizer is loaded and from
+:meth:`GatewayServer.stop` on. Requests are still passed on while NOT_SERVING (the scheduler
+decides: it waits for a restarting replica within ``restart_wait``). The health name
+``liveness`` (:data:`kvmesh.core.grpc_server.LIVENESS`) is SERVING from the bind until the stop,
+whatever the scheduler's state: the probe that restarts a stuck gateway asks it, so that a
+replica restart behind the scheduler never restarts the gateway. One gateway follows one
+scheduler (``scheduler_address``). Server reflection lists the LLMService, health and reflection
+services.
 """
 
 from __future__ import annotations
@@ -86,19 +95,22 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.auth import CURRENT_TENANT, ApiKeyInterceptor, ApiKeys
 from gateway.stream import RequestPath, Status, invalid
 from kvmesh.core import telemetry
 from kvmesh.core.config import GatewayConfig
 from kvmesh.core.errors import DependencyUnavailableError, EngineError
-from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, GrpcServer, Service, open_server
+from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, SERVING, GrpcServer, Service, open_server
 from kvmesh.core.status import grpc_code
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
 log = logging.getLogger("kvmesh.gateway")
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+WATCH_RETRY = 0.25      # seconds between two Health.Watch calls when one ended or failed
 _Code = grpc.StatusCode
 # Reconnect quickly to a restarted scheduler (grpc's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 5000)]
@@ -327,23 +339,42 @@ class GatewayServer(Service):
         self.api_keys = api_keys
         self.http = None
         self._watch_task: asyncio.Task | None = None
+        self._watched = asyncio.Event()     # set once the scheduler's health is known (or its Watch failed)
         self._stopped = False
 
     async def _set_serving(self, serving: bool) -> None:
+        if self._stopped:
+            return
+        if serving != self.path.serving:
+            log.log(logging.INFO if serving else logging.WARNING, "the scheduler at %s %s: the gateway reports %s",
+                    self.path.cfg.scheduler_address, "can serve" if serving else "cannot serve (no replica up, "
+                    "unreachable or stopping)", "SERVING" if serving else "NOT_SERVING")
         self.path.serving = serving
         await self.rpc.set_serving(serving)
 
     async def _watch_scheduler(self) -> None:
-        """Keep a connection to the scheduler and mirror it in health: NOT_SERVING while the
-        channel is failing, SERVING again once it is ready."""
-        channel, C = self.path.channel, grpc.ChannelConnectivity
+        """Follow the scheduler's health (module docstring): a ``Health.Watch`` of
+        ``kvmesh.v1.SchedulerService`` over the channel, waiting for the channel to be ready (so
+        it also keeps a connection to the scheduler); SERVING while it streams SERVING,
+        NOT_SERVING on any other status, when the stream fails (the scheduler unreachable or
+        gone) and when it ends (the scheduler is stopping); then a new Watch after
+        :data:`WATCH_RETRY` seconds. Runs until cancelled."""
+        stub = health_pb2_grpc.HealthStub(self.path.channel)
+        request = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
+        unimplemented = False
         while True:
-            state = channel.get_state(try_to_connect=True)
-            if state == C.READY:
-                await self._set_serving(True)
-            elif state in (C.TRANSIENT_FAILURE, C.SHUTDOWN):
-                await self._set_serving(False)
-            await channel.wait_for_state_change(state)
+            try:
+                async for r in stub.Watch(request, wait_for_ready=True):
+                    await self._set_serving(r.status == SERVING)
+                    self._watched.set()
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and not unimplemented:
+                    log.error("the scheduler at %s does not serve grpc.health.v1 Watch (%s): the gateway reports "
+                              "NOT_SERVING", self.path.cfg.scheduler_address, e.details())
+                unimplemented = e.code() == grpc.StatusCode.UNIMPLEMENTED
+            await self._set_serving(False)
+            self._watched.set()
+            await asyncio.sleep(WATCH_RETRY)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Go NOT_SERVING, refuse new RPCs, give in-flight streams ``grace`` seconds (None = wait
@@ -390,7 +421,8 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     at ``cfg.scheduler_address`` is awaited (GetModelInfo, up to ``cfg.connect_timeout`` seconds),
     the served model's tokenizer is loaded (``kvmesh.hub.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
-    health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
+    health follows the scheduler's (module docstring) from its first answer on, which this
+    waits for (within ``connect_timeout``). Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
     (:mod:`kvmesh.core.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
     not -1 (:mod:`gateway.http_api`, bound with the gRPC port, answering 503 until SERVING). API
     keys and TLS (both ports), the health-only port: module docstring.
@@ -450,8 +482,10 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
         await gw.stop(0)
         raise
     servicer.path.set_model(info, tokenizer)
-    await gw._set_serving(True)
     gw._watch_task = asyncio.create_task(gw._watch_scheduler())
+    # the scheduler answered GetModelInfo: its health is one Watch message away
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(gw._watched.wait(), max(1.0, cfg.connect_timeout))
     log.info("gateway serving %s on %s (scheduler %s)%s%s", info.name, gw.address, cfg.scheduler_address,
              ", TLS" if server_creds else "", f", API keys of {len(keys.tenants)} tenant(s)" if keys else "")
     return gw

@@ -131,7 +131,8 @@ class RequestPath:
     over ``channel``. ``info`` (the scheduler's GetModelInfo) and ``text`` (tokenizer front end)
     are None until :meth:`set_model`; ``live`` holds the requests in flight by (tenant, request
     id): ids are per tenant; ``serving`` is
-    the gateway's health (True once the scheduler answered and while its connection is up)."""
+    the gateway's readiness (True while the scheduler it follows reports SERVING:
+    :mod:`gateway.server`)."""
 
     def __init__(self, cfg: GatewayConfig, channel: grpc.aio.Channel):
         self.cfg, self.channel = cfg, channel
