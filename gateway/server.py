@@ -60,6 +60,17 @@ Rules a client sees:
   :class:`~kvmesh.core.errors.DependencyUnavailableError`; an unknown model or a bad keys or TLS
   file a :class:`~kvmesh.core.errors.SettingsError`.
 
+Shutdown (:meth:`GatewayServer.stop`, on SIGTERM/SIGINT through ``kvmesh serve`` or ``kvmesh
+gateway``; ``--grace``): health goes NOT_SERVING first, for every name, so probes and load
+balancers stop sending; the ports stay open and every new RPC but Abort (and every new HTTP
+request) ends at once with UNAVAILABLE ``the gateway is shutting down ...: retry it, on another
+gateway`` and a retry hint (trailing metadata ``grpc-retry-pushback-ms``: 1000; HTTP 503 with
+``Retry-After: 1``); requests in flight (streaming, tokenizing) get ``grace`` seconds to finish
+as usual. Any still running then end with a status, never cut: UNAVAILABLE ``request R: the
+gateway shut down before the request finished ... after N tokens; retry it``, with the retry
+hint and the usage so far (``kvmesh-usage-bin``; over HTTP an error event then ``data:
+[DONE]``), their upstream calls cancelled (the scheduler aborts them). Then the ports close.
+
 Security (:mod:`gateway.auth`, :mod:`kvmesh.core.tls`): with API keys (``api_keys_file`` or
 ``KVMESH_API_KEYS``) an RPC without ``authorization: Bearer <key>`` of a current key ends
 UNAUTHENTICATED before its request is read (health and reflection stay open), an HTTP request
@@ -91,6 +102,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -111,6 +123,7 @@ log = logging.getLogger("kvmesh.gateway")
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 WATCH_RETRY = 0.25      # seconds between two Health.Watch calls when one ended or failed
+STOP_GRACE = 1.0        # seconds the ports stay open after the drain, for RPCs being refused
 _Code = grpc.StatusCode
 # Reconnect quickly to a restarted scheduler (grpc's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 5000)]
@@ -211,11 +224,12 @@ def _details(message: str) -> str:
 
 
 def _rpc(method):
-    """Map what an RPC method raises to a status: Status as is (a DEADLINE_EXCEEDED one with its
-    usage in the trailing metadata ``kvmesh-usage-bin``), EngineError → its class's status
+    """Map what an RPC method raises to a status: Status as is (its usage, if any, in the trailing
+    metadata ``kvmesh-usage-bin``, its retry hint in ``grpc-retry-pushback-ms``), EngineError → its class's status
     (:func:`kvmesh.core.status.grpc_code`: InvalidRequestError INVALID_ARGUMENT ...), any
     other exception → INTERNAL (logged); every message at most MAX_DETAILS_BYTES (:func:`_details`).
-    Also rejects unparsable requests and RPCs that arrive before the gateway is ready."""
+    Also rejects unparsable requests, RPCs that arrive before the gateway is ready and, while it
+    drains (:meth:`GatewayServer.stop`), every RPC but Abort (:meth:`gateway.stream.RequestPath.admitted`)."""
 
     @functools.wraps(method)
     async def wrapper(self: "LLMServicer", request, context: grpc.aio.ServicerContext):
@@ -224,12 +238,19 @@ def _rpc(method):
             if isinstance(request, _Undecodable):
                 raise invalid(request.message)
             self.path.check_ready()
-            return await method(self, request, context)
+            if method.__name__ == "Abort":      # served while draining: it ends a request in flight
+                return await method(self, request, context)
+            with self.path.admitted():
+                return await method(self, request, context)
         except Status as e:
             code = e.code.name
+            extra = ()
             if e.usage is not None:
-                context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + (
-                    ("kvmesh-usage-bin", e.usage.SerializeToString()),))
+                extra += (("kvmesh-usage-bin", e.usage.SerializeToString()),)
+            if e.retry_after is not None:
+                extra += (("grpc-retry-pushback-ms", str(round(e.retry_after * 1000))),)
+            if extra:
+                context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + extra)
             await context.abort(e.code, _details(e.message))
         except EngineError as e:           # its class says whose fault: kvmesh.core.status
             code = grpc_code(e).name
@@ -377,9 +398,12 @@ class GatewayServer(Service):
             await asyncio.sleep(WATCH_RETRY)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """Go NOT_SERVING, refuse new RPCs, give in-flight streams ``grace`` seconds (None = wait
-        for them), cancel those still running (their upstream calls are cancelled, so the
-        scheduler aborts them), close the channel to the scheduler. Idempotent."""
+        """Drain, then stop (module docstring, "Shutdown"): health NOT_SERVING at once (every name,
+        ``liveness`` too); new requests (gRPC and HTTP; all RPCs but Abort) answered UNAVAILABLE
+        with a retry hint while the ports stay open; requests in flight given ``grace`` seconds
+        (None = however long they take) to finish; those still running then end UNAVAILABLE
+        (their upstream calls cancelled: the scheduler aborts them) with a retry hint and their
+        usage so far; then the ports close and the channel to the scheduler. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -389,7 +413,20 @@ class GatewayServer(Service):
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        await self.rpc.stop(grace, alongside=[self.http.stop(grace)] if self.http is not None else [])
+        t0, busy = time.monotonic(), self.path.active
+        if busy:
+            log.info("gateway draining: %d request(s) in flight, %s", busy,
+                     "no time limit" if grace is None else f"{grace:g} s to finish")
+        left = await self.path.drain(grace)
+        if left:
+            log.warning("gateway: %d request(s) still running after the %g s grace: ending them UNAVAILABLE", left,
+                        grace)
+            await self.path.end_all(f"the gateway shut down before the request finished (its {grace:g} s grace "
+                                    "for requests in flight ran out)")
+        elif busy:
+            log.info("gateway drained in %.1f s", time.monotonic() - t0)
+        # nothing left in flight but requests being refused this instant: a short grace for those
+        await self.rpc.stop(STOP_GRACE, alongside=[self.http.stop(STOP_GRACE)] if self.http is not None else [])
         self.path.cancel_all()
         await self.path.channel.close()
         await self.rpc.close(tracing=[telemetry.GATEWAY])      # exports the last spans
