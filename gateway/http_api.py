@@ -12,7 +12,8 @@ Routes (Starlette, served by uvicorn as a task of the gateway's loop):
   ``max_tokens`` default and cap, deadline (``default_timeout``), usage. The ``max_tokens`` used is
   in the response header ``x-kvmesh-max-tokens``, the request id in ``x-request-id``.
 * ``GET /v1/models``: the served model. ``GET /health``: 200 ``{"status": "ok"}`` while the gateway
-  is SERVING (scheduler reached), else 503.
+  is SERVING (its gRPC readiness, which follows the scheduler's health: :mod:`gateway.server`),
+  else 503.
 
 Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400
 ``invalid_request_error`` with ``param`` naming the field (a bad value, a limit exceeded, ``n`` >
@@ -20,7 +21,8 @@ Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 4
 whole (not UTF-8, not JSON, ``NaN``/``Infinity``, nested deeper than
 :data:`gateway.openai_protocol.MAX_JSON_DEPTH`: :func:`gateway.openai_protocol.parse_body`), 404
 ``model_not_found`` for a model this gateway does not serve, 429 when the scheduler is over
-capacity, 503 while the scheduler is unreachable (or the gateway starting), 504 when the deadline
+capacity, 503 while the scheduler is unreachable (or the gateway starting; or shutting down:
+then with ``Retry-After``, :mod:`gateway.server`, "Shutdown"), 504 when the deadline
 passed (the request was aborted), 500 ``internal_error`` for a bug in the gateway: ``param``
 null, the request id in the message and in ``x-request-id``, never the exception's text (the
 traceback goes to the log, under the same request id). A stream that fails after its first chunk
@@ -52,6 +54,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import socket
 import time
@@ -210,7 +213,8 @@ class CompletionsEndpoint:
                 raise work.exception()
         except Status as e:
             state["code"] = e.code.name
-            await self._error(send, state, *status_error(e, self.chat))
+            retry = [] if e.retry_after is None else [(b"retry-after", str(math.ceil(e.retry_after)).encode())]
+            await self._error(send, state, *status_error(e, self.chat), retry)
         except EngineError as e:            # its class says whose fault (kvmesh.core.status)
             state["code"] = grpc_code(e).name
             await self._error(send, state, *status_error(Status(grpc_code(e), str(e)), self.chat))
@@ -240,8 +244,12 @@ class CompletionsEndpoint:
                             + b"data: [DONE]\n\n"})
 
     async def _run(self, scope, body: bytes, send, state: dict) -> None:
+        self.path.check_ready()
+        with self.path.admitted():          # refused while the gateway drains (a retry hint)
+            await self._serve(scope, body, send, state)
+
+    async def _serve(self, scope, body: bytes, send, state: dict) -> None:
         path = self.path
-        path.check_ready()
         parsed = (await asyncio.to_thread(oai.parse_body, body) if len(body) > _PARSE_OFF_LOOP
                   else oai.parse_body(body))
         request, opts = (oai.chat_request if self.chat else oai.completion_request)(parsed)

@@ -60,6 +60,17 @@ Rules a client sees:
   :class:`~kvmesh.core.errors.DependencyUnavailableError`; an unknown model or a bad keys or TLS
   file a :class:`~kvmesh.core.errors.SettingsError`.
 
+Shutdown (:meth:`GatewayServer.stop`, on SIGTERM/SIGINT through ``kvmesh serve`` or ``kvmesh
+gateway``; ``--grace``): health goes NOT_SERVING first, for every name, so probes and load
+balancers stop sending; the ports stay open and every new RPC but Abort (and every new HTTP
+request) ends at once with UNAVAILABLE ``the gateway is shutting down ...: retry it, on another
+gateway`` and a retry hint (trailing metadata ``grpc-retry-pushback-ms``: 1000; HTTP 503 with
+``Retry-After: 1``); requests in flight (streaming, tokenizing) get ``grace`` seconds to finish
+as usual. Any still running then end with a status, never cut: UNAVAILABLE ``request R: the
+gateway shut down before the request finished ... after N tokens; retry it``, with the retry
+hint and the usage so far (``kvmesh-usage-bin``; over HTTP an error event then ``data:
+[DONE]``), their upstream calls cancelled (the scheduler aborts them). Then the ports close.
+
 Security (:mod:`gateway.auth`, :mod:`kvmesh.core.tls`): with API keys (``api_keys_file`` or
 ``KVMESH_API_KEYS``) an RPC without ``authorization: Bearer <key>`` of a current key ends
 UNAUTHENTICATED before its request is read (health and reflection stay open), an HTTP request
@@ -70,10 +81,19 @@ request's ``cache_salt``, so two tenants never share cached blocks). With
 ``scheduler_tls_*`` make it dial the scheduler with TLS (mutual TLS with a client certificate);
 ``health_port`` serves plaintext health checks for probes that cannot speak TLS.
 
-Health (``grpc.health.v1``): "" and ``kvmesh.v1.LLMService`` are SERVING once the scheduler
-answered and the tokenizer is loaded, NOT_SERVING while the connection to the scheduler is
-failing and after :meth:`GatewayServer.stop`. Server reflection lists the LLMService, health
-and reflection services.
+Health (``grpc.health.v1``; the HTTP API's ``/health`` says the same): "" and
+``kvmesh.v1.LLMService`` (readiness) follow the scheduler's own health: the gateway keeps a
+``Health.Watch`` of ``kvmesh.v1.SchedulerService`` open on its channel to the scheduler and is
+SERVING while the scheduler reports SERVING (it has a replica up), NOT_SERVING while it reports
+anything else (no replica up: a restart under way; loading; shutting down) and while the Watch
+fails (the scheduler unreachable); also before the tokenizer is loaded and from
+:meth:`GatewayServer.stop` on. Requests are still passed on while NOT_SERVING (the scheduler
+decides: it waits for a restarting replica within ``restart_wait``). The health name
+``liveness`` (:data:`kvmesh.core.grpc_server.LIVENESS`) is SERVING from the bind until the stop,
+whatever the scheduler's state: the probe that restarts a stuck gateway asks it, so that a
+replica restart behind the scheduler never restarts the gateway. One gateway follows one
+scheduler (``scheduler_address``). Server reflection lists the LLMService, health and reflection
+services.
 """
 
 from __future__ import annotations
@@ -82,23 +102,28 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.auth import CURRENT_TENANT, ApiKeyInterceptor, ApiKeys
 from gateway.stream import RequestPath, Status, invalid
 from kvmesh.core import telemetry
 from kvmesh.core.config import GatewayConfig
 from kvmesh.core.errors import DependencyUnavailableError, EngineError
-from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, GrpcServer, Service, open_server
+from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, SERVING, GrpcServer, Service, open_server
 from kvmesh.core.status import grpc_code
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
 log = logging.getLogger("kvmesh.gateway")
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+WATCH_RETRY = 0.25      # seconds between two Health.Watch calls when one ended or failed
+STOP_GRACE = 1.0        # seconds the ports stay open after the drain, for RPCs being refused
 _Code = grpc.StatusCode
 # Reconnect quickly to a restarted scheduler (grpc's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 5000)]
@@ -199,11 +224,12 @@ def _details(message: str) -> str:
 
 
 def _rpc(method):
-    """Map what an RPC method raises to a status: Status as is (a DEADLINE_EXCEEDED one with its
-    usage in the trailing metadata ``kvmesh-usage-bin``), EngineError → its class's status
+    """Map what an RPC method raises to a status: Status as is (its usage, if any, in the trailing
+    metadata ``kvmesh-usage-bin``, its retry hint in ``grpc-retry-pushback-ms``), EngineError → its class's status
     (:func:`kvmesh.core.status.grpc_code`: InvalidRequestError INVALID_ARGUMENT ...), any
     other exception → INTERNAL (logged); every message at most MAX_DETAILS_BYTES (:func:`_details`).
-    Also rejects unparsable requests and RPCs that arrive before the gateway is ready."""
+    Also rejects unparsable requests, RPCs that arrive before the gateway is ready and, while it
+    drains (:meth:`GatewayServer.stop`), every RPC but Abort (:meth:`gateway.stream.RequestPath.admitted`)."""
 
     @functools.wraps(method)
     async def wrapper(self: "LLMServicer", request, context: grpc.aio.ServicerContext):
@@ -212,12 +238,19 @@ def _rpc(method):
             if isinstance(request, _Undecodable):
                 raise invalid(request.message)
             self.path.check_ready()
-            return await method(self, request, context)
+            if method.__name__ == "Abort":      # served while draining: it ends a request in flight
+                return await method(self, request, context)
+            with self.path.admitted():
+                return await method(self, request, context)
         except Status as e:
             code = e.code.name
+            extra = ()
             if e.usage is not None:
-                context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + (
-                    ("kvmesh-usage-bin", e.usage.SerializeToString()),))
+                extra += (("kvmesh-usage-bin", e.usage.SerializeToString()),)
+            if e.retry_after is not None:
+                extra += (("grpc-retry-pushback-ms", str(round(e.retry_after * 1000))),)
+            if extra:
+                context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + extra)
             await context.abort(e.code, _details(e.message))
         except EngineError as e:           # its class says whose fault: kvmesh.core.status
             code = grpc_code(e).name
@@ -327,28 +360,50 @@ class GatewayServer(Service):
         self.api_keys = api_keys
         self.http = None
         self._watch_task: asyncio.Task | None = None
+        self._watched = asyncio.Event()     # set once the scheduler's health is known (or its Watch failed)
         self._stopped = False
 
     async def _set_serving(self, serving: bool) -> None:
+        if self._stopped:
+            return
+        if serving != self.path.serving:
+            log.log(logging.INFO if serving else logging.WARNING, "the scheduler at %s %s: the gateway reports %s",
+                    self.path.cfg.scheduler_address, "can serve" if serving else "cannot serve (no replica up, "
+                    "unreachable or stopping)", "SERVING" if serving else "NOT_SERVING")
         self.path.serving = serving
         await self.rpc.set_serving(serving)
 
     async def _watch_scheduler(self) -> None:
-        """Keep a connection to the scheduler and mirror it in health: NOT_SERVING while the
-        channel is failing, SERVING again once it is ready."""
-        channel, C = self.path.channel, grpc.ChannelConnectivity
+        """Follow the scheduler's health (module docstring): a ``Health.Watch`` of
+        ``kvmesh.v1.SchedulerService`` over the channel, waiting for the channel to be ready (so
+        it also keeps a connection to the scheduler); SERVING while it streams SERVING,
+        NOT_SERVING on any other status, when the stream fails (the scheduler unreachable or
+        gone) and when it ends (the scheduler is stopping); then a new Watch after
+        :data:`WATCH_RETRY` seconds. Runs until cancelled."""
+        stub = health_pb2_grpc.HealthStub(self.path.channel)
+        request = health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
+        unimplemented = False
         while True:
-            state = channel.get_state(try_to_connect=True)
-            if state == C.READY:
-                await self._set_serving(True)
-            elif state in (C.TRANSIENT_FAILURE, C.SHUTDOWN):
-                await self._set_serving(False)
-            await channel.wait_for_state_change(state)
+            try:
+                async for r in stub.Watch(request, wait_for_ready=True):
+                    await self._set_serving(r.status == SERVING)
+                    self._watched.set()
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED and not unimplemented:
+                    log.error("the scheduler at %s does not serve grpc.health.v1 Watch (%s): the gateway reports "
+                              "NOT_SERVING", self.path.cfg.scheduler_address, e.details())
+                unimplemented = e.code() == grpc.StatusCode.UNIMPLEMENTED
+            await self._set_serving(False)
+            self._watched.set()
+            await asyncio.sleep(WATCH_RETRY)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """Go NOT_SERVING, refuse new RPCs, give in-flight streams ``grace`` seconds (None = wait
-        for them), cancel those still running (their upstream calls are cancelled, so the
-        scheduler aborts them), close the channel to the scheduler. Idempotent."""
+        """Drain, then stop (module docstring, "Shutdown"): health NOT_SERVING at once (every name,
+        ``liveness`` too); new requests (gRPC and HTTP; all RPCs but Abort) answered UNAVAILABLE
+        with a retry hint while the ports stay open; requests in flight given ``grace`` seconds
+        (None = however long they take) to finish; those still running then end UNAVAILABLE
+        (their upstream calls cancelled: the scheduler aborts them) with a retry hint and their
+        usage so far; then the ports close and the channel to the scheduler. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -358,7 +413,20 @@ class GatewayServer(Service):
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        await self.rpc.stop(grace, alongside=[self.http.stop(grace)] if self.http is not None else [])
+        t0, busy = time.monotonic(), self.path.active
+        if busy:
+            log.info("gateway draining: %d request(s) in flight, %s", busy,
+                     "no time limit" if grace is None else f"{grace:g} s to finish")
+        left = await self.path.drain(grace)
+        if left:
+            log.warning("gateway: %d request(s) still running after the %g s grace: ending them UNAVAILABLE", left,
+                        grace)
+            await self.path.end_all(f"the gateway shut down before the request finished (its {grace:g} s grace "
+                                    "for requests in flight ran out)")
+        elif busy:
+            log.info("gateway drained in %.1f s", time.monotonic() - t0)
+        # nothing left in flight but requests being refused this instant: a short grace for those
+        await self.rpc.stop(STOP_GRACE, alongside=[self.http.stop(STOP_GRACE)] if self.http is not None else [])
         self.path.cancel_all()
         await self.path.channel.close()
         await self.rpc.close(tracing=[telemetry.GATEWAY])      # exports the last spans
@@ -390,7 +458,8 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     at ``cfg.scheduler_address`` is awaited (GetModelInfo, up to ``cfg.connect_timeout`` seconds),
     the served model's tokenizer is loaded (``kvmesh.hub.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
-    health turns SERVING. Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
+    health follows the scheduler's (module docstring) from its first answer on, which this
+    waits for (within ``connect_timeout``). Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
     (:mod:`kvmesh.core.metrics`); the OpenAI-compatible HTTP API on ``cfg.host:http_port`` when it is
     not -1 (:mod:`gateway.http_api`, bound with the gRPC port, answering 503 until SERVING). API
     keys and TLS (both ports), the health-only port: module docstring.
@@ -450,8 +519,10 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
         await gw.stop(0)
         raise
     servicer.path.set_model(info, tokenizer)
-    await gw._set_serving(True)
     gw._watch_task = asyncio.create_task(gw._watch_scheduler())
+    # the scheduler answered GetModelInfo: its health is one Watch message away
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(gw._watched.wait(), max(1.0, cfg.connect_timeout))
     log.info("gateway serving %s on %s (scheduler %s)%s%s", info.name, gw.address, cfg.scheduler_address,
              ", TLS" if server_creds else "", f", API keys of {len(keys.tenants)} tenant(s)" if keys else "")
     return gw

@@ -24,6 +24,7 @@ tells nothing about the first tenant's; :meth:`~RequestPath.abort` finds only th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 import time
@@ -50,6 +51,7 @@ _Code = grpc.StatusCode
 _CONNECTION_ERRORS = ("failed to connect", "connections to all backends failing", "socket closed",
                       "connection reset", "connection refused", "broken pipe", "goaway", "endpoint closing")
 ABORT_TIMEOUT = 10.0      # seconds for a forwarded Abort
+RETRY_AFTER = 1.0         # seconds: the retry hint of a request the gateway refuses or ends as it shuts down
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):")      # "messages[1].role: ..."
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")     # not in ids: they reach logs and HTTP headers
 
@@ -71,13 +73,16 @@ class Status(Exception):
     """End the request with this gRPC status ``code`` and ``message``. ``param``: the request
     field the message names (``max_tokens``, ``stop``, ``messages[1].role``, ``temperature``), None when
     none; by default read from the message's start, else as given. ``usage``: the usage so far of
-    a request whose deadline passed."""
+    a request whose deadline passed (or that the gateway's shutdown ended). ``retry_after``:
+    seconds after which the request may be sent again (the gRPC servicer sends it as the
+    trailing metadata ``grpc-retry-pushback-ms``, the HTTP API as ``Retry-After``), None: no hint."""
 
     def __init__(self, code: grpc.StatusCode, message: str, usage: common_pb2.Usage | None = None,
-                 param=_FROM_MESSAGE):
+                 param=_FROM_MESSAGE, retry_after: float | None = None):
         super().__init__(message)
         self.code, self.message, self.usage = code, message, usage
         self._param = param
+        self.retry_after = retry_after
 
     @property
     def param(self) -> str | None:
@@ -105,6 +110,7 @@ class _Live:
 
     call: grpc.aio.UnaryStreamCall
     aborted: bool = False     # set by an Abort
+    ended: str = ""           # set by the gateway's shutdown: why it cancelled the request
 
 
 @dataclass(eq=False)
@@ -131,7 +137,9 @@ class RequestPath:
     over ``channel``. ``info`` (the scheduler's GetModelInfo) and ``text`` (tokenizer front end)
     are None until :meth:`set_model`; ``live`` holds the requests in flight by (tenant, request
     id): ids are per tenant; ``serving`` is
-    the gateway's health (True once the scheduler answered and while its connection is up)."""
+    the gateway's readiness (True while the scheduler it follows reports SERVING:
+    :mod:`gateway.server`). ``active`` counts the requests of both fronts between
+    :meth:`admitted`'s start and end; ``draining`` is set by :meth:`drain` (the gateway's stop)."""
 
     def __init__(self, cfg: GatewayConfig, channel: grpc.aio.Channel):
         self.cfg, self.channel = cfg, channel
@@ -141,6 +149,11 @@ class RequestPath:
         self.model_names: set[str] = set()
         self.live: dict[tuple[str, str], _Live] = {}
         self.serving = False
+        self.draining = False
+        self.ended = ""                     # why requests end now (the shutdown, once the drain's grace ran out)
+        self.active = 0
+        self._idle = asyncio.Event()        # set while no request is admitted
+        self._idle.set()
         self.tracer = telemetry.setup_tracing(telemetry.GATEWAY)    # no-op unless OTEL_TRACES_EXPORTER is set
         from kvmesh.core.metrics import GatewayMetrics
         self.metrics = GatewayMetrics(self)
@@ -157,6 +170,47 @@ class RequestPath:
         if self.info is None:
             raise Status(_Code.UNAVAILABLE, f"the gateway is starting: waiting for the scheduler at "
                                             f"{self.cfg.scheduler_address}")
+
+    @contextlib.contextmanager
+    def admitted(self):
+        """One request of either front, from its start to its end: counted in ``active`` (what
+        :meth:`drain` waits for). Raises Status UNAVAILABLE with a retry hint
+        (:data:`RETRY_AFTER` seconds) once the gateway drains: the request was not started, so
+        the client can send it again, to another gateway."""
+        if self.draining:
+            raise Status(_Code.UNAVAILABLE, "the gateway is shutting down (draining its requests in flight): the "
+                                            "request was not started; retry it, on another gateway",
+                         retry_after=RETRY_AFTER)
+        self.active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            if not self.active:
+                self._idle.set()
+
+    async def drain(self, grace: float | None) -> int:
+        """Refuse new requests (:meth:`admitted`) and wait for the admitted ones to end, up to
+        ``grace`` seconds (None: however long they take). Returns how many still run."""
+        self.draining = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace)
+        return self.active
+
+    async def end_all(self, reason: str, timeout: float = 10.0) -> int:
+        """End every admitted request now: each in flight upstream has its upstream call cancelled
+        (the scheduler aborts it) and ends with Status UNAVAILABLE ``request R: <reason> after N
+        tokens; retry it`` with a retry hint and its usage so far; one not yet submitted ends so at
+        its submit. Waits up to ``timeout`` seconds for them to end; returns how many still run."""
+        self.draining = True
+        self.ended = reason
+        for live in list(self.live.values()):
+            live.ended = reason
+            live.call.cancel()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self.active
 
     def span(self, name: str, operation: str, request, carrier: Iterable | None):
         """The request's SERVER span ``kvmesh.gateway.<name>``, current while the request runs: a
@@ -300,6 +354,9 @@ class RequestPath:
         """
         rid, prompt_ids, detok, params = p.request_id, p.prompt_ids, p.detok, p.params
         key = (p.tenant, rid)
+        if self.ended:
+            raise Status(_Code.UNAVAILABLE, f"request {rid}: {self.ended} before it was sent to the scheduler; "
+                                            "retry it", retry_after=RETRY_AFTER)
         if key in self.live:
             raise Status(_Code.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
         span = trace.get_current_span()
@@ -345,9 +402,13 @@ class RequestPath:
                         _span_finished(span, out, up.replica)
                         return
             except asyncio.CancelledError:
-                # an Abort cancelled the upstream call (not the consumer being cancelled)
-                if not live.aborted or asyncio.current_task().cancelling():
+                # an Abort or the shutdown cancelled the upstream call (not the consumer being cancelled)
+                if asyncio.current_task().cancelling() or not (live.aborted or live.ended):
                     raise
+                if live.ended and not live.aborted:
+                    raise Status(_Code.UNAVAILABLE, f"request {rid}: {live.ended} after {detok.num_output_tokens} "
+                                                    "tokens; retry it", usage=_usage(usage, prompt_ids, detok),
+                                 retry_after=RETRY_AFTER) from None
                 out = llm_pb2.GenerateResponse(request_id=rid, text=detok.flush())
                 _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(usage, prompt_ids, detok),
                         _timings(None, t0, t_first))

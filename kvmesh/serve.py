@@ -18,8 +18,10 @@ Each service prints one line on stderr, flushed, once it accepts requests::
 
 SIGINT or SIGTERM stops the services in
 reverse order of start, each given ``grace`` seconds for in-flight requests: the gateway first
-(its streams end), then the scheduler (aborts what is left, frees KV blocks, shuts its
-executors down), then the Ray runtime the executors started here (a cluster joined with
+(it drains: health NOT_SERVING at once, new requests UNAVAILABLE with a retry hint, requests in
+flight finish within ``grace``, those still running then end UNAVAILABLE with their usage so far;
+:mod:`gateway.server`, "Shutdown"), then the scheduler (aborts what is left, frees KV blocks,
+shuts its executors down), then the Ray runtime the executors started here (a cluster joined with
 ``--ray-address`` is only disconnected from). A second signal exits at once. SIGHUP reloads
 the gateway's API keys file (:meth:`gateway.auth.ApiKeys.reload`).
 """

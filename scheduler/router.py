@@ -30,7 +30,9 @@ Policies (``SchedulerConfig.routing``):
   request's ``session_id`` (a tie-breaker only: the hashes decide), then to the lowest index.
   Right after routing, the router records in-process that the replica will hold the prompt's
   blocks (for ``provisional_ttl`` seconds), so a burst sharing a prefix lands together before
-  that replica's KV events reach the index. An index that is down or slow
+  that replica's KV events reach the index. A replica that dies loses its KV cache: the
+  service calls :meth:`Router.forget`, which drops its provisional blocks and the sessions it
+  last served, so its next incarnation is credited only with what the index learns from it. An index that is down or slow
   (:class:`kvstore.index.IndexUnavailable`) never fails a request: it is routed by load and
   counted in ``fallbacks``.
 - ``load``: the least-loaded healthy replica (ties: lowest index).
@@ -168,6 +170,16 @@ class Router:
             if len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
         return choice
+
+    def forget(self, replica: int) -> None:
+        """Forget what this router assumed ``replica`` holds: its provisional blocks and the
+        sessions it last served (their affinity). Call it when the replica's engine dies (its
+        KV cache goes with it) and when a new one takes its place: a restarted replica must get
+        no credit for the blocks of the dead one. Its prefix-index entries are its publisher's
+        (removed when the replica leaves the index, replaced by the new one's resync)."""
+        self._provisional.get(replica, {}).clear()     # (its queued expiries find nothing left)
+        for session in [s for s, r in self._sessions.items() if r == replica]:
+            del self._sessions[session]
 
     # ---- prefix ------------------------------------------------------------------------
     def _pick_prefix(self, healthy: list[ReplicaLoad], session_id: str, prompt: Sequence[int],

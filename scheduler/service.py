@@ -139,8 +139,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def replace_engine(self, replica: Replica, aengine) -> None:
         """Give ``replica`` a new engine loop (after a restart): its metrics observer, a fresh
-        publisher to the prefix index (the new engine's cache starts empty), one more restart."""
+        publisher to the prefix index (the new engine's cache starts empty: the publisher's first
+        act is a resync with its empty snapshot), nothing of the dead one in the router
+        (:meth:`scheduler.router.Router.forget`), one more restart."""
         await asyncio.to_thread(replica.stop_publishing)
+        if self.router is not None:
+            self.router.forget(replica.index)
         aengine.on_outputs = self.metrics.observer(replica.index)
         replica.aengine, replica.info = aengine, aengine.info
         replica.restarts += 1
@@ -148,9 +152,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             replica.start_publishing(self.index)
 
     async def retire_dead(self) -> None:
-        """Take replicas whose engine loop died out of the prefix index."""
+        """Take replicas whose engine loop died out of the prefix index, and out of the router's
+        assumptions (:meth:`scheduler.router.Router.forget`): their KV cache died with them."""
         for r in self.replicas:
             if r.publisher is not None and not r.healthy:
+                self.router.forget(r.index)
                 log.warning("replica %s is down (%r): removing it from the prefix index", r.replica_id,
                             r.aengine.errored or "its process exited")
                 await asyncio.to_thread(r.stop_publishing)

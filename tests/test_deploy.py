@@ -42,6 +42,7 @@ import pytest
 import yaml
 
 from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+from kvmesh.core.grpc_server import LIVENESS
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -442,8 +443,10 @@ def test_services_listen_where_probes_and_ports_say(sub):
             assert {"readinessProbe", "livenessProbe"} <= ps.keys(), c.where
             for kind, p in ps.items():
                 assert p["grpc"]["port"] == probed, (c.where, kind)   # grpc probes take numbers only
-                want = {grpc_service} if kind != "livenessProbe" else {"", grpc_service}
-                assert p["grpc"].get("service", "") in want, (c.where, kind)
+                # readiness (and start-up) ask the service, which follows what it depends on;
+                # liveness asks `liveness`, which does not (a replica restart must not kill the pod)
+                want = grpc_service if kind != "livenessProbe" else LIVENESS
+                assert p["grpc"].get("service", "") == want, (c.where, kind)
 
 
 def _mounted_files(c: Container) -> list[str]:

@@ -416,8 +416,14 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 
 async def _start_fake(fake) -> tuple[grpc.aio.Server, str]:
+    """``fake`` served with the health a scheduler has (SchedulerService SERVING: the gateway
+    follows it)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(fake, server)
+    servicer = health.aio.HealthServicer()
+    await servicer.set("kvmesh.v1.SchedulerService", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"

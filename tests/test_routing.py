@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import random
+import signal
 import shutil
 import socket
 import subprocess
@@ -379,3 +380,58 @@ async def test_redis_outage_routes_by_load_then_recovers(smollm2_dir):
 
 async def stats_failed(stats) -> bool:
     return all(r.index_failures > 0 for r in (await stats()).replicas)
+
+
+async def test_restarted_replica_is_credited_only_with_what_it_holds(smollm2_dir, redis_url):
+    """A replica restarts with an empty KV pool: the router credits it with nothing of its dead
+    incarnation. A chat is warmed on replica 0 (turn 1, routed there: the router records its
+    blocks as provisionally held by replica 0), replica 1 holds the chat's first 3 blocks (a
+    shared system prompt), replica 0's engine process is SIGKILLed and restarts; turn 2 then goes
+    to replica 1, by what is really cached (3 blocks, reused there), the index holding nothing of
+    replica 0's dead incarnation. Before, the router's provisional entries of the dead
+    incarnation outlived it and sent turn 2 to the restarted replica 0, credited with turn 1's 6
+    blocks, where nothing was cached. ``provisional_ttl`` is 120 s here so that the restart,
+    whose time depends on the machine's load, always falls within it; with the default 2 s a
+    restart of 1.4 s (measured on a quiet machine, docs/mesh.md) did the same."""
+    prefix = f"kvmesh-test-restart-{uuid.uuid4().hex[:8]}"
+    sched_cfg, eng_cfg = _configs(smollm2_dir, redis_url, prefix)
+    srv = await serve_scheduler(sched_cfg.replace(provisional_ttl=120.0), eng_cfg)
+    index = RedisIndex(redis_url, prefix=prefix, timeout=1.0)
+    try:
+        await srv.wait_ready()
+        seed = srv.service.replicas[0].info.hash_seed
+        r0, r1 = srv.service.replicas
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            stats = lambda: stub.GetStats(pb.GetStatsRequest())     # noqa: E731
+            system = Chat(seed=50).words(3 * BLOCK)                 # 3 full blocks shared with another chat
+            chat = Chat(seed=51)
+            chat.prompt = system + chat.words(60)                   # 108 tokens: 6 full blocks
+            async with busy(r1, seed=5):                            # both caches empty: the load decides
+                t1 = await turn(stub, chat.prompt, session="chat-restart")
+            assert t1.replica == 0
+            chat.add(t1.answer)
+            await wait_for(lambda: held(index, chat.prompt, seed).get(0, 0) >= 6, "turn 1's blocks on replica 0")
+            async for _ in r1.aengine.generate(None, system + Chat(seed=52).words(40),
+                                               SamplingParams(temperature=0.0, max_tokens=1)):
+                pass
+            await wait_for(lambda: held(index, chat.prompt, seed).get(1) == 3, "the shared blocks on replica 1")
+
+            old_pid = r0.aengine.pid
+            os.kill(old_pid, signal.SIGKILL)
+
+            async def restarted():
+                st = (await stats()).replicas[0]
+                return st.restarts == 1 and st.healthy and st.pid != old_pid and st.indexed and st.index_resyncs >= 1
+            await wait_for(restarted, "replica 0 restarted and resynced", timeout=120)
+            assert held(index, chat.prompt, seed) == {1: 3}         # nothing of the dead incarnation
+            await wait_idle(stub)
+            before = await stats()
+            t2 = await turn(stub, chat.prompt, session="chat-restart")
+            after = await stats()
+            assert (t2.replica, t2.cached) == (1, 3 * BLOCK)
+            assert after.prefix_routed_blocks - before.prefix_routed_blocks == 3     # credited what it reused
+    finally:
+        await srv.stop(grace=1.0)
+        index.close()
+        _delete_keys(redis_url, prefix)

@@ -44,7 +44,8 @@ def register(sub) -> None:
 
 def add_grace_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, metavar="S",
-                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish (5)")
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get to finish while new ones are refused "
+                        "with a retry hint; then those left end UNAVAILABLE (5)")
 
 
 def service_configs(args: argparse.Namespace, **sched_overrides):

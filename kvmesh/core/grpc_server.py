@@ -2,14 +2,18 @@
 :mod:`scheduler.service`): one ``grpc.aio`` server with
 
 * the service's servicer(s), added by the caller;
-* standard health checking (``grpc.health.v1``: "" and the service's name, NOT_SERVING until the
-  service says otherwise) and server reflection (the service, health, reflection);
+* standard health checking (``grpc.health.v1``, :class:`HealthServicer`): "" and the service's
+  name, NOT_SERVING until the service says otherwise (readiness: whether to send it requests);
+  :data:`LIVENESS`, SERVING from the bind to the graceful stop (liveness: the process answers,
+  whatever the state of what it depends on); and server reflection (the service, health,
+  reflection);
 * a listening address bound plaintext or with TLS (:mod:`kvmesh.core.tls`), never shared with
   another process (``so_reuseport`` off: a port in use is an error, not a second listener);
 * optionally a Prometheus ``/metrics`` endpoint (:mod:`kvmesh.core.metrics`) and a plaintext
   health-only port for probes that cannot speak TLS;
-* a graceful stop: health NOT_SERVING for everyone, no new RPCs, in-flight ones given a grace
-  period, then the extra ports, the tracer provider and the metrics endpoint closed.
+* a graceful stop: health NOT_SERVING for every name (open Watch streams get it, then end), no
+  new RPCs, in-flight ones given a grace period, then the extra ports, the tracer provider and
+  the metrics endpoint closed.
 
 What differs between the services (their servicers, the scheduler channel, replicas, the HTTP API)
 stays in their own modules.
@@ -29,8 +33,60 @@ from kvmesh.core.errors import DependencyUnavailableError
 from kvmesh.core.metrics import MetricsServer, start_metrics_server
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+# the health name of liveness (Kubernetes' livenessProbe): SERVING while the process answers, also
+# while what it depends on is down (the scheduler's replicas restarting, the gateway's scheduler)
+LIVENESS = "liveness"
 # the scaffold's own services: open to every client (API keys are not asked for them)
 SCAFFOLD_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1.Health`` over a status per service name, as grpc's reference servicer
+    (``Check`` of an unknown name is NOT_FOUND, ``Watch`` of one says SERVICE_UNKNOWN), except that
+    a ``Watch`` stream ends (status OK) once the server enters its graceful stop, right after it
+    has sent NOT_SERVING: a watcher (a gateway following its scheduler) then does not hold the
+    server's stop for its whole grace period. Use it from the server's event loop."""
+
+    def __init__(self):
+        self._status: dict[str, int] = {}
+        self._changed = asyncio.Event()          # set and replaced at each change
+        self.shutting_down = False
+
+    async def Check(self, request, context):
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service[:64]!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            changed = self._changed              # before reading: a change in between wakes the wait
+            status = self._status.get(request.service, SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self.shutting_down:
+                return
+            await changed.wait()
+
+    def _set(self, service: str, status: int) -> None:
+        self._status[service] = status
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def set(self, service: str, status: int) -> None:
+        """The status of ``service`` (ignored once shutting down)."""
+        if not self.shutting_down:
+            self._set(service, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every name NOT_SERVING for good; open Watch streams send it and end."""
+        self.shutting_down = True
+        for service in list(self._status):
+            self._set(service, NOT_SERVING)
+        self._changed.set()
 
 
 class GrpcServer:
@@ -38,7 +94,8 @@ class GrpcServer:
 
     Attributes:
         server: the ``grpc.aio.Server``.
-        health: its ``grpc.health.v1`` servicer (also answering on ``health_server``).
+        health: its ``grpc.health.v1`` servicer (:class:`HealthServicer`, also answering on
+            ``health_server``).
         service_name: the full name of the service (``kvmesh.v1.LLMService`` ...).
         host, port, address: where it listens (``port`` the bound one; ``address`` ``host:port``).
         metrics: the ``/metrics`` endpoint (:class:`kvmesh.core.metrics.MetricsServer`), None when off.
@@ -57,7 +114,8 @@ class GrpcServer:
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:
-        """Health of "" and of the service: SERVING or NOT_SERVING."""
+        """Health of "" and of the service (readiness): SERVING or NOT_SERVING. :data:`LIVENESS`
+        is not changed."""
         self.serving = serving
         for name in ("", self.service_name):
             await self.health.set(name, SERVING if serving else NOT_SERVING)
@@ -124,7 +182,7 @@ async def open_server(service_name: str, host: str, port: int, add_servicers: Ca
                       health_port: int = -1) -> GrpcServer:
     """Build the scaffold of a service named ``service_name`` (its servicers added by
     ``add_servicers(server)``) and bind ``host:port`` (0 = any free port; TLS with
-    ``credentials``); health NOT_SERVING. With ``metrics_port`` other than -1, serve
+    ``credentials``); health NOT_SERVING ("" and the service), :data:`LIVENESS` SERVING. With ``metrics_port`` other than -1, serve
     ``metrics_registry`` at ``http://host:metrics_port/metrics``; with ``health_port`` other than -1
     a plaintext health-only gRPC port. Returns the server, not yet started (:meth:`GrpcServer.start`).
 
@@ -134,7 +192,7 @@ async def open_server(service_name: str, host: str, port: int, add_servicers: Ca
     """
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *options], interceptors=list(interceptors) or None)
     add_servicers(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     addr = f"{host}:{port}"
@@ -146,6 +204,7 @@ async def open_server(service_name: str, host: str, port: int, add_servicers: Ca
                                          "(0 = any free port)") from None
     srv = GrpcServer(server, health_servicer, service_name, host, bound)
     await srv.set_serving(False)
+    await health_servicer.set(LIVENESS, SERVING)
     try:
         srv.metrics = start_metrics_server(metrics_registry, host, metrics_port) if metrics_registry else None
         srv.health_server = await _serve_health_port(health_servicer, host, health_port)
