@@ -86,23 +86,31 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     return xq.view(m, k), amax / 127.0
 
 
+def _group_scales(scales: torch.Tensor, superscales: torch.Tensor | None, k: int, G: int):
+    """The packed scales (workers/kernels/gemm.py ``pack_gguf_scales``) as per-group float64
+    ``(s, z)``, each ``[16P, K / G]``: ``w = s q + z``. k-quant: ``s = d sc``, ``z = -dmin m``
+    (``S = 1``: m = sc and dmin = 32 d)."""
+    if superscales is None:
+        s = scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
+        z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+        return s, z
+    sb = k // superscales.shape[1]
+    S = scales.shape[2]
+    d = superscales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+    dmin = (superscales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
+            * (32 if S == 1 else 1))
+    s = d * scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    z = -dmin * scales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    return s, z
+
+
 def gguf_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
                     bits: int, group_size: int, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``kvmesh::gguf_linear`` in PyTorch (float64 sums): ``[M, n]`` in x's dtype."""
     k = x.shape[1]
     q = unpack_gguf_qweight(qweight, bits, k).double()                          # [16P, K]
     G = group_size
-    if superscales is None:
-        s = scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
-        z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
-    else:
-        sb = k // superscales.shape[1]
-        S = scales.shape[2]             # 1: m = sc and dmin = 32 d (kernels/gemm.py, pack_gguf_scales)
-        d = superscales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
-        dmin = (superscales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
-                * (32 if S == 1 else 1))
-        s = d * scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
-        z = -dmin * scales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    s, z = _group_scales(scales, superscales, k, G)
     qb = 32 if superscales is None else k // superscales.shape[1]
     xq, dx = quantize_activations(x, qb)
     xq, dx = xq.double(), dx.double()
@@ -125,17 +133,7 @@ def gguf_linear_bf16_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     k = x.shape[1]
     q = unpack_gguf_qweight(qweight, bits, k).double()
     G = group_size
-    if superscales is None:
-        s = scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
-        z = scales[:, :, 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
-    else:
-        sb = k // superscales.shape[1]
-        S = scales.shape[2]
-        d = superscales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
-        dmin = (superscales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // sb).double().repeat_interleave(sb // G, 1)
-                * (32 if S == 1 else 1))
-        s = d * scales[:, :, 0, :].permute(0, 2, 1).reshape(-1, k // G).double()
-        z = -dmin * scales[:, :, S - 1, :].permute(0, 2, 1).reshape(-1, k // G).double()
+    s, z = _group_scales(scales, superscales, k, G)
     w = (q * s.repeat_interleave(G, 1) + z.repeat_interleave(G, 1))[:n].to(torch.bfloat16).double()
     y = x.double() @ w.T
     if bias is not None:
