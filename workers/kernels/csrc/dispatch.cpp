@@ -14,28 +14,22 @@ namespace {
 std::atomic<int> g_active{-1};
 }
 
-// CPUID.(EAX=7, ECX=0):EDX bit 22 AMX-BF16, bit 24 AMX-TILE; at::cpu::init_amx asks Linux for
-// the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), without which the first tile instruction faults.
-bool cpu_has_amx_bf16() {
+// CPUID.(EAX=7, ECX=0):EDX bit 24 AMX-TILE and the given feature bit; at::cpu::init_amx asks Linux
+// for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM), without which the first tile instruction faults.
+static bool cpu_has_amx(unsigned feature_bit) {
 #if defined(__x86_64__)
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d & (1u << 22)) && (d & (1u << 24)) && at::cpu::init_amx();
+  return (d & (1u << feature_bit)) && (d & (1u << 24)) && at::cpu::init_amx();
 #else
+  (void)feature_bit;
   return false;
 #endif
 }
 
-// CPUID.(EAX=7, ECX=0):EDX bit 25 AMX-INT8 (the GGUF kernel's tiles, gemm/gguf_gemm.cpp)
-bool cpu_has_amx_int8() {
-#if defined(__x86_64__)
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d & (1u << 25)) && (d & (1u << 24)) && at::cpu::init_amx();
-#else
-  return false;
-#endif
-}
+bool cpu_has_amx_bf16() { return cpu_has_amx(22); }
+
+bool cpu_has_amx_int8() { return cpu_has_amx(25); }    // the GGUF kernel's tiles (gemm/gguf_gemm.cpp)
 
 Isa cpu_isa() {
 #if defined(__x86_64__) || defined(__i386__)
