@@ -245,6 +245,25 @@ static inline __attribute__((always_inline)) void store_row_avx512(const GgufPro
   }
 }
 
+// A 4- or 6-bit chunk at pc as its two u8 [16 columns x 4 k] operands: w0 for k 8c..8c+3, w1
+// for 8c+4..8c+7 (the nibble plane, plus the high 2 bits of the 6-bit lanes: the layout of the
+// file comment).
+template <int BITS>
+static inline __attribute__((always_inline)) void chunk_operands(const uint8_t* pc, __m512i& w0, __m512i& w1) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(pc);
+  w0 = _mm512_and_si512(v, lo4);
+  w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+  if constexpr (BITS == 6) {
+    // per 128-bit lane l, the shift that brings bits 2l, 2l+1 of a high-plane byte down
+    const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
+    const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 64)));
+    const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 80)));
+    w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
+    w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
+  }
+}
+
 // acc[r][0] + acc[r][1] = the integer dot products q . xq of one group (G values of k) for rows
 // r < MR and the panel's 16 columns (int32; two chains per row for vpdpbusd's latency). q is
 // unsigned (u8 operand), xq signed: exact for every lane width.
@@ -253,29 +272,20 @@ static inline __attribute__((always_inline)) void group_dots_vnni(const uint8_t*
                                                                   int64_t q0, __m512i (&acc)[MR][2]) {
   constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);    // chunks per group, bytes each
   prefetch_ahead<kChunks * kCB>(pg);
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  // bits 6: per 128-bit lane l, the shift that brings bits 2l, 2l+1 of a high-plane byte down
-  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
   for (int c = 0; c < kChunks; ++c) {
-    const __m512i v = _mm512_loadu_si512(pg + c * kCB);
     if constexpr (BITS == 4 || BITS == 6) {
-      __m512i w0 = _mm512_and_si512(v, lo4);
-      __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-      if constexpr (BITS == 6) {
-        const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 64)));
-        const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pg + c * kCB + 80)));
-        w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
-        w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
-      }
+      __m512i w0, w1;
+      chunk_operands<BITS>(pg + c * kCB, w0, w1);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xq4[r][q0 + 2 * c]));
         acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, _mm512_set1_epi32(xq4[r][q0 + 2 * c + 1]));
       }
     } else {
+      const __m512i v = _mm512_loadu_si512(pg + c * kCB);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r)
         acc[r][c & 1] = _mm512_dpbusd_epi32(acc[r][c & 1], v, _mm512_set1_epi32(xq4[r][q0 + c]));
@@ -438,20 +448,9 @@ struct AmxScratch {
 // row 2c + 1 k 8c+4..8c+7 (the w0, w1 of group_dots_vnni).
 template <int BITS>
 static void amx_expand_panel(const uint8_t* panel, int64_t K, uint8_t* bt) {
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
-  constexpr int kCB = chunk_bytes(BITS);
   for (int64_t c = 0; c < K / 8; ++c) {
-    const uint8_t* pc = panel + c * kCB;
-    const __m512i v = _mm512_loadu_si512(pc);
-    __m512i w0 = _mm512_and_si512(v, lo4);
-    __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-    if constexpr (BITS == 6) {
-      const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 64)));
-      const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 80)));
-      w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
-      w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
-    }
+    __m512i w0, w1;
+    chunk_operands<BITS>(panel + c * chunk_bytes(BITS), w0, w1);
     _mm512_store_si512(bt + c * 128, w0);
     _mm512_store_si512(bt + c * 128 + 64, w1);
   }
@@ -473,7 +472,7 @@ static void amx_expand_m(const GgufProblem& pb, int64_t p, int8_t* bm) {
 // Rows [m0, m0 + 16) (x padded) against panel p: the group products in tiles, the scaling as
 // panel_rows_vnni's; rows < M are stored.
 template <int G, bool KQ>
-static void amx_row_block(const GgufProblem& pb, int64_t p, int64_t m0, const uint8_t* bt, int64_t bstride,
+static void amx_row_block(const GgufProblem& pb, int64_t p, int64_t m0, const uint8_t* bt,
                           const int8_t* bm, AmxScratch& sc) {
   const int64_t K = pb.K, ng = K / G;
   const int8_t* xa = pb.xq + m0 * K;
@@ -488,9 +487,9 @@ static void amx_row_block(const GgufProblem& pb, int64_t p, int64_t m0, const ui
       for (int64_t j = 0; j < per_sb; j += 2) {      // two groups in flight (per_sb is even)
         const int64_t k = k0 + j * G;
         _tile_loadd(2, xa + k, K);
-        _tile_loadd(4, bt + k / 4 * bstride, bstride);
+        _tile_loadd(4, bt + k * 16, 64);
         _tile_loadd(3, xa + k + G, K);
-        _tile_loadd(5, bt + (k + G) / 4 * bstride, bstride);
+        _tile_loadd(5, bt + (k + G) * 16, 64);
         _tile_zero(0);
         _tile_zero(1);
         _tile_dpbsud(0, 2, 4);
@@ -526,12 +525,12 @@ static void amx_row_block(const GgufProblem& pb, int64_t p, int64_t m0, const ui
     for (int64_t g = 0; g < ng; ++g, hs += 32) {
       if (g % 2 == 0) {                        // two groups in flight
         _tile_loadd(2, xa + g * G, K);
-        _tile_loadd(4, bt + g * G / 4 * bstride, bstride);
+        _tile_loadd(4, bt + g * G * 16, 64);
         _tile_zero(0);
         _tile_dpbsud(0, 2, 4);
         if (g + 1 < ng) {
           _tile_loadd(3, xa + (g + 1) * G, K);
-          _tile_loadd(5, bt + (g + 1) * G / 4 * bstride, bstride);
+          _tile_loadd(5, bt + (g + 1) * G * 16, 64);
           _tile_zero(1);
           _tile_dpbsud(1, 3, 5);
         }
@@ -575,8 +574,8 @@ static void amx_panels(const GgufProblem& pb, int64_t p0, int64_t p1) {
       if (pb.bits == 6) amx_expand_panel<6>(panel, K, bt0), bt = bt0;
       if (kq) amx_expand_m(pb, p, bm);
       for (int64_t m = mb; m < std::min(Mp, mb + mc); m += 16) {
-        if (pb.G == 32) kq ? amx_row_block<32, true>(pb, p, m, bt, 64, bm, sc) : amx_row_block<32, false>(pb, p, m, bt, 64, bm, sc);
-        else kq ? amx_row_block<16, true>(pb, p, m, bt, 64, bm, sc) : amx_row_block<16, false>(pb, p, m, bt, 64, bm, sc);
+        if (pb.G == 32) kq ? amx_row_block<32, true>(pb, p, m, bt, bm, sc) : amx_row_block<32, false>(pb, p, m, bt, bm, sc);
+        else kq ? amx_row_block<16, true>(pb, p, m, bt, bm, sc) : amx_row_block<16, false>(pb, p, m, bt, bm, sc);
       }
     }
   }
@@ -600,8 +599,7 @@ template <int BITS>
 static void dequant_panel_bf16(const GgufProblem& pb, int64_t p, uint16_t* out) {
   const int64_t K = pb.K, ng = K / pb.G;
   const uint8_t* panel = pb.qw + p * K * BITS * 2;
-  const __m512i lo4 = _mm512_set1_epi8(0x0F), b255 = _mm512_set1_epi32(0xFF);
-  const __m512i hshift = _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0), lo2 = _mm512_set1_epi8(0x03);
+  const __m512i b255 = _mm512_set1_epi32(0xFF);
   const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
   // 4 consecutive k of the 16 columns (w's lanes) -> two k-pair rows of out
   auto emit = [&](__m512i w, __m512 s, __m512 z, uint16_t* o) {
@@ -621,18 +619,12 @@ static void dequant_panel_bf16(const GgufProblem& pb, int64_t p, uint16_t* out) 
     const __m512 sv = _mm512_load_ps(s), zv = _mm512_load_ps(z);
     for (int64_t k = g * pb.G; k < (g + 1) * pb.G; k += chunk_k(BITS)) {
       const uint8_t* pc = panel + k / chunk_k(BITS) * chunk_bytes(BITS);
-      const __m512i v = _mm512_loadu_si512(pc);
       uint16_t* o = out + k * 16;
       if constexpr (BITS == 8) {
-        emit(v, sv, zv, o);
+        emit(_mm512_loadu_si512(pc), sv, zv, o);
       } else {
-        __m512i w0 = _mm512_and_si512(v, lo4), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-        if constexpr (BITS == 6) {
-          const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 64)));
-          const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(pc + 80)));
-          w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h0, hshift), lo2), 4));
-          w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h1, hshift), lo2), 4));
-        }
+        __m512i w0, w1;
+        chunk_operands<BITS>(pc, w0, w1);
         emit(w0, sv, zv, o);
         emit(w1, sv, zv, o + 64);
       }
