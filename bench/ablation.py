@@ -56,7 +56,7 @@ replica. Reported per row:
 
 Usage::
 
-    kvmesh bench ablation --output docs/ablation.json --markdown docs/benchmarks.md
+    kvmesh bench ablation --out docs/ablation.json --markdown docs/benchmarks.md
     kvmesh bench ablation --rows 2 5 --num-prompts 2 --max-tokens 4 --no-faithfulness   # smoke
     kvmesh bench ablation --table docs/ablation.json                                    # print again
 """
@@ -165,8 +165,9 @@ def row_settings(row: Row, args) -> tuple[dict, dict]:
 
 def check_settings(engine: dict, sched: dict) -> str | None:
     """None when EngineConfig and SchedulerConfig accept the settings, else the error."""
-    from kvmesh.core.config import EngineConfig, SchedulerConfig
+    from kvmesh.core.engine_config import EngineConfig
     from kvmesh.core.errors import EngineError
+    from kvmesh.core.service_config import SchedulerConfig
 
     try:
         EngineConfig(**engine)
@@ -350,7 +351,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-faithfulness", action="store_true", help="skip the faithfulness columns")
     p.add_argument("--reference", metavar="FILE",
                    help="faithfulness reference answers: loaded when FILE exists, else computed and written there")
-    add_output_args(p, markers="ablation", aliases=("--output",))
+    add_output_args(p, markers="ablation")
     command.add_child_arg(p)
 
 

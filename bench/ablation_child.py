@@ -16,7 +16,9 @@ import psutil
 def _env(engine: dict, sched: dict, extra: dict | None = None) -> dict:
     """The environment of the row's ``kvmesh serve``: every setting as KVMESH_* variables;
     the caller's other engine/scheduler variables removed; then ``extra``."""
-    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+    from kvmesh.core.engine_config import EngineConfig
+    from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
+    from kvmesh.core.settings import env_var
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for cls in (EngineConfig, SchedulerConfig, GatewayConfig):
@@ -75,7 +77,7 @@ class _KVPoller:
 
 
 def _bytes_per_block(engine: dict) -> int:
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.checkpoint import load_config
     from kvmesh.hub import resolve_model

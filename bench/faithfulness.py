@@ -374,13 +374,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                          "reference: give the server's --model)")
     p.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight with --server (8)")
     p.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads here (0 = torch's default)")
-    add_output_args(p, table=False, aliases=("--output",))
+    add_output_args(p, table=False)
     add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Answer the set with the reference and the configuration under test; print the summary."""
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from kvmesh.core.errors import EngineError
 
     if args.max_tokens < 1:

@@ -28,7 +28,7 @@ Chains (Linear shapes ``[out, in]``):
 
 Usage::
 
-    python -m bench.gemm [--models smollm2 qwen2.5-0.5b] [--m 1 8 32 256] [--runs 5] [--json out.json]
+    python -m bench.gemm [--models smollm2 qwen2.5-0.5b] [--m 1 8 32 256] [--runs 5] [--out out.json]
     python -m bench.gemm --threads 1 --clock thread     # per-core numbers on a busy machine
     python -m bench.gemm --m 2048 --runs 1 --columns "aten fp32" "kernel fp32 x"   # prefill
 """
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from bench.machine import cpu_model, read_bandwidth, time_call
 
 from bench.markdown import add_output_args
+from workers import kernels
 from workers.kernels import gemm
 
 CHAINS = {
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: CPU time of the calling thread, immune to preemption on a "
                          "shared machine; only with --threads 1")
-    add_output_args(ap, table=False, aliases=("--json",))
+    add_output_args(ap, table=False)
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="min: the best pass, an estimate of an idle machine when others "
                          "preempt the threads")
@@ -145,11 +146,11 @@ def main(argv=None) -> int:
         if torch.get_num_threads() != 1:
             ap.error("--clock thread needs --threads 1")
         _clock = time.thread_time
-    if not gemm.available():
+    if not kernels.available():
         raise SystemExit("kvmesh gemm kernels unavailable")
     bw = read_bandwidth() / 1e9
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"kernel ISA {gemm.isa()}; read bandwidth {bw:.1f} GB/s (sum over 1 GiB fp32); "
+          f"kernel ISA {kernels.path('bf16_linear')}; read bandwidth {bw:.1f} GB/s (sum over 1 GiB fp32); "
           f"{args.clock} clock, {args.stat} of {args.runs}")
     print("| model         |     M | " + " | ".join(f"{c:>22s}" for c in COLUMNS) + " |")
     print("|---|---:|" + "---:|" * len(COLUMNS))
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         rows += bench_chain(name, args.m, args.runs, args.max_seconds, args.columns)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"cpu": cpu_model(), "threads": torch.get_num_threads(), "isa": gemm.isa(),
+            json.dump({"cpu": cpu_model(), "threads": torch.get_num_threads(), "isa": kernels.path("bf16_linear"),
                        "read_gb_s": bw, "clock": args.clock, "stat": args.stat, "rows": rows}, f, indent=1)
     return 0
 

@@ -13,7 +13,8 @@ cache between matrices), and times
   compute-bound prefill case), in GMAC/s.
 
 Each figure is the median (chain) or best (one matrix) of ``--runs`` timed runs after a
-warm-up. The kernel path is the one ``KVMESH_KERNEL_ISA`` leaves (printed).
+warm-up. The kernel path is the active level's (``KVMESH_KERNEL_ISA``, read when the kernels
+load; printed).
 
 Usage::
 
@@ -66,18 +67,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench.machine import cpu_model, read_bandwidth
+    from workers import kernels
     from workers.kernels import gemm
     if not gemm.gguf_available():
         raise SystemExit("the native kernels are not built here")
     gen = torch.Generator().manual_seed(0)
     chain = [_matrix(*s, gen) for _ in range(LAYERS) for s in SHAPES]
-    # on 2 MiB pages, as the model's (workers.layers.linear.gguf_to_huge_pages; KVMESH_HUGE_PAGES=0: not)
+    # on 2 MiB pages, as the model's (workers.layers.linear.gguf_to_huge_pages)
     from workers.huge_pages import to_huge_pages
     moved = iter(to_huge_pages([t for m in chain for t in m[:3]]))
     chain = [(next(moved), next(moved), next(moved)) + m[3:] for m in chain]
     nbytes = sum(_bytes(m) for m in chain)
     bw = read_bandwidth()
-    res = {"cpu": cpu_model(), "path": gemm.gguf_path(), "threads": torch.get_num_threads(),
+    res = {"cpu": cpu_model(), "path": kernels.path("gguf_linear"), "threads": torch.get_num_threads(),
            "bandwidth_bytes_per_s": bw, "chain_bytes": nbytes, "chain": [], "compute": []}
     print(f"# CPU: {res['cpu']}; gguf_linear path {res['path']}; {res['threads']} threads; read bandwidth "
           f"{bw / 1e9:.1f} GB/s; chain {nbytes / 1e6:.0f} MB")

@@ -1,6 +1,6 @@
 """The per-ISA table: kvmesh's defaults at every kernel level this CPU supports, side by side.
 
-For each level (``KVMESH_KERNEL_ISA`` forced: ``scalar``, ``avx2``, ``avx512``, ``avx512bf16``,
+For each level (the ``kernel_isa`` setting forced: ``scalar``, ``avx2``, ``avx512``, ``avx512bf16``,
 ``amx``, up to the CPU's best, or ``--levels``), runs ``python -m bench.profile`` in a fresh
 process with ``--dtype auto`` and the default weight format, so the level's own defaults apply
 (``EngineConfig.torch_dtype``: float32 at ``scalar``, bfloat16 above; ``--weight-format auto``:
@@ -43,8 +43,8 @@ def run_level(level: str, args) -> dict:
         cmd = [sys.executable, "-m", "bench.profile", "--model", args.model, "--dtype", "auto",
                "--batch", *map(str, args.batch), "--context", str(args.context),
                "--prefill-tokens", str(args.prefill_tokens), "--steps", str(args.steps), "--top", "200",
-               "--threads", str(args.threads), "--out", out]
-        env = {**os.environ, "KVMESH_KERNEL_ISA": level}
+               "--threads", str(args.threads), "--engine-arg", f"kernel_isa={level}", "--out", out]
+        env = {**os.environ, "KVMESH_KERNEL_ISA": level}       # the kernels' level from their load on
         print(f"[isa_table] {level}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         res = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if res.returncode != 0:

@@ -28,9 +28,9 @@ from bench.machine import cpu_model
 
 def _fill(engine, tokenizer, batch: int, steps: int, tag: str) -> list:
     """Add ``batch`` requests at 1.6k context and step until each has its first token."""
-    from bench.profile import _prompts
+    from bench.profile import policy_prompts
     from kvmesh.core.sampling import SamplingParams
-    for i, ids in enumerate(_prompts(tokenizer, batch, 1600, False)):
+    for i, ids in enumerate(policy_prompts(tokenizer, batch, 1600, False)):
         engine.add_request(f"{tag}{i}", ids, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
     reqs = [engine.scheduler.requests[f"{tag}{i}"] for i in range(batch)]
     while any(r.num_output_tokens == 0 for r in reqs):
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from kvmesh.hub import resolve_model
     from scheduler.engine import LLMEngine
     from workers import kernels

@@ -70,7 +70,7 @@ def run_one(engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, 
 
 
 def make_engine(args, **kw):
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from scheduler.engine import LLMEngine
     cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                        max_model_len=4096, num_threads=args.threads, **kw)

@@ -2,7 +2,7 @@
 
     python -m bench.load_memory --model NAME_OR_DIR [--dtype bfloat16] [--runs 2]
                                 [--weight-format none|int8|int4|fp8|w8a8-int8]
-                                [--code DIR] [--max-positions 8192] [--json OUT]
+                                [--code DIR] [--max-positions 8192] [--out OUT]
 
 For every run a new Python process imports kvmesh's loader (from ``--code``, default this
 checkout: pass another checkout to measure its loader on the same machine), resolves the model
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code", type=Path, default=_REPO, help="kvmesh checkout whose loader is measured")
     ap.add_argument("--max-positions", type=int, default=8192, help="RoPE table size (tokens)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    add_output_args(ap, table=False, aliases=("--json",))
+    add_output_args(ap, table=False)
     ap.add_argument("--weight-format", default="none", help="none or a quantized format (cache built first)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)

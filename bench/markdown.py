@@ -2,13 +2,13 @@
 
 - ``--out FILE``: the results as JSON (rows, or ``{"meta", "rows"}``), written after each row
   too, so a run that breaks later keeps what it measured (:func:`write_json`);
-- ``--markdown FILE`` (alias ``--md``): the table, under a ``Command: ...`` line, in FILE between
+- ``--markdown FILE``: the table, under a ``Command: ...`` line, in FILE between
   the benchmark's two HTML-comment markers, the rest of the file left as it is
   (:func:`write_markdown`, :func:`replace_block`);
 - ``--table JSON...``: print the table of saved ``--out`` files and exit (:func:`print_saved_table`).
 
-Older names of ``--out`` that recorded commands in docs/ use (``--output``, ``--result-file``,
-``--json``) stay accepted as aliases.
+Commands recorded in docs/ from earlier runs may name ``--out`` ``--output``, ``--result-file``
+or ``--json``, and ``--markdown`` ``--md``: those names are no longer accepted.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 
 
 def add_output_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, markers: str | None = None,
-                    aliases: Sequence[str] = (), table: bool = True) -> None:
-    """Add ``--out`` (with ``aliases``), ``--markdown``/``--md`` when the benchmark writes a table
-    into docs (``markers`` names its block, for the help), and ``--table`` unless ``table`` is False."""
-    p.add_argument("--out", *aliases, dest="out", metavar="FILE",
+                    table: bool = True) -> None:
+    """Add ``--out``, ``--markdown`` when the benchmark writes a table into docs (``markers``
+    names its block, for the help), and ``--table`` unless ``table`` is False."""
+    p.add_argument("--out", dest="out", metavar="FILE",
                    help="write the results here as JSON (after each row too)")
     if markers:
-        p.add_argument("--markdown", "--md", dest="markdown", metavar="FILE",
+        p.add_argument("--markdown", dest="markdown", metavar="FILE",
                        help=f"write the table into FILE between the {markers} markers")
     if table:
         p.add_argument("--table", nargs="+", metavar="JSON", help="print the table of saved --out files and exit")

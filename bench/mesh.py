@@ -80,7 +80,7 @@ def run_engine(args) -> list[dict]:
             t0, stamps, n = time.perf_counter(), [], 0
             ids = llm.encode_chat(convs[i])          # the gateway tokenizes inside TTFT too
             async for ro in llm.generate(None, ids, sp):
-                k = len(ro.outputs[0].token_ids) - n
+                k = len(ro.outputs[0].delta_token_ids)
                 if k:
                     stamps.append(time.perf_counter())
                     n += k
@@ -99,7 +99,10 @@ def run_engine(args) -> list[dict]:
 
 # ---- the mesh -------------------------------------------------------------------------------
 
-async def _mesh_passes(address: str, args, label: str) -> list[dict]:
+async def mesh_passes(address: str, args, label: str) -> list[dict]:
+    """Greedy PolicyDesk chats (``args.requests`` of them, ``args.max_tokens`` tokens each,
+    streamed over gRPC from the gateway at ``address``): one warm-up pass at concurrency 16, then
+    one pass per ``args.concurrency``; a summary row (``label``, times in seconds) per pass."""
     import grpc
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
 
@@ -134,7 +137,7 @@ def run_mesh(args, pp: int) -> list[dict]:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", KVMESH_NUM_THREADS=str(max(1, args.threads // pp)))
     cmd = ["serve", "--model", args.model, "--pp", str(pp), "--port", "0", "--scheduler-port", "0"]
     with served(cmd, env, "gateway") as address:
-        return asyncio.run(_mesh_passes(address, args, f"mesh pp={pp}"))
+        return asyncio.run(mesh_passes(address, args, f"mesh pp={pp}"))
 
 
 def table(rows: list[dict]) -> str:

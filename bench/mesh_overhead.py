@@ -30,7 +30,8 @@ async def measure(executor: str, reps: int, max_tokens: int, model: str) -> dict
     import torch
 
     from gateway.server import serve_gateway
-    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.engine_config import EngineConfig
+    from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
     from kvmesh.core.sampling import SamplingParams
     from scheduler.async_engine import AsyncEngine

@@ -22,7 +22,7 @@ with the paired gate (:func:`bench.gate.verdict`, same items).
 
 Usage::
 
-    python -m bench.model_choice --output docs/model_choice_<date>_<cpu>.json   # then name it in bench/results_page.py
+    python -m bench.model_choice --out docs/model_choice_<date>_<cpu>.json   # then name it in bench/results_page.py
     python -m bench.model_choice --configs smollm2-135m-instruct:none --num-questions 6 --num-chats 1  # smoke
 """
 
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-questions", type=int, default=96, metavar="N", help="single questions (96 = all)")
     p.add_argument("--num-chats", type=int, default=24, metavar="N", help="chats, every turn scored (24 = all)")
     p.add_argument("--max-tokens", type=int, default=96, metavar="N", help="answer length limit (96)")
-    add_output_args(p, markers="model-choice", aliases=("--output",))
+    add_output_args(p, markers="model-choice")
     command.add_child_arg(p)
     return p
 

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench.machine import cpu_model
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from workers.executor import InProcessExecutor, RayPipelineExecutor, ensure_ray
     from kvmesh.hub import resolve_model
 

@@ -19,6 +19,9 @@ Usage::
 
     python -m bench.profile [--model smollm2-135m-instruct] [--dtype bfloat16] [--batch 1 8 32]
                             [--context 1600] [--steps 16] [--top 20] [--out profile.json]
+    # a speculative step (issue 31): the draft's and the verification's share
+    python -m bench.profile --model qwen2.5-coder-1.5b-instruct --batch 1 8 \
+        --engine-arg speculative_method=draft --engine-arg draft_model=qwen2.5-coder-0.5b-instruct
 
 Keep its tables in docs/engine.md ("Profile") with the CPU model it prints.
 """
@@ -37,7 +40,7 @@ from bench.machine import cpu_model, read_bandwidth
 from bench.markdown import add_output_args
 
 
-def _prompts(tokenizer, n: int, context: int, shared: bool) -> list[list[int]]:
+def policy_prompts(tokenizer, n: int, context: int, shared: bool) -> list[list[int]]:
     """``n`` PolicyDesk prompts cut or padded (by repeating the policy) to ``context`` tokens."""
     import policydesk
     names = sorted({q["policy"] for q in policydesk.questions()})
@@ -62,19 +65,28 @@ def _table(prof, steps: int, top: int) -> list[dict]:
     return rows
 
 
+# the record_function labels of the engine step (scheduler/engine.py, workers/model_runner.py) and,
+# with speculative decoding, of its parts: ``verify`` (rejection, inside ``sample``), ``propose``
+# (the draft model, after ``sample``) split into ``draft_catch_up`` (one forward over the tokens
+# the target committed, first proposal) and ``draft_decode`` (each further proposal)
+PHASES = ("schedule", "prepare", "forward", "sample", "verify", "propose", "draft_catch_up", "draft_decode",
+          "update")
+
+
 def _phases(prof, steps: int) -> dict[str, float]:
     """ms per step of each record_function label of the engine (CPU total, not self)."""
     out = {}
     for e in prof.key_averages():
-        if e.key in ("schedule", "prepare", "forward", "sample", "update"):
+        if e.key in PHASES:
             out[e.key] = e.cpu_time_total / 1e3 / steps
     return out
 
 
 def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top: int, shared: bool) -> dict:
     from kvmesh.core.sampling import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i, ids in enumerate(_prompts(tokenizer, batch, context, shared)):
+    per_step = 1 + (engine.cfg.num_speculative_tokens if engine.cfg.speculative_method else 0)
+    params = SamplingParams(temperature=0.0, max_tokens=(steps + 8) * per_step, ignore_eos=True)
+    for i, ids in enumerate(policy_prompts(tokenizer, batch, context, shared)):
         engine.add_request(f"p{batch}-{i}", ids, params)
     reqs = [engine.scheduler.requests[f"p{batch}-{i}"] for i in range(batch)]
     while any(r.num_output_tokens == 0 for r in reqs):      # prefill every prompt
@@ -82,11 +94,13 @@ def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top:
     for _ in range(2):                                        # warm-up decodes
         engine.step()
     walls = []
+    emitted = sum(r.num_output_tokens for r in reqs)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             t = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t)
+    emitted = sum(r.num_output_tokens for r in reqs) - emitted
     # the same steps without the profiler, for honest wall times
     plain = []
     for _ in range(min(steps, 4)):
@@ -98,13 +112,14 @@ def profile_decode(engine, tokenizer, batch: int, context: int, steps: int, top:
         engine.abort_request(r.request_id)
     engine.step()
     return {"batch": batch, "context": context, "kv_blocks": kv_blocks, "step_ms": statistics.median(plain) * 1e3,
+            "tokens_per_step": emitted / steps,         # > batch only with speculation (accepted proposals)
             "step_ms_profiled": statistics.median(walls) * 1e3,
             "phases_ms": _phases(prof, steps), "ops": _table(prof, steps, top)}
 
 
 def profile_prefill(engine, tokenizer, tokens: int, top: int) -> dict:
     from kvmesh.core.sampling import SamplingParams
-    ids = _prompts(tokenizer, 1, tokens, True)[0]
+    ids = policy_prompts(tokenizer, 1, tokens, True)[0]
     ids = ids[::-1]                      # a prompt no earlier request cached
     engine.add_request("prefill", ids, SamplingParams(temperature=0.0, max_tokens=1))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -130,11 +145,15 @@ def decode_bytes(engine, kv_blocks: int) -> int:
 def _print(res: dict, bw: float) -> None:
     print(f"\n# CPU: {res['cpu']}; read bandwidth {bw / 1e9:.1f} GB/s; model {res['model']} {res['torch_dtype']} "
           f"(dtype {res['dtype']}), weights {res['weight_format']}, kernels {res['kernel_isa']}; torch threads {res['threads']}")
+    if res["speculative_method"]:
+        print(f"speculation: {res['speculative_method']} {res['draft_model']}, k <= {res['num_speculative_tokens']}")
     for d in res["decode"]:
         need = d["bytes"] / bw
         print(f"\n## decode, batch {d['batch']}, context {d['context']}: step {d['step_ms']:.2f} ms "
               f"({d['batch'] / d['step_ms'] * 1e3:.1f} tok/s); roofline {d['bytes'] / 1e6:.0f} MB/step -> "
               f"{need * 1e3:.2f} ms ({1 / need * d['batch']:.0f} tok/s); measured/roofline {need * 1e3 / d['step_ms']:.0%}")
+        print(f"output tokens per step {d['tokens_per_step']:.2f} -> {d['tokens_per_step'] / d['step_ms'] * 1e3:.1f} "
+              f"tok/s")
         print("phases (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in d["phases_ms"].items()))
         _ops(d["ops"])
     p = res["prefill"]
@@ -165,14 +184,14 @@ def main(argv: list[str] | None = None) -> dict:
     add_output_args(ap, table=False)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from scheduler.engine import LLMEngine
     from transformers import AutoTokenizer
     extra = {}
     for kv in args.engine_arg:
         k, _, v = kv.partition("=")
         extra[k] = v
-    max_len = max(args.context, args.prefill_tokens) + args.steps + 64
+    max_len = max(args.context, args.prefill_tokens) + (args.steps + 8) * 5 + 64    # k <= 4 proposals a step
     cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                        enable_prefix_caching=True, max_num_seqs=max(args.batch),
                        max_num_batched_tokens=4096, max_model_len=max(max_len, 2048),
@@ -185,7 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"cpu": cpu_model(), "bandwidth_bytes_per_s": bw, "model": args.model, "dtype": args.dtype,
            "torch_dtype": str(cfg.torch_dtype).removeprefix("torch."), "kernel_isa": kernels.isa(),
            "weight_format": resolve_weight_format(cfg.weight_format, engine.model_dir),
-           "threads": torch.get_num_threads(), "decode": []}
+           "threads": torch.get_num_threads(), "speculative_method": cfg.speculative_method,
+           "num_speculative_tokens": cfg.num_speculative_tokens if cfg.speculative_method else 0,
+           "draft_model": cfg.draft_model if cfg.uses_draft else "", "decode": []}
     for b in args.batch:
         d = profile_decode(engine, tokenizer, b, args.context, args.steps, args.top, args.shared_prefix)
         d["bytes"] = decode_bytes(engine, d["kv_blocks"])

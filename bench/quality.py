@@ -3,7 +3,7 @@ PolicyDesk policy texts and the KL divergence of its next-token distributions fr
 reference configuration's (by default the same model, dense weights, KV in the model dtype).
 
 Each text goes through the engine's own serving path: a :class:`workers.model_runner.ModelRunner`
-built from the :class:`kvmesh.core.config.EngineConfig` (its weight format, its KV cache dtype), fed
+built from the :class:`kvmesh.core.engine_config.EngineConfig` (its weight format, its KV cache dtype), fed
 in chunks of ``chunk`` tokens (default 64) that attend to the earlier chunks through the paged
 KV cache (prefill with context: the chunk's K/V is written to the cache and read back, quantized
 if the cache is), or token by token (``chunk=1``: the decode path, blocks filled one token at a
@@ -34,7 +34,7 @@ import torch
 import policydesk
 from bench import command
 from bench.markdown import add_output_args
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 
 CHUNK = 64
 

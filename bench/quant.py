@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return command.answer(run_one(args))
-    from kvmesh.core.config import _parse_bytes
+    from kvmesh.core.settings import parse_bytes
     specs = [parse_format(s, args.dtype) for s in args.formats]
     if args.quality:
         print(quality(args, specs))
@@ -273,9 +273,9 @@ def main(argv=None) -> int:
     rows, fit = [], []
     for fmt, dtype in specs:
         if args.memory_cap:
-            cap = _parse_bytes(args.memory_cap)
+            cap = parse_bytes(args.memory_cap)
             wbytes = prepared[fmt] // (2 if fmt == "none" and dtype == "bfloat16" else 1)
-            need = wbytes + _parse_bytes(args.kv_cache_memory) + _parse_bytes(args.overhead)
+            need = wbytes + parse_bytes(args.kv_cache_memory) + parse_bytes(args.overhead)
             if need > cap:
                 fit.append(f"{fmt}:{dtype}: needs ~{need / 2**30:.2f} GiB (weights {wbytes / 2**30:.2f} GiB) "
                            f"> cap {cap / 2**30:.2f} GiB: not started")

@@ -408,6 +408,8 @@ def quality(run: Run) -> list[list[str]]:
 
 def soak(run: Run) -> list[list[str]]:
     d = run.first
+    if "processes" in d:                           # a soak with every process's RSS (and chaos)
+        return _chaos_soak(d)
     expected = sum(sum(v.values()) for v in d["outcomes"].values())
     return [
         ["requests (concurrency)", f"{num(d['requests'])} ({d['concurrency']}), {num(d['wall_s'], 0)} s"],
@@ -422,6 +424,55 @@ def soak(run: Run) -> list[list[str]]:
         ["`kvmesh serve` (gateway + scheduler) RSS",
          f"{num(d['serve_rss_warm_mib'], 0)} -> {num(d['serve_rss_end_mib'], 0)} MiB ({d['serve_rss_growth_pct']:+.1f}%)"],
     ]
+
+
+def _chaos_soak(d: dict) -> list[list[str]]:
+    """Rows of a ``bench.soak`` run that records every process (``processes``) and its chaos."""
+    served = [a for a in d["serve_args"] if not a.startswith("redis://")]
+    served = " ".join(a for a in served if a not in ("--kv-offload-redis-url", "--redis-url"))
+    own = "--kv-offload-redis-url" in d["serve_args"]
+    rows = [["requests (concurrency), wall time", f"{num(d['requests'])} ({d['concurrency']}), {num(d['wall_s'], 0)} s"],
+            ["`kvmesh serve` flags", f"`{served}`" + (", the soak's own redis-server as KV tier and prefix index"
+                                                       if own else "")]]
+    chaos = d["chaos"]
+    if "redis_restart" in chaos:
+        r = chaos["redis_restart"]
+        w = d["redis_window"]
+        rows.append(["Redis killed (SIGKILL) and started again, empty",
+                     f"at {num(r['done'])} requests done, down {r['t_up'] - r['t_down']:.1f} s; {w['requests']} "
+                     f"requests open meanwhile: {w['expected_by'].get('kind', 0)} their kind's outcome, "
+                     f"{w['expected_by'].get('unexpected', 0)} unexpected"])
+    if "stage_kill" in chaos:
+        k, w = chaos["stage_kill"], d["kill_window"]
+        n = w["expected_by"]
+        rows.append([f"stage {k['stage']} killed (SIGKILL), the replica restarted whole",
+                     f"at {num(k['done'])} requests done, {k['in_flight']} in flight; back after {k['down_s']:.1f} s; "
+                     f"{w['requests']} requests open meanwhile: {n.get('kind', 0)} their kind's outcome, "
+                     f"{n.get('cut', 0)} UNAVAILABLE `replica 0 failed` after their first tokens, "
+                     f"{n.get('waited', 0)} UNAVAILABLE after waiting `--restart-wait`, {n.get('unexpected', 0)} "
+                     "unexpected"])
+    hints = d["unavailable_retry_hints"]
+    expected = sum(sum(v.values()) for v in d["outcomes"].values()) - d["unexpected"]
+    rows += [["answered as expected / unexpected", f"{num(expected)} / {d['unexpected']}"
+              + (f" (UNAVAILABLE: {hints.get('with retry hint', 0)} with a retry hint, {hints.get('without', 0)} "
+                 "without)" if hints else "")],
+             ["KV blocks in use at the end (idle)", num(d["used_blocks_after"])]]
+    for p in d["processes"]:
+        if not p["checked"]:
+            continue
+        when = "after warm-up" if p["baseline"] == "idle after warm-up" else "after the restart's warm-up"
+        whole = (f"{num(p['rss_before_mib'], 0)} -> {num(p['rss_after_mib'], 0)} MiB "
+                 f"({p['rss_growth_pct']:+.1f}%)")
+        if not p["bounded"]:
+            rows.append([f"{p['role']}: RSS, {when} -> end", whole])
+            continue
+        caches = [f"{name} {num(p[f'{key}_before_mib'], 0)} -> {num(p[f'{key}_after_mib'], 0)} MiB" for name, key in
+                  (("KV pool", "kv_pool_rss"), ("host tier", "host_tier"), ("Ray object store pages", "object_store_rss"))
+                  if p[f"{key}_after_mib"]]
+        rows.append([f"{p['role']}: RSS outside its bounded caches ({p['bounded']}), {when} -> end",
+                     f"{num(p['rest_before_mib'], 0)} -> {num(p['rest_after_mib'], 0)} MiB "
+                     f"({p['rest_growth_pct']:+.1f}%); whole RSS {whole}: {', '.join(caches)}"])
+    return rows
 
 
 NOV30 = "AMD EPYC, AVX-512 with BF16/VNNI, AMX"     # the history's introduction: sections 1-4, 2026-11-30
@@ -547,12 +598,18 @@ QUESTIONS: tuple[Question, ...] = (
         quality),
     Question(
         "Soak: 2,000 requests through `kvmesh serve`",
-        "`bench.soak`: `kvmesh serve --model smollm2-135m-instruct` with its defaults; chats, short prompts, "
-        "stop strings, cancellations, deadlines, aborts and bad requests at concurrency 16 through the gRPC "
-        "gateway; every answer checked against what its kind expects, the RSS of the engine process after "
-        "warm-up and at the end (idle).",
+        "`bench.soak`: `kvmesh serve --model smollm2-135m-instruct`; chats, short prompts, stop strings, "
+        "cancellations, deadlines, aborts and bad requests at concurrency 16 through the gRPC gateway; every "
+        "answer checked against what its kind expects, the RSS of each process after warm-up and at the end "
+        "(idle). The pp-2 run has the real process shapes (the gateway and scheduler in one process, the engine "
+        "process, two Ray stage processes) with the KV tiers on, a Redis restart and a stage killed in the "
+        "middle: a request open while its replica is down may only end UNAVAILABLE if it had received tokens "
+        "(`replica N failed`, its stream cannot be resumed); its RSS growth is outside the bounded caches (the KV "
+        "pool's resident pages, the host tier's bytes, Ray's object store pages) from each process's own idle "
+        "baseline (the restarted ones: after their own warm-up).",
         ("figure", "value"),
-        (Source(("soak.json",), "6", "family 26 model 2"),),
+        (Source(("soak_2026-12-04_zen4_pp2.json",), "0z13", "family 25 model 17"),
+         Source(("soak.json",), "6", "family 26 model 2"),),
         soak),
 )
 

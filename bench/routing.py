@@ -26,7 +26,7 @@ per replica, and the scheduler's GetStats (preemptions, prefix-routed requests, 
 
 Usage::
 
-    python -m bench.routing --out docs/routing.json --md docs/routing.md
+    python -m bench.routing --out docs/routing.json --markdown docs/routing.md
     python -m bench.routing --sessions 2 --turns 2 --routing prefix      # smoke test
     python -m bench.routing --table docs/routing.json                      # print the table again
 """
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.checkpoint import load_config
     from kvmesh.hub import resolve_model

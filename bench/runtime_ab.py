@@ -41,10 +41,10 @@ CLOCK = time.perf_counter     # --cpu-time: time.process_time
 
 
 def _ttft(engine, tokenizer, rounds: int) -> dict:
-    from bench.profile import _prompts
+    from bench.profile import policy_prompts
     from kvmesh.core.sampling import SamplingParams
     runner = engine.executor.runner
-    base = _prompts(tokenizer, 1, 1500, True)[0][::-1]
+    base = policy_prompts(tokenizer, 1, 1500, True)[0][::-1]
     res = {"sdpa": [], "kernel": []}
     for i in range(rounds):
         for name, flag in (("sdpa", False), ("kernel", True)):
@@ -60,10 +60,10 @@ def _ttft(engine, tokenizer, rounds: int) -> dict:
 
 
 def _decode(engine, tokenizer, batch: int, rounds: int) -> dict:
-    from bench.profile import _prompts
+    from bench.profile import policy_prompts
     from kvmesh.core.sampling import SamplingParams
     runner = engine.executor.runner
-    for i, ids in enumerate(_prompts(tokenizer, batch, 1600, False)):
+    for i, ids in enumerate(policy_prompts(tokenizer, batch, 1600, False)):
         engine.add_request(f"dec{i}", ids, SamplingParams(temperature=0.0, max_tokens=4 * rounds + 8, ignore_eos=True))
     reqs = [engine.scheduler.requests[f"dec{i}"] for i in range(batch)]
     while any(r.num_output_tokens == 0 for r in reqs):
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         CLOCK = time.process_time
     from transformers import AutoTokenizer
 
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from scheduler.engine import LLMEngine
     from workers import kernels
     from kvmesh.hub import resolve_model

@@ -16,11 +16,13 @@ LISTEN = re.compile(r"kvmesh: (\w+) listening on (\S+)")
 
 
 @contextlib.contextmanager
-def served(args: list[str], env: dict, service: str, addresses: dict | None = None) -> Iterator[str]:
+def served(args: list[str], env: dict, service: str, addresses: dict | None = None,
+           log: str | None = None) -> Iterator[str]:
     """Run ``python -m kvmesh.cli ARGS`` and yield the address ``service`` (``gateway`` or
     ``scheduler``) listens on. ``addresses``, when given, is filled with every service's address
-    seen up to then (``kvmesh serve``: the scheduler's too). Raises RuntimeError with the last
-    lines of stderr when the process exits first."""
+    seen up to then (``kvmesh serve``: the scheduler's too). ``log``: a file that gets the
+    process's stderr (else it is discarded once the address is known). Raises RuntimeError with
+    the last lines of stderr when the process exits first."""
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", *args], env=env, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True)
     try:
@@ -35,8 +37,20 @@ def served(args: list[str], env: dict, service: str, addresses: dict | None = No
                 break
         else:
             raise RuntimeError(f"kvmesh {args[0]} exited with {proc.wait()}:\n{''.join(seen[-30:])}")
-        # keep draining stderr (discarded): a full pipe would block the service's next write
-        threading.Thread(target=collections.deque, args=(proc.stderr, 0), daemon=True).start()
+        # keep draining stderr: a full pipe would block the service's next write
+        if log is None:
+            threading.Thread(target=collections.deque, args=(proc.stderr, 0), daemon=True).start()
+        else:
+            out = open(log, "w", encoding="utf-8")
+            out.writelines(seen)
+            out.flush()
+
+            def copy():
+                with out:
+                    for line in proc.stderr:
+                        out.write(line)
+                        out.flush()
+            threading.Thread(target=copy, daemon=True).start()
         yield address
     finally:
         proc.send_signal(signal.SIGTERM)

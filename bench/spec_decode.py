@@ -1,5 +1,6 @@
 """Speculative-decoding benchmark: no speculation vs prompt lookup (``ngram``) vs a draft model
-(``draft``), greedy, on the same engine and the same requests, in one run.
+(``draft``) vs both (``ngram+draft``: lookup where it matches, the draft elsewhere), greedy, on
+the same engine and the same requests, in one run.
 
 Workloads (every request greedy, stops at EOS or ``--max-tokens``):
 
@@ -12,7 +13,7 @@ Workloads (every request greedy, stops at EOS or ``--max-tokens``):
   continuation is unpredictable, so most proposals are rejected; shows the wasted work.
 
 Every configuration runs in its own subprocess (model loading is not timed; one warm-up request
-first); configurations alternate (none, ngram, draft, none, ...) for ``--reps`` rounds and the
+first); configurations alternate (none, ngram, draft, ngram+draft, none, ...) for ``--reps`` rounds and the
 table shows medians over the rounds. Per workload, concurrency and configuration:
 
 - E2EL p50: request latency, arrival → last token (s); TPOT p50: (E2EL - TTFT) / (tokens - 1)
@@ -48,7 +49,7 @@ from bench import command
 from bench.engine_offline import percentile, policydesk_conversations
 from bench.markdown import add_output_args
 
-CONFIGS = ("none", "ngram", "draft")
+CONFIGS = ("none", "ngram", "draft", "ngram+draft")
 SETUPS = {   # name: (target, draft, draft layers)
     "qwen": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", 0),
     "quick": ("smollm2-135m-instruct", "smollm2-135m-instruct", 0),
@@ -115,7 +116,7 @@ def run_child(args) -> dict:
     spec = {} if args.config == "none" else {"speculative_method": args.config,
                                              "num_speculative_tokens": args.k,
                                              "speculative_adaptive": not args.fixed_k}
-    if args.config == "draft":
+    if "draft" in args.config:
         spec.update(draft_model=draft, draft_num_layers=args.draft_num_layers if args.draft_num_layers >= 0 else layers)
     llm = LLM(target, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_model_len, **spec)
@@ -133,7 +134,7 @@ def run_child(args) -> dict:
         rows.append({"workload": "poor-guess", "concurrency": 1,
                      **run_workload(eng, salad, args.max_tokens, 1, "pg")})
     for r in rows:
-        r.update(config=args.config, target=target, draft=draft if args.config == "draft" else None,
+        r.update(config=args.config, target=target, draft=draft if "draft" in args.config else None,
                  kv_cache_bytes=eng.executor.kv_cache_bytes)
     return {"rows": rows}
 

@@ -23,7 +23,7 @@ import grpc
 
 from bench import command
 from bench.markdown import add_output_args, md_table, write_json
-from bench.mesh import _mesh_passes
+from bench.mesh import mesh_passes
 from bench.served import served
 
 
@@ -56,7 +56,7 @@ def run(args, tracing: bool, collector: CountingCollector) -> dict:
     before = collector.spans
     label = f"tracing {'on' if tracing else 'off'}"
     with served(["serve", "--model", args.model, "--port", "0", "--scheduler-port", "0"], env, "gateway") as address:
-        rows = asyncio.run(_mesh_passes(address, args, label))
+        rows = asyncio.run(mesh_passes(address, args, label))
     row = rows[-1]
     row["spans_exported"] = collector.spans - before       # counted after serve stopped (flushed)
     return row

@@ -1,6 +1,6 @@
 """API keys and tenants of the public gateway: who a caller is, for gRPC and HTTP alike.
 
-Keys come from ``--api-keys-file FILE`` (:attr:`kvmesh.core.config.GatewayConfig.api_keys_file`), one
+Keys come from ``--api-keys-file FILE`` (:attr:`kvmesh.core.service_config.GatewayConfig.api_keys_file`), one
 ``TENANT:KEY`` per line (blank lines and ``#`` comments ignored), and/or the environment variable
 ``KVMESH_API_KEYS`` (the same entries, separated by commas or newlines). A tenant may hold several
 keys (rotation); a key names one tenant. With neither source the gateway is open and every

@@ -71,6 +71,9 @@ class IncrementalDetokenizer:
       ``include_stop_str_in_output``) or stops being a possible prefix;
     * the stop string that ends the output is the first one completed in the text (of
       several ending at the same character, the longest), however the text was chunked;
+    * no stop string ends in text decoded while at most ``min_tokens`` output tokens had been
+      added (vLLM's rule: no stop condition but max_tokens before ``min_tokens`` tokens); one
+      may begin there and end later;
     * after a stop string matched, nothing more is emitted.
 
     ``prompt_token_ids`` is accepted for API symmetry but is not decoded: stop strings
@@ -85,6 +88,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ):
         self._decode = _make_decode(tokenizer, skip_special_tokens)
         self.prompt_token_ids = list(prompt_token_ids)
@@ -92,6 +96,7 @@ class IncrementalDetokenizer:
             stop = [stop]
         self._matcher = StopMatcher(stop or ()) if stop else None
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
 
         self._ids: list[int] = []  # output ids accepted so far
         self._prefix_offset = 0  # window start: context tokens, already emitted
@@ -171,7 +176,8 @@ class IncrementalDetokenizer:
         string was emitted.
         """
         pending = self._pending + new
-        hit = self._matcher.feed(new) if self._matcher is not None else None
+        hit = (self._matcher.feed(new, report=len(self._ids) > self._min_tokens)
+               if self._matcher is not None else None)
         if hit is not None:
             end, stop = hit
             end += len(self._pending)              # the match ends there in `pending`

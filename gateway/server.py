@@ -2,7 +2,7 @@
 
 One request: validate → tokenize (the model's tokenizer and chat template) → ``Submit`` the token
 ids to the scheduler → turn the streamed token ids into UTF-8-safe text deltas with
-:class:`gateway.detokenizer.IncrementalDetokenizer` (stop strings are matched here) → stream
+:class:`gateway.output_processor.OutputProcessor` (stop strings are matched here) → stream
 ``GenerateResponse`` messages to the client, the last one with ``finished`` set. That path is
 :class:`gateway.stream.RequestPath`, which the OpenAI-compatible HTTP API
 (:mod:`gateway.http_api`, ``--http-port``) shares: the same validation, limits, deadlines,
@@ -14,7 +14,7 @@ Rules a client sees:
   ``prompt_token_ids``, ``messages[1].role``, ``model``, ``sampling: temperature ...``,
   ``max_tokens``, ``timeout``, ``request_id``); a request whose bytes do not parse (e.g. a
   string field holding invalid UTF-8) too, naming the field where it can be found.
-* Limits (:class:`kvmesh.core.config.GatewayConfig`, checked before any tokenizing): stop strings
+* Limits (:class:`kvmesh.core.service_config.GatewayConfig`, checked before any tokenizing): stop strings
   (``max_stop_strings``, ``max_stop_chars`` in all), ``max_stop_token_ids``, ``max_id_length``
   (request and session ids), ``max_prompt_tokens`` and ``max_message_bytes``; over one →
   INVALID_ARGUMENT naming the field and the limit.
@@ -50,8 +50,9 @@ Rules a client sees:
   stream ends with FINISH_REASON_ABORT; an id this gateway does not know is forwarded to the
   scheduler's Abort. Only the request's own tenant can abort it (another's: ``found`` False,
   as for an id that is not in flight).
-* Errors of the scheduler pass through with their code and message (INVALID_ARGUMENT,
-  ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...); a scheduler that cannot be reached is
+* Errors of the scheduler pass through with their code, message and retry hint (INVALID_ARGUMENT,
+  ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE ...; a stream its replica's death cut, or a
+  request that found no replica up, is UNAVAILABLE with ``grpc-retry-pushback-ms``: 1000); a scheduler that cannot be reached is
   UNAVAILABLE ``scheduler at ADDR unreachable: ...`` (a call the scheduler cancelled is
   UNAVAILABLE too); an error the gateway raises itself answers the status of its class
   (:mod:`kvmesh.core.status`: a bad request INVALID_ARGUMENT, a dependency down UNAVAILABLE); a
@@ -112,9 +113,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.auth import CURRENT_TENANT, ApiKeyInterceptor, ApiKeys
 from gateway.stream import RequestPath, Status, invalid
 from kvmesh.core import telemetry
-from kvmesh.core.config import GatewayConfig
 from kvmesh.core.errors import DependencyUnavailableError, EngineError
 from kvmesh.core.grpc_server import SCAFFOLD_SERVICES, SERVING, GrpcServer, Service, open_server
+from kvmesh.core.service_config import GatewayConfig
 from kvmesh.core.status import grpc_code
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 

@@ -65,17 +65,19 @@ class StopMatcher:
         """Characters at the end of the text fed so far that may begin a stop string."""
         return self._depth[self._state]
 
-    def feed(self, text: str) -> tuple[int, str] | None:
+    def feed(self, text: str, *, report: bool = True) -> tuple[int, str] | None:
         """Read ``text``; return ``(end, stop)`` for the first stop string completed in it
         (``text[:end]`` ends with the part of ``stop`` that is in ``text``), else None. After a
-        match the matcher should not be fed again."""
+        match the matcher should not be fed again. With ``report=False`` no stop string may end
+        in ``text`` (None; the state and ``held`` still advance, so a stop string may begin in
+        it and end in a later piece): the text of the first ``min_tokens`` output tokens."""
         goto, fail, match = self._goto, self._fail, self._match
         s = self._state
         for i, ch in enumerate(text):
             while s and ch not in goto[s]:
                 s = fail[s]
             s = goto[s].get(ch, 0)
-            if match[s] >= 0:
+            if report and match[s] >= 0:
                 self._state = s
                 return i + 1, self.stops[match[s]]
         self._state = s

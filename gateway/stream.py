@@ -5,12 +5,13 @@ A front end turns its request into a ``kvmesh.v1`` ``GenerateRequest`` or ``Chat
 calls :class:`RequestPath`: :meth:`~RequestPath.check_model` and
 :meth:`~RequestPath.check_limits` (no tokenizer) → :meth:`~RequestPath.prompt_ids` (the prompt or
 the chat template, tokenized off the event loop) → :meth:`~RequestPath.prepare` (prompt length,
-``max_tokens`` rules, deadline, detokenizer with the stop strings) → :meth:`~RequestPath.stream`
-(``Submit`` to the scheduler; an async iterator of ``GenerateResponse`` messages: text deltas,
-token ids, logprobs, and a final message with finish reason, usage and timings). Every failure
-is a :class:`Status` (a gRPC status code and a message naming the field); the gRPC servicer
-answers it as is, the HTTP API maps it to an HTTP status and OpenAI's error body. The rules a
-client sees are listed in :mod:`gateway.server`'s docstring.
+``max_tokens`` rules, deadline, the request's :class:`~gateway.output_processor.OutputProcessor`
+with its stop strings) → :meth:`~RequestPath.stream` (``Submit`` to the scheduler; an async
+iterator of ``GenerateResponse`` messages: text deltas, token ids, logprobs, and a final message
+with finish reason, usage and timings, all from the output processor, which the offline API
+uses too). Every failure is a :class:`Status` (a gRPC status code and a message naming the
+field); the gRPC servicer answers it as is, the HTTP API maps it to an HTTP status and OpenAI's
+error body. The rules a client sees are listed in :mod:`gateway.server`'s docstring.
 
 The caller's tenant (:data:`gateway.auth.CURRENT_TENANT`, set by the front end's API key check)
 is read in :meth:`~RequestPath.span` and :meth:`~RequestPath.prepare`: it labels the request's
@@ -36,13 +37,14 @@ import grpc
 from opentelemetry import trace
 
 from gateway.auth import CURRENT_TENANT, cache_salt
-from gateway.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from gateway.output_processor import OutputProcessor, RequestMetrics
 from gateway.text import TextFront
 from kvmesh.core import telemetry
-from kvmesh.core.config import GatewayConfig
 from kvmesh.core.errors import EngineError
-from kvmesh.core.proto import finish_reason_name, sampling_params_from_proto
+from kvmesh.core.proto import finish_reason_name, finish_reason_to_proto, sampling_params_from_proto
 from kvmesh.core.sampling import SamplingParams
+from kvmesh.core.service_config import GatewayConfig
+from kvmesh.core.status import retry_hint
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 ROLES = ("system", "user", "assistant")
@@ -100,6 +102,12 @@ class Status(Exception):
         return name.removeprefix("sampling.")
 
 
+def _ids_given(request) -> bool:
+    """Whether ``request`` is a ``GenerateRequest`` whose prompt is token ids (whose length
+    :meth:`RequestPath.prompt_ids` checks)."""
+    return isinstance(request, llm_pb2.GenerateRequest) and request.WhichOneof("input") == "prompt_token_ids"
+
+
 def invalid(message: str, param=_FROM_MESSAGE) -> Status:
     return Status(_Code.INVALID_ARGUMENT, message, param=param)
 
@@ -117,9 +125,10 @@ class _Live:
 class Prepared:
     """A validated request, ready for :meth:`RequestPath.stream`. ``forward``: the sampling
     message sent upstream (``max_tokens`` set, stop strings removed); ``params``: the engine's
-    view of it (with the stop strings); ``timeout``: the deadline in seconds; ``tenant``: the
-    caller's; ``cache_salt``: what the scheduler gets (:func:`gateway.auth.cache_salt` of the tenant
-    and the request's ``cache_salt``)."""
+    view of it (with the stop strings); ``timeout``: the deadline in seconds; ``output``: its
+    output processor (text, stop strings, usage, timings); ``tenant``: the caller's;
+    ``cache_salt``: what the scheduler gets (:func:`gateway.auth.cache_salt` of the tenant and the
+    request's ``cache_salt``)."""
 
     request_id: str
     session_id: str
@@ -127,7 +136,7 @@ class Prepared:
     forward: common_pb2.SamplingParams
     params: SamplingParams
     timeout: float
-    detok: IncrementalDetokenizer
+    output: OutputProcessor
     tenant: str = ""
     cache_salt: str = ""
 
@@ -328,16 +337,16 @@ class RequestPath:
     async def prepare(self, request, prompt_ids: list[int], time_left: float | None = None) -> Prepared:
         """Validate the rest of a request whose prompt is ``prompt_ids`` (a ``GenerateRequest`` or
         ``ChatRequest``); ``time_left``: the client's own deadline in seconds, if any."""
-        self.check_prompt_len(len(prompt_ids))
+        if not _ids_given(request):          # token ids: checked by prompt_ids, before it read them
+            self.check_prompt_len(len(prompt_ids))
         fwd, params = self._sampling(request.sampling, len(prompt_ids))
         timeout = self._timeout(request, time_left)
         # the stop strings' automaton costs O(their characters): built off the event loop
-        make_detok = functools.partial(IncrementalDetokenizer, self.text.tokenizer, prompt_ids, stop=params.stop,
-                                       skip_special_tokens=params.skip_special_tokens)
-        detok = await asyncio.to_thread(make_detok) if params.stop else make_detok()
+        make_output = functools.partial(OutputProcessor, self.text.tokenizer, prompt_ids, params)
+        output = await asyncio.to_thread(make_output) if params.stop else make_output()
         tenant = CURRENT_TENANT.get()
         return Prepared(request.request_id or uuid.uuid4().hex, request.session_id, prompt_ids, fwd, params,
-                        timeout, detok, tenant, cache_salt(tenant, request.cache_salt))
+                        timeout, output, tenant, cache_salt(tenant, request.cache_salt))
 
     # ---- streaming -------------------------------------------------------------------------
     async def stream(self, p: Prepared) -> AsyncIterator[llm_pb2.GenerateResponse]:
@@ -352,7 +361,7 @@ class RequestPath:
         Closing the iterator (or cancelling its consumer) cancels the upstream call: the
         scheduler aborts the request and frees its KV blocks at its next step.
         """
-        rid, prompt_ids, detok, params = p.request_id, p.prompt_ids, p.detok, p.params
+        rid, prompt_ids, output, params = p.request_id, p.prompt_ids, p.output, p.params
         key = (p.tenant, rid)
         if self.ended:
             raise Status(_Code.UNAVAILABLE, f"request {rid}: {self.ended} before it was sent to the scheduler; "
@@ -364,37 +373,32 @@ class RequestPath:
             span.set_attributes({"kvmesh.request_id": rid, "gen_ai.request.max_tokens": p.forward.max_tokens,
                                  "gen_ai.request.temperature": params.temperature,
                                  "gen_ai.usage.input_tokens": len(prompt_ids)})
-        t0 = time.monotonic()
-        t_first = None
+        m = output.metrics
+        m.arrival_time = time.monotonic()       # the gateway's timings run from Submit
         call = self.stub.Submit(scheduler_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                                             sampling=p.forward, session_id=p.session_id,
                                                             cache_salt=p.cache_salt, tenant=p.tenant),
                                 timeout=p.timeout, metadata=telemetry.inject_metadata(span))
         live = self.live[key] = _Live(call)
-        usage = common_pb2.Usage()      # what the scheduler reported so far (cached tokens, speculation)
         try:
             try:
                 async for up in call:
-                    if t_first is None and up.token_ids:
-                        t_first = time.monotonic()
-                        self.metrics.first_token(t_first - t0, p.tenant)
-                    if up.HasField("usage"):
-                        usage.MergeFrom(up.usage)
-                    delta, ids = _add_tokens(detok, up.token_ids)
-                    out = llm_pb2.GenerateResponse(request_id=rid, text=delta.text, token_ids=ids)
-                    if params.logprobs is not None:
-                        out.logprobs.extend(up.logprobs)
-                    if delta.stop_string is not None:       # end upstream now, report STOP
+                    if up.HasField("usage"):      # cached prompt tokens, speculation counts so far
+                        _record_usage(m, up.usage)
+                    first = m.first_token_time is None
+                    d = output.step(up.token_ids, up.logprobs if params.logprobs is not None else (),
+                                    finished=up.finished, finish_reason=finish_reason_name(up) if up.finished else None,
+                                    stop_reason=up.stop_reason or None)
+                    if first and m.first_token_time is not None:
+                        self.metrics.first_token(m.ttft, p.tenant)
+                    out = llm_pb2.GenerateResponse(request_id=rid, text=d.text, token_ids=d.token_ids,
+                                                   logprobs=d.logprobs)
+                    if d.end_upstream:                      # a stop string: end upstream now
                         self._end_upstream(key, live)       # the id is free before the client has the end
-                        _finish(out, common_pb2.FINISH_REASON_STOP, delta.stop_string,
-                                _usage(usage, prompt_ids, detok), _timings(up, t0, t_first))
-                    elif up.finished:
-                        out.text += detok.flush()
-                        if detok.stop_string is not None:   # matched in the flushed tail
-                            _finish(out, common_pb2.FINISH_REASON_STOP, detok.stop_string, up.usage, up.timings)
-                        else:
-                            _finish(out, up.finish_reason, up.stop_reason, up.usage, up.timings)
-                    if out.finished:
+                    if d.finished:
+                        # the scheduler's timings when it ended the request, else the gateway's clock
+                        timings = up.timings if up.finished and up.HasField("timings") else output.timings()
+                        _finish(out, finish_reason_to_proto(d.finish_reason), d.stop_reason, output.usage(), timings)
                         self.metrics.usage(out.usage, p.tenant)
                     if out.token_ids or out.text or out.finished:
                         yield out
@@ -406,12 +410,13 @@ class RequestPath:
                 if asyncio.current_task().cancelling() or not (live.aborted or live.ended):
                     raise
                 if live.ended and not live.aborted:
-                    raise Status(_Code.UNAVAILABLE, f"request {rid}: {live.ended} after {detok.num_output_tokens} "
-                                                    "tokens; retry it", usage=_usage(usage, prompt_ids, detok),
+                    raise Status(_Code.UNAVAILABLE, f"request {rid}: {live.ended} after {output.num_output_tokens} "
+                                                    "tokens; retry it", usage=output.usage(),
                                  retry_after=RETRY_AFTER) from None
-                out = llm_pb2.GenerateResponse(request_id=rid, text=detok.flush())
-                _finish(out, common_pb2.FINISH_REASON_ABORT, "", _usage(usage, prompt_ids, detok),
-                        _timings(None, t0, t_first))
+                d = output.step((), finished=True, finish_reason="abort")
+                out = llm_pb2.GenerateResponse(request_id=rid, text=d.text)
+                _finish(out, finish_reason_to_proto(d.finish_reason), d.stop_reason, output.usage(),
+                        output.timings())
                 _span_finished(span, out, None)
                 self.metrics.usage(out.usage, p.tenant)
                 yield out
@@ -419,8 +424,7 @@ class RequestPath:
             except grpc.aio.AioRpcError as e:
                 if e.code() == _Code.DEADLINE_EXCEEDED:
                     raise Status(_Code.DEADLINE_EXCEEDED, f"request {rid}: deadline of {p.timeout:.3g} s exceeded "
-                                                          "(the request was aborted)",
-                                 usage=_usage(usage, prompt_ids, detok)) from None
+                                                          "(the request was aborted)", usage=output.usage()) from None
                 raise self.upstream_status(e) from None
             raise Status(_Code.UNAVAILABLE, f"the scheduler at {self.cfg.scheduler_address} ended request "
                                             f"{rid} without a final message")
@@ -455,7 +459,8 @@ class RequestPath:
             del self.live[key]
 
     def upstream_status(self, e: grpc.aio.AioRpcError) -> Status:
-        """The status to answer for a failed scheduler call: the scheduler's own status as is,
+        """The status to answer for a failed scheduler call: the scheduler's own status as is (with
+        its retry hint, if any: a replica died under the request or none was up),
         UNAVAILABLE 'scheduler at ADDR unreachable: ...' for a connection failure, UNAVAILABLE for
         a call the scheduler cancelled (it was shutting down: retry elsewhere)."""
         details = e.details() or e.code().name
@@ -466,7 +471,7 @@ class RequestPath:
         if e.code() == _Code.CANCELLED:    # the scheduler dropped the call (we cancel ours differently)
             return Status(_Code.UNAVAILABLE, f"scheduler at {self.cfg.scheduler_address} cancelled the "
                                              f"request: {details}")
-        return Status(e.code(), details)
+        return Status(e.code(), details, retry_after=retry_hint(e))
 
     def cancel_all(self) -> None:
         """Cancel every upstream call (server shutdown)."""
@@ -474,9 +479,10 @@ class RequestPath:
             live.call.cancel()
 
 
-def _finish(out: llm_pb2.GenerateResponse, reason: int, stop_reason: str,
+def _finish(out: llm_pb2.GenerateResponse, reason: int, stop_reason: int | str | None,
             usage: common_pb2.Usage, timings: common_pb2.Timings) -> None:
-    out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
+    out.finished, out.finish_reason = True, reason
+    out.stop_reason = "" if stop_reason is None else str(stop_reason)
     out.usage.CopyFrom(usage)
     out.timings.CopyFrom(timings)
 
@@ -497,36 +503,10 @@ def _span_finished(span, out: llm_pb2.GenerateResponse, replica: int | None) -> 
         span.set_attribute("kvmesh.replica", replica)
 
 
-def _add_tokens(detok: IncrementalDetokenizer, token_ids) -> tuple[DetokenizerDelta, list[int]]:
-    """Feed a message's token ids one at a time: with speculative decoding one message may
-    carry several, and a stop string completing inside them ends the output at that token
-    (the ids after it are dropped, as their text is). Returns the delta and the ids kept."""
-    text, ids = [], []
-    for t in token_ids:
-        d = detok.add_tokens([t])
-        text.append(d.text)
-        ids.append(t)
-        if d.stop_string is not None:
-            return DetokenizerDelta("".join(text), d.stop_string), ids
-    return DetokenizerDelta("".join(text), None), ids
-
-
-def _usage(known: common_pb2.Usage, prompt_ids: list[int], detok: IncrementalDetokenizer) -> common_pb2.Usage:
-    """Usage of a request the gateway ended (stop string, Abort, deadline): the cached prompt
-    tokens and speculation counts the scheduler reported so far (``known``), the tokens it received."""
-    usage = common_pb2.Usage()
-    usage.CopyFrom(known)
-    usage.prompt_tokens, usage.completion_tokens = len(prompt_ids), detok.num_output_tokens
-    return usage
-
-
-def _timings(up, t0: float, t_first: float | None) -> common_pb2.Timings:
-    """Timings (seconds) of a request the gateway ended, on its own clock from Submit; the
-    scheduler's queue time and ttft when its message carried them."""
-    now = time.monotonic()
-    if up is not None and up.HasField("timings"):
-        queue, ttft = up.timings.queue_time, up.timings.ttft
-    else:
-        queue, ttft = 0.0, (t_first - t0 if t_first else 0.0)
-    return common_pb2.Timings(queue_time=queue, ttft=ttft, decode_time=now - t_first if t_first else 0.0,
-                              e2e_latency=now - t0)
+def _record_usage(m: RequestMetrics, usage: common_pb2.Usage) -> None:
+    """Copy into ``m`` the cached prompt tokens and speculative counts (cumulative) of a scheduler
+    message's ``usage``; a field the message leaves 0 keeps what an earlier one said."""
+    m.num_cached_tokens = usage.cached_prompt_tokens or m.num_cached_tokens
+    m.num_drafts = usage.spec_num_drafts or m.num_drafts
+    m.num_draft_tokens = usage.spec_num_draft_tokens or m.num_draft_tokens
+    m.num_accepted_tokens = usage.spec_num_accepted_tokens or m.num_accepted_tokens

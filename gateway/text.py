@@ -1,8 +1,8 @@
 """The tokenizer front of the text layer: prompts and chat messages to token ids.
 
 Used by the offline API (:mod:`kvmesh.llm`) and the gateway (:mod:`gateway.stream`); the other
-direction, token ids to text deltas with stop strings, is :mod:`gateway.detokenizer`. Importing
-this module loads no torch (transformers is imported when a tokenizer is loaded).
+direction, token ids to text deltas with stop strings, is :mod:`gateway.output_processor`.
+Importing this module loads no torch (transformers is imported when a tokenizer is loaded).
 """
 
 from __future__ import annotations

@@ -12,6 +12,6 @@ def __getattr__(name):   # keep `import kvmesh` light: torch/transformers load o
         from kvmesh import llm
         return getattr(llm, name)
     if name == "EngineConfig":
-        from kvmesh.core.config import EngineConfig
+        from kvmesh.core.engine_config import EngineConfig
         return EngineConfig
     raise AttributeError(name)

@@ -2,67 +2,66 @@
 vLLM: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
 
 Both wrap the token-level engine (:mod:`scheduler.engine`) with the text layer: the model's
-tokenizer and chat template (transformers), incremental detokenization and stop strings
-(:mod:`gateway.detokenizer`).
+tokenizer and chat template (transformers), and the output processor the gateway uses too
+(:mod:`gateway.output_processor`: incremental detokenization, stop strings, finish, usage and
+timings).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.output_processor import OutputDelta, OutputProcessor, RequestMetrics
 from gateway.text import TextFront, load_tokenizer
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import EngineError, InvalidRequestError
 from kvmesh.core.sampling import SamplingParams
 from scheduler.async_engine import AsyncEngine
-from scheduler.engine import EngineOutput, LLMEngine
-from scheduler.request import FinishReason, SpecDecodeCounts
+from scheduler.engine import LLMEngine
+from scheduler.engine_records import EngineOutput
+from scheduler.request import FinishReason
 
 
-@dataclass
 class CompletionOutput:
-    """One generated sequence. ``text``/``token_ids`` are cumulative; ``delta_text`` and
-    ``delta_token_ids`` hold what is new in this streamed update."""
+    """One generated sequence as of one update. ``text``, ``token_ids`` and ``logprobs``
+    (None unless asked for) are cumulative: read from the request's output processor up to this
+    update when accessed (nothing is built per step; reading them costs their length, or nothing
+    for a finished output's). ``delta_text`` and ``delta_token_ids`` hold what is new in this
+    update."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
+    __slots__ = ("index", "finish_reason", "stop_reason", "delta_text", "delta_token_ids",
+                 "_output", "_num_tokens", "_num_chars")
+
+    def __init__(self, index: int, output: OutputProcessor, delta: OutputDelta):
+        self.index, self.finish_reason, self.stop_reason = index, delta.finish_reason, delta.stop_reason
+        self.delta_text, self.delta_token_ids = delta.text, delta.token_ids
+        self._output, self._num_tokens, self._num_chars = output, output.num_output_tokens, output.num_chars
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-
-@dataclass
-class RequestMetrics(SpecDecodeCounts):
-    """Seconds on the monotonic clock; ``ttft`` is arrival → first token. Speculative
-    decoding (docs/spec_decode.md): ``num_drafts`` steps verified ``num_draft_tokens``
-    proposals, of which ``num_accepted_tokens`` were accepted."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    @property
+    def text(self) -> str:
+        text = self._output.text
+        return text if len(text) == self._num_chars else text[: self._num_chars]
 
     @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+    def token_ids(self) -> list[int]:
+        ids = self._output.token_ids        # the processor's own list once it can no longer grow
+        return ids if self._output.finished and len(ids) == self._num_tokens else ids[: self._num_tokens]
 
     @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+    def logprobs(self) -> list[dict[int, float]] | None:
+        lps = self._output.logprobs
+        if lps is None or (self._output.finished and len(lps) == self._num_tokens):
+            return lps
+        return lps[: self._num_tokens]
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
 
 
 @dataclass
@@ -75,55 +74,23 @@ class RequestOutput:
     metrics: RequestMetrics
 
 
-class _TextStream:
-    """Text state of one request: detokenizer, stop strings, cumulative output."""
+def _step(output: OutputProcessor, o: EngineOutput) -> OutputDelta:
+    """Fold the engine's output ``o`` into ``output``: its timestamps and counts (the engine's
+    clock is this process's), then its tokens and finish."""
+    m = output.metrics
+    m.arrival_time = o.arrival_time or m.arrival_time
+    m.first_scheduled_time, m.first_token_time, m.finished_time = (o.first_scheduled_time, o.first_token_time,
+                                                                   o.finished_time)
+    m.num_cached_tokens = o.num_cached_tokens
+    m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens = o.num_drafts, o.num_draft_tokens, o.num_accepted_tokens
+    return output.step(o.new_token_ids, o.new_logprobs, finished=o.finished,
+                       finish_reason=o.finish_reason.value if o.finish_reason else None, stop_reason=o.stop_reason)
 
-    def __init__(self, tokenizer, request_id: str, prompt: str | None, prompt_ids: list[int],
-                 params: SamplingParams):
-        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop=params.stop,
-                                            skip_special_tokens=params.skip_special_tokens)
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.stop_reason = None
-        self.metrics = RequestMetrics(time.monotonic())
 
-    def apply(self, o: EngineOutput) -> tuple[RequestOutput, str | None]:
-        """Fold an engine output in. Returns the update and the stop string that matched now
-        (the caller must then finish the request in the engine)."""
-        delta_ids = [] if self.finish_reason else list(o.new_token_ids)
-        # token by token: a step may bring several (speculative decoding), and a stop string
-        # completing inside them ends the output at that token
-        delta, stop_hit = "", None
-        for i, t in enumerate(delta_ids):
-            d = self.detok.add_tokens([t])
-            delta += d.text
-            if d.stop_string is not None:
-                stop_hit, delta_ids = d.stop_string, delta_ids[: i + 1]
-                break
-        self.token_ids += delta_ids
-        if self.params.logprobs is not None:
-            self.logprobs += o.new_logprobs
-        if stop_hit is not None:
-            self.finish_reason, self.stop_reason = FinishReason.STOP.value, stop_hit
-        elif o.finished and self.finish_reason is None:
-            delta += self.detok.flush()
-            self.finish_reason = o.finish_reason.value if o.finish_reason else None
-            self.stop_reason = o.stop_reason
-        self.text += delta
-        m = self.metrics
-        m.arrival_time = o.arrival_time or m.arrival_time
-        m.first_scheduled_time, m.first_token_time = o.first_scheduled_time, o.first_token_time
-        m.num_cached_tokens = o.num_cached_tokens
-        m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens = o.num_drafts, o.num_draft_tokens, o.num_accepted_tokens
-        if self.finish_reason is not None:
-            m.finished_time = o.finished_time or time.monotonic()
-        comp = CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason, self.stop_reason,
-                                self.logprobs if self.params.logprobs is not None else None, delta, delta_ids)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, [comp],
-                             self.finish_reason is not None, m), stop_hit
+def _request_output(request_id: str, prompt: str | None, prompt_ids: list[int], output: OutputProcessor,
+                    delta: OutputDelta) -> RequestOutput:
+    return RequestOutput(request_id, prompt, prompt_ids, [CompletionOutput(0, output, delta)], delta.finished,
+                         output.metrics)
 
 
 class LLM(TextFront):
@@ -131,7 +98,7 @@ class LLM(TextFront):
 
     Args:
         model: a known model name (pulled on first use) or a checkpoint directory.
-        **kwargs: any :class:`kvmesh.core.config.EngineConfig` field (``dtype``, ``policy``,
+        **kwargs: any :class:`kvmesh.core.engine_config.EngineConfig` field (``dtype``, ``policy``,
             ``enable_prefix_caching``, ``kv_cache_memory``, ``max_num_seqs`` ...).
     Raises:
         EngineError: unknown model or unservable settings.
@@ -153,7 +120,7 @@ class LLM(TextFront):
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        streams: dict[str, _TextStream] = {}
+        streams: dict[str, tuple[str | None, list[int], OutputProcessor]] = {}
         order = []
         try:
             for p, sp in zip(prompts, params):
@@ -161,8 +128,8 @@ class LLM(TextFront):
                 rid = f"llm-{self._counter}"
                 self._counter += 1
                 req = self.engine.add_request(rid, ids, sp, cache_salt=self.cache_salt_of(p))
-                streams[rid] = _TextStream(self.tokenizer, rid, text, ids, sp)
-                streams[rid].metrics.arrival_time = req.arrival_time
+                streams[rid] = (text, ids, OutputProcessor(self.tokenizer, ids, sp, cumulative=True,
+                                                           arrival_time=req.arrival_time))
                 order.append(rid)
         except EngineError:
             for rid in order:
@@ -179,11 +146,12 @@ class LLM(TextFront):
                 s = streams.get(o.request_id)
                 if s is None or o.request_id in results:
                     continue
-                ro, stop_hit = s.apply(o)
-                if stop_hit is not None:
-                    self.engine.finish_request(o.request_id, FinishReason.STOP, stop_hit)
-                if ro.finished:
-                    results[o.request_id] = ro
+                text, ids, output = s
+                d = _step(output, o)
+                if d.end_upstream:
+                    self.engine.finish_request(o.request_id, FinishReason.STOP, d.stop_reason)
+                if d.finished:
+                    results[o.request_id] = _request_output(o.request_id, text, ids, output, d)
                     bar and bar.update(1)
         bar and bar.close()
         return [results[r] for r in order]
@@ -219,15 +187,15 @@ class AsyncLLM(TextFront):
         text, ids = self.encode_prompt(prompt)
         # aborts the request if we stop early
         outputs = self.engine.generate(request_id, ids, params, cache_salt=self.cache_salt_of(prompt))
-        stream = None
+        output = None
         try:
             async for o in outputs:
-                stream = stream or _TextStream(self.tokenizer, o.request_id, text, ids, params)
-                ro, stop_hit = stream.apply(o)
-                if stop_hit is not None:
-                    self.engine.finish(o.request_id, FinishReason.STOP, stop_hit)
-                yield ro
-                if ro.finished:
+                output = output or OutputProcessor(self.tokenizer, ids, params, cumulative=True)
+                d = _step(output, o)
+                if d.end_upstream:
+                    self.engine.finish(o.request_id, FinishReason.STOP, d.stop_reason)
+                yield _request_output(o.request_id, text, ids, output, d)
+                if d.finished:
                     return
         finally:
             await outputs.aclose()

@@ -77,7 +77,9 @@ class PrefixIndex(Protocol):
         left out. Raises IndexUnavailable."""
 
 
-def _check_events(events: Sequence[KVEvent]) -> None:
+def check_events(events: Sequence[KVEvent]) -> None:
+    """Raise TypeError for an item that is not a KV event, ValueError for a medium other than a
+    replica's own (:data:`REPLICA_MEDIUMS`) or ``redis`` (which cannot be cleared)."""
     for ev in events:
         if not isinstance(ev, (BlockStored, BlockRemoved, AllBlocksCleared)):
             raise TypeError(f"not a KV event: {ev!r}")
@@ -86,7 +88,7 @@ def _check_events(events: Sequence[KVEvent]) -> None:
                              f"(and the shared {REDIS!r} tier cannot be cleared): {ev!r}")
 
 
-def _by_medium(block_hashes: Snapshot) -> dict[str, list[int]]:
+def by_medium(block_hashes: Snapshot) -> dict[str, list[int]]:
     """A resync snapshot as ``{medium: hashes}`` (a plain iterable: the pool's)."""
     if not isinstance(block_hashes, Mapping):
         return {POOL: list(block_hashes)}
@@ -96,5 +98,6 @@ def _by_medium(block_hashes: Snapshot) -> dict[str, list[int]]:
     return {m: list(hs) for m, hs in block_hashes.items()}
 
 
-def _shared_ttl(ev: BlockStored) -> float:
+def shared_ttl(ev: BlockStored) -> float:
+    """Seconds the index keeps the Redis-tier blocks of ``ev``: its ``ttl``, else :data:`SHARED_NO_TTL`."""
     return ev.ttl if ev.ttl > 0 else SHARED_NO_TTL

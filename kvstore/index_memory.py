@@ -15,9 +15,9 @@ from kvstore.index_contract import (
     REPLICA_MEDIUMS,
     PrefixMatch,
     Snapshot,
-    _by_medium,
-    _check_events,
-    _shared_ttl,
+    by_medium,
+    check_events,
+    shared_ttl,
 )
 
 class MemoryIndex:
@@ -71,13 +71,13 @@ class MemoryIndex:
         self._expiry.pop(replica, None)
 
     def apply(self, replica: str, seq: int, events: Sequence[KVEvent]) -> bool:
-        _check_events(events)
+        check_events(events)
         with self._lock:
             if seq != self._seq.get(replica, 0) + 1:
                 return False
             for ev in events:
                 if isinstance(ev, BlockStored) and ev.medium == REDIS:
-                    deadline = self._clock() + _shared_ttl(ev)
+                    deadline = self._clock() + shared_ttl(ev)
                     self._shared.update((h, deadline) for h in ev.block_hashes)
                 elif isinstance(ev, BlockStored):
                     self._store(replica, ev.block_hashes, ev.medium)
@@ -92,7 +92,7 @@ class MemoryIndex:
             return True
 
     def resync(self, replica: str, seq: int, block_hashes: Snapshot) -> None:
-        snapshot = _by_medium(block_hashes)
+        snapshot = by_medium(block_hashes)
         with self._lock:
             self._drop_blocks(replica)
             for medium, hashes in snapshot.items():

@@ -34,9 +34,9 @@ from kvstore.index_contract import (
     IndexUnavailable,
     PrefixMatch,
     Snapshot,
-    _by_medium,
-    _check_events,
-    _shared_ttl,
+    by_medium,
+    check_events,
+    shared_ttl,
 )
 
 # Lua scripts. ARGV[1] is always the key prefix; key names are built in the script, which
@@ -246,11 +246,11 @@ class RedisIndex:
                                    f"{type(e).__name__}: {e}") from e
 
     def apply(self, replica: str, seq: int, events: Sequence[KVEvent]) -> bool:
-        _check_events(events)
+        check_events(events)
         args: list = [replica, seq]
         for ev in events:
             if isinstance(ev, BlockStored):
-                ttl_ms = max(1, math.ceil(_shared_ttl(ev) * 1000))
+                ttl_ms = max(1, math.ceil(shared_ttl(ev) * 1000))
                 args += ["S", ev.medium, ttl_ms, len(ev.block_hashes), *(f"{h:016x}" for h in ev.block_hashes)]
             elif isinstance(ev, BlockRemoved):
                 args += ["R", ev.medium, len(ev.block_hashes), *(f"{h:016x}" for h in ev.block_hashes)]
@@ -260,7 +260,7 @@ class RedisIndex:
 
     def resync(self, replica: str, seq: int, block_hashes: Snapshot) -> None:
         args: list = [replica, seq]
-        for medium, hashes in _by_medium(block_hashes).items():
+        for medium, hashes in by_medium(block_hashes).items():
             args += [medium, len(hashes), *(f"{h:016x}" for h in hashes)]
         self._call(self._resync, "resync", args)
 

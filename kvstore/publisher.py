@@ -29,7 +29,7 @@ from collections import deque
 from typing import Callable
 
 from kvstore.events import KVEvent
-from kvstore.index import IndexUnavailable, PrefixIndex, Snapshot
+from kvstore.index_contract import IndexUnavailable, PrefixIndex, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ class KVEventPublisher:
     """A :class:`kvstore.events.KVEventSink` that keeps ``index`` current for one replica.
 
     Args:
-        index: the prefix index (:class:`kvstore.index.MemoryIndex` or ``RedisIndex``).
+        index: the prefix index (:class:`kvstore.index_memory.MemoryIndex` or
+            :class:`kvstore.index_redis.RedisIndex`).
         replica_id: this replica's id in the index (the router uses "<scheduler id>/<index>").
         snapshot: returns the hashes of every block in the replica's prefix cache, e.g.
             ``BlockManager.cached_block_hashes`` called under the engine lock, or

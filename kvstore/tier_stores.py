@@ -122,6 +122,11 @@ class RedisTier:
         self._queue.put((items, n, tag))
         return True
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of writes queued and not yet attempted."""
+        return self._pending
+
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write was attempted (tests, benchmarks)."""
         done = threading.Event()

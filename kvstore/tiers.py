@@ -17,8 +17,8 @@ Redis down or slow) is a miss: the block is recomputed, never loaded wrong.
 
 A block is stored as one value per pipeline stage (each stage holds its own layers), under a
 key naming its block hash and layer range, in a checked format (:mod:`kvstore.tier_format`);
-the stores are :mod:`kvstore.tier_stores`. This module composes them (:class:`KVTiers`) and is
-where callers import the tiers' names from.
+the stores are :mod:`kvstore.tier_stores`. This module composes them (:class:`KVTiers`);
+callers import the format's and the stores' names from their own modules.
 
 KV events (:mod:`kvstore.events`): the tiers queue ``BlockStored``/``BlockRemoved`` of medium
 ``host`` as blocks enter and leave the host tier (offload, promotion from Redis, LRU) and
@@ -36,21 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.events import HOST, REDIS, BlockRemoved, BlockStored, KVEvent
-from kvstore.tier_format import (
-    FORMAT_VERSION,
-    MAGIC,
-    BlockLayout,
-    TierValueError,
-    block_hash_of,
-    block_key,
-    decode_value,
-    encode_value,
-)
+from kvstore.tier_format import BlockLayout, TierValueError, block_hash_of, block_key, decode_value, encode_value
 from kvstore.tier_stores import HostTier, RedisTier, TierUnavailable
 
-__all__ = ["FORMAT_VERSION", "HOST", "MAGIC", "REDIS", "BlockLayout", "FetchedBlock", "HostTier", "KVTiers",
-           "RedisTier", "TierStats", "TierUnavailable", "TierValueError", "block_hash_of", "block_key",
-           "decode_value", "encode_value"]
+__all__ = ["FetchedBlock", "KVTiers", "TierStats"]
 
 log = logging.getLogger("kvmesh.kvstore")
 
@@ -224,6 +213,10 @@ class KVTiers:
                 self.stats.format_mismatches += 1
             log.warning("kv tier %s: unusable value, recomputing: %s", tier, e)
             return None
+
+    def writes_pending(self) -> bool:
+        """Whether Redis writes are queued and not yet attempted."""
+        return self.redis is not None and self.redis.pending_bytes > 0
 
     def flush(self) -> None:
         """Wait for queued Redis writes (tests, benchmarks)."""

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 
 from kvmesh.core.errors import DependencyUnavailableError, DuplicateRequestError
 from kvmesh.core.sampling import SamplingParams
-from scheduler.engine import EngineOutput, EngineStats, LLMEngine, run_engine_loop
+from scheduler.engine import LLMEngine, run_engine_loop
+from scheduler.engine_records import EngineOutput, EngineStats
 from scheduler.request import FinishReason
 
 
@@ -46,17 +47,21 @@ class OutputStreams:
         self.stats = EngineStats()
 
     def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    traceparent: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
+                    traceparent: str | None = None, cache_salt: str | None = None, *, validated: bool = False,
+                    block_hashes: list[int] | None = None) -> asyncio.Queue:
         """Hand a request to the engine under ``engine_id``; returns the queue its outputs
-        arrive on."""
+        arrive on. ``validated``, ``block_hashes``: see :meth:`LLMEngine.add_request`."""
         raise NotImplementedError
 
     async def generate(self, request_id: str | None, prompt_token_ids: list[int],
                        params: SamplingParams | None = None, traceparent: str | None = None,
-                       cache_salt: str | None = None, tenant: str = "") -> AsyncIterator[EngineOutput]:
+                       cache_salt: str | None = None, tenant: str = "", *, validated: bool = False,
+                       block_hashes: list[int] | None = None) -> AsyncIterator[EngineOutput]:
         """Stream the request's outputs (their ``request_id`` is ``request_id``, or a generated
-        one when None); aborts it if the consumer stops early. ``cache_salt``: see
-        :meth:`LLMEngine.add_request`; ``tenant``: whose id space ``request_id`` is in. Raises
+        one when None); aborts it if the consumer stops early. ``cache_salt``, ``validated``
+        (an edge above has validated the request: the scheduler service), ``block_hashes`` (the
+        router's hashes of the prompt): see :meth:`LLMEngine.add_request`; ``tenant``: whose id
+        space ``request_id`` is in. Raises
         DuplicateRequestError when a stream with this id is open for this tenant, EngineError for
         a request the engine cannot serve or when the engine loop died."""
         rid = request_id or uuid.uuid4().hex
@@ -64,7 +69,8 @@ class OutputStreams:
         if key in self._open:
             raise DuplicateRequestError(f"duplicate request id {rid!r}: a stream with it is in flight")
         eid = f"{rid}#{next(self._submissions)}"
-        q = self.add_request(eid, prompt_token_ids, params, traceparent, cache_salt)
+        q = self.add_request(eid, prompt_token_ids, params, traceparent, cache_salt, validated=validated,
+                             block_hashes=block_hashes)
         self._open[key] = eid
         try:
             while True:
@@ -158,7 +164,8 @@ class AsyncEngine(OutputStreams):
         self._thread.start()
 
     def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    traceparent: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
+                    traceparent: str | None = None, cache_salt: str | None = None, *, validated: bool = False,
+                    block_hashes: list[int] | None = None) -> asyncio.Queue:
         """Queue a request; returns the queue its :class:`EngineOutput`s arrive on. Raises
         EngineError at once for a request that cannot be served."""
         if self.errored is not None:
@@ -166,7 +173,7 @@ class AsyncEngine(OutputStreams):
         q: asyncio.Queue = asyncio.Queue()
         try:
             self.engine.add_request(engine_id, prompt_token_ids, params, traceparent=traceparent,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, validated=validated, block_hashes=block_hashes)
         finally:
             self.stats = self.engine.snapshot()
         self._queues[engine_id] = q

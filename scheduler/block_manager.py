@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventSink
-from kvstore.hashing import hash_blocks
+from kvstore.hashing import hash_block, hash_blocks, salted_seed
 from scheduler.request import Request
 
 
@@ -118,6 +118,24 @@ class BlockManager:
             parent = req.block_hashes[-1] if have else None     # None: the request's salted root
             req.block_hashes += hash_blocks(self.hash_seed, req.tokens(0, num_tokens), self.block_size,
                                             parent=parent, start_block=have, cache_salt=req.cache_salt)
+
+    def adopt_prompt_hashes(self, req: Request, hashes: Sequence[int]) -> bool:
+        """Take ``hashes``, the hashes of the prompt's full blocks that the router computed to
+        route the request (:func:`kvstore.hashing.hash_blocks`), as the request's block hashes,
+        so that the prompt is hashed once per request. Checked for being this manager's chain at
+        the cost of one block: one hash per full block of the prompt, and the first equal to the
+        hash of the prompt's first block from the request's root (this seed, the request's
+        ``cache_salt``, this block size). Returns False, taking nothing (the hashes are then
+        computed here as for any request), on a mismatch, without prefix caching, or when the
+        request already has hashes."""
+        n = req.num_prompt_tokens // self.block_size
+        if not self.enable_prefix_caching or req.block_hashes or not n or len(hashes) != n:
+            return False
+        first = hash_block(salted_seed(self.hash_seed, req.cache_salt), req.prompt_token_ids[:self.block_size])
+        if hashes[0] != first:
+            return False
+        req.block_hashes = list(hashes)
+        return True
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids holding the longest cached prefix of the request's tokens.

@@ -5,37 +5,41 @@
 (:class:`scheduler.async_engine.AsyncEngine`, which streams :class:`EngineOutput` objects to
 asyncio callers) or in an engine process (:mod:`scheduler.engine_core`), in the manner of
 vLLM's engine core. Text (tokenization, detokenization, stop strings) lives above, in
-:mod:`kvmesh.llm` and the gateway. The values it hands out (:class:`EngineOutput`,
-:class:`EngineInfo`, :class:`EngineStats`) are defined in :mod:`scheduler.engine_records` and
-imported from here.
+:mod:`kvmesh.llm` and the gateway. The values it hands out
+(:class:`~scheduler.engine_records.EngineOutput`, :class:`~scheduler.engine_records.EngineInfo`,
+:class:`~scheduler.engine_records.EngineStats`) are defined in :mod:`scheduler.engine_records`;
+callers import them from there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 
-from kvmesh.core.config import EngineConfig
-from kvmesh.core.errors import InvalidRequestError, SettingsError
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from kvstore.events import HOST, POOL, KVEventSink
 from kvstore.hashing import seed_hash
 from scheduler.batching import make_scheduler
 from scheduler.block_manager import BlockManager, BlockStats
 from scheduler.engine_records import EngineInfo, EngineOutput, EngineStats
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus, check_prompt
 from scheduler.scheduler import SchedulerOutput
 
-__all__ = ["EngineInfo", "EngineOutput", "EngineStats", "InFlightStep", "LLMEngine", "eos_token_ids",
-           "model_identity", "run_engine_loop"]
+log = logging.getLogger("kvmesh.scheduler")
+
+__all__ = ["InFlightStep", "LLMEngine", "eos_token_ids", "model_identity", "run_engine_loop"]
 
 
 def model_identity(model_dir: Path, name: str, cfg: EngineConfig, kv_dtype: torch.dtype) -> str:
@@ -113,7 +117,8 @@ class LLMEngine:
                                         max_prefill_tokens_with_decodes=cfg.max_prefill_tokens_with_decodes,
                                         speculative_method=cfg.speculative_method,
                                         num_speculative_tokens=cfg.num_speculative_tokens,
-                                        speculative_adaptive=cfg.speculative_adaptive)
+                                        speculative_adaptive=cfg.speculative_adaptive,
+                                        speculative_max_batch_tokens=cfg.speculative_max_batch_tokens)
         self.tiers = self._make_tiers(cfg, mcfg, executor)
         self.lock = threading.RLock()
         self._emitted: dict[str, int] = {}
@@ -133,7 +138,8 @@ class LLMEngine:
             raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) needs prefix caching")
         if not hasattr(executor, "save_blocks"):
             raise SettingsError(f"KV offload: executor {type(executor).__name__} cannot save or load KV blocks")
-        from kvstore.tiers import BlockLayout, KVTiers
+        from kvstore.tier_format import BlockLayout
+        from kvstore.tiers import KVTiers
         from workers.kv_cache import is_quantized, kv_dtype
         dt = kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype)
         layout = BlockLayout(str(dt).removeprefix("torch."), dt.itemsize, cfg.block_size, mcfg.num_kv_heads,
@@ -148,26 +154,34 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    traceparent: str | None = None, cache_salt: str | None = None) -> Request:
+                    traceparent: str | None = None, cache_salt: str | None = None, *,
+                    validated: bool = False, block_hashes: Sequence[int] | None = None) -> Request:
         """Queue a request. Raises EngineError (empty prompt, token id out of range, too
         long for max_model_len or for the whole KV pool, duplicate id). ``traceparent``: W3C
         trace context handed to the workers with the request's steps (kvmesh/core/telemetry.py).
         ``cache_salt``: the request reuses (and offers) cached KV blocks only among requests
-        of the same salt (:func:`kvstore.hashing.salted_seed`); None or "" = no salt."""
+        of the same salt (:func:`kvstore.hashing.salted_seed`); None or "" = no salt.
+
+        ``validated``: the request comes over an internal hop from an edge that has validated it
+        (the scheduler service's ``Submit``: sampling values, prompt ids, max_model_len), so none
+        of that is checked again; a direct caller (the LLM API) leaves it False and this is its
+        edge. ``block_hashes``: the router's hashes of the prompt's full blocks, reused instead of
+        hashing the prompt again (:meth:`scheduler.block_manager.BlockManager.adopt_prompt_hashes`
+        checks they are this block manager's chain; on a mismatch they are computed here)."""
         self.num_added += 1
         params = params or SamplingParams()
-        params.validate()
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if not validated:
+            params.validate()
+            check_prompt(prompt_token_ids, self.model_config.vocab_size)
         req = Request(request_id or uuid.uuid4().hex, list(prompt_token_ids), params, self.eos_token_ids,
                       arrival_time=arrival_time or time.monotonic(), traceparent=traceparent,
                       cache_salt=cache_salt or "")
+        if block_hashes and not self.block_manager.adopt_prompt_hashes(req, block_hashes) \
+                and self.block_manager.enable_prefix_caching:
+            log.warning("request %s: the router's block hashes are not this replica's hash chain; hashing the "
+                        "prompt again", req.request_id)
         with self.lock:
-            self.scheduler.add(req)
+            self.scheduler.add(req, validated=validated)
             self._emitted[req.request_id] = 0
         return req
 
@@ -234,6 +248,7 @@ class LLMEngine:
                 st.kv_tier_load_seconds = t.lookup_seconds + t.load_seconds
                 st.kv_tier_integrity_failures = t.integrity_failures + t.format_mismatches
                 st.kv_tier_unavailable = t.unavailable
+                st.kv_tier_host_bytes = self.tiers.host.bytes if self.tiers.host is not None else 0
             return st
 
     # ---- the loop ----------------------------------------------------------------------
@@ -320,21 +335,27 @@ class LLMEngine:
 
     def _set_proposals(self, changed: list[Request], result) -> None:
         """The next step's proposals of the requests that just got tokens: prompt lookup over
-        their tokens (``ngram``), or the draft's, which came back with this step's output."""
-        if self.cfg.speculative_method == "ngram":
-            from workers.spec_decode.ngram import propose_ngram
-            t0 = time.perf_counter()
-            for r in changed:
-                if not r.is_finished and r.can_speculate():
-                    r.spec_token_ids = propose_ngram(r.all_token_ids, r.spec_k, self.cfg.prompt_lookup_max,
-                                                     self.cfg.prompt_lookup_min)
-            self.spec_propose_seconds += time.perf_counter() - t0
-            return
+        their tokens (``ngram``), the draft's, which came back with this step's output
+        (``draft``), or both (``ngram+draft``: the draft's where it proposed, else the lookup's;
+        a request whose lookup matched asks the draft for nothing in its next step, so the
+        draft runs only where the policy text offers no continuation)."""
+        method = self.cfg.speculative_method
         self.spec_propose_seconds += result.propose_seconds
         for rid, toks in result.proposals.items():
             r = self.scheduler.requests.get(rid)
             if r is not None and r.status == RequestStatus.RUNNING and r.can_speculate():
                 r.spec_token_ids = list(toks)
+        if method in ("ngram", "ngram+draft"):
+            from workers.spec_decode.ngram import propose_ngram
+            t0 = time.perf_counter()
+            for r in changed:
+                if not r.is_finished and r.can_speculate():
+                    found = propose_ngram(r.all_token_ids, r.spec_k, self.cfg.prompt_lookup_max,
+                                          self.cfg.prompt_lookup_min)
+                    r.lookup_hit = bool(found)
+                    if method == "ngram" or r.request_id not in result.proposals:
+                        r.spec_token_ids = found
+            self.spec_propose_seconds += time.perf_counter() - t0
 
     def take_finished(self) -> list[EngineOutput]:
         """Outputs of requests ended outside a step (aborts) since the last call."""
@@ -350,7 +371,7 @@ class LLMEngine:
 
     def kv_snapshot(self) -> dict[str, list[int]]:
         """``{medium: hashes}`` of the blocks this replica can reuse from its pool and its host
-        tier (a prefix-index resync, :meth:`kvstore.index.PrefixIndex.resync`). Call under the
+        tier (a prefix-index resync, :meth:`kvstore.index_contract.PrefixIndex.resync`). Call under the
         lock, like ``take_events``, so that no event falls between a snapshot and the next batch."""
         snap = {POOL: self.block_manager.cached_block_hashes()}
         if self.tiers is not None and self.tiers.host is not None:

@@ -9,9 +9,9 @@ threads have the process to themselves.
 Channel: two one-way pipes (:func:`multiprocessing.Pipe`), msgpack frames. Requests to the
 core (``ADD``, ``ABORT``, ``FINISH``, ``SHUTDOWN``) are read by a thread of the core into a
 queue the loop drains before each step, so a sender never waits for a model step. From the
-core: ``READY`` (an :class:`~scheduler.engine.EngineInfo`) once loaded, ``FATAL`` (why it could
+core: ``READY`` (an :class:`~scheduler.engine_records.EngineInfo`) once loaded, ``FATAL`` (why it could
 not load or why its loop died), and after each step one ``STEP`` message for all its requests:
-their outputs, the requests it rejected, its :class:`~scheduler.engine.EngineStats`, and the
+their outputs, the requests it rejected, its :class:`~scheduler.engine_records.EngineStats`, and the
 step's KV events (for the prefix index, :mod:`kvstore.publisher`).
 
 The client (:class:`EngineCoreClient`) streams per-request outputs to asyncio callers with the
@@ -42,17 +42,17 @@ from kvstore.events import REDIS, BlockRemoved, BlockStored
 from scheduler.async_engine import OutputStreams
 from scheduler.engine_core_process import engine_core_main
 from scheduler.engine_core_wire import (
-    _PARAM_FIELDS,
     ABORT,
     ADD,
     FATAL,
     FINISH,
+    PARAM_FIELDS,
     SHUTDOWN,
     STEP,
-    _event_of,
-    _output_of,
-    _pack,
-    _unpack,
+    event_of,
+    output_of,
+    pack,
+    unpack,
 )
 from scheduler.engine_records import EngineInfo, EngineOutput, EngineStats
 from scheduler.request import FinishReason
@@ -122,7 +122,7 @@ class EngineCoreClient(OutputStreams):
         if not self._out.poll(timeout):
             raise DependencyUnavailableError(f"replica {self.replica}: the engine process did not load within {timeout} s")
         try:
-            msg = _unpack(self._out.recv_bytes())
+            msg = unpack(self._out.recv_bytes())
         except (EOFError, OSError):
             self._reap(5.0)
             raise DependencyUnavailableError(f"replica {self.replica}: the engine process exited while loading "
@@ -133,15 +133,18 @@ class EngineCoreClient(OutputStreams):
 
     # ---- requests (event loop) ---------------------------------------------------------------
     def _send(self, msg) -> None:
-        data = _pack(msg)
+        data = pack(msg)
         with self._send_lock:
             self._in.send_bytes(data)
 
     def add_request(self, engine_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    traceparent: str | None = None, cache_salt: str | None = None) -> asyncio.Queue:
+                    traceparent: str | None = None, cache_salt: str | None = None, *, validated: bool = False,
+                    block_hashes: list[int] | None = None) -> asyncio.Queue:
         """Send a request to the core; returns its output queue. A request the core cannot
         serve ends its stream with EngineError (the core's message). Raises EngineError when
-        the core is down (DependencyUnavailableError, ``errored`` set)."""
+        the core is down (DependencyUnavailableError, ``errored`` set). ``validated`` (the
+        parameters cross the pipe as the values validated at the edge and are not validated
+        again) and ``block_hashes``: see :meth:`scheduler.engine.LLMEngine.add_request`."""
         if self._down is not None:
             self._died(self._down)           # the reader has seen the death; its call to _died may not have run yet
         if self.errored is not None:
@@ -153,8 +156,8 @@ class EngineCoreClient(OutputStreams):
         self._last_add = time.monotonic()
         self._pending.append((self._num_sent, len(prompt_token_ids)))
         try:
-            self._send([ADD, engine_id, list(prompt_token_ids), {f: getattr(params, f) for f in _PARAM_FIELDS},
-                        traceparent, time.monotonic(), cache_salt or ""])
+            self._send([ADD, engine_id, list(prompt_token_ids), {f: getattr(params, f) for f in PARAM_FIELDS},
+                        traceparent, time.monotonic(), cache_salt or "", validated, block_hashes or []])
         except (OSError, ValueError) as e:
             self._queues.pop(engine_id, None)
             error = DependencyUnavailableError(f"replica {self.replica}: engine process down: {e!r}")
@@ -205,7 +208,7 @@ class EngineCoreClient(OutputStreams):
     def _read(self) -> None:
         try:
             while True:
-                msg = _unpack(self._out.recv_bytes())
+                msg = unpack(self._out.recv_bytes())
                 if msg[0] == STEP:
                     self._on_step(msg)
                 elif msg[0] == FATAL:
@@ -227,7 +230,7 @@ class EngineCoreClient(OutputStreams):
         self.last_message = time.monotonic()
         _, rows, rejected, stats, events = msg
         if events:
-            evs = [_event_of(r) for r in events]
+            evs = [event_of(r) for r in events]
             with self.kv_lock:
                 for ev in evs:
                     if ev.medium == REDIS:           # the shared tier's: not this replica's to resync
@@ -242,7 +245,7 @@ class EngineCoreClient(OutputStreams):
                 if self.sink is not None:
                     self.sink.publish(evs)
         self.stats = EngineStats(*stats)
-        outputs = [_output_of(r) for r in rows]
+        outputs = [output_of(r) for r in rows]
         if outputs or rejected:
             self._loop.call_soon_threadsafe(self._step_done, outputs, rejected)
 

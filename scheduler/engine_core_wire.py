@@ -20,31 +20,38 @@ READY, STEP, FATAL = range(3)
 
 _OUTPUT_FIELDS = [f.name for f in dataclasses.fields(EngineOutput)]
 _REASON_AT = _OUTPUT_FIELDS.index("finish_reason")
-_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]   # an ADD's parameters: {field: value}
 
 
-def _pack(msg) -> bytes:
+def pack(msg) -> bytes:
+    """One frame: ``msg`` (lists, dicts, numbers, strings, bytes) as msgpack bytes."""
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def _unpack(data: bytes):
+def unpack(data: bytes):
+    """The message of a frame from :func:`pack` (arrays as lists, maps with any keys). Raises
+    msgpack's exceptions (ValueError subclasses) on a bad frame."""
     return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
 
 
-def _output_row(o: EngineOutput) -> list:
+def output_row(o: EngineOutput) -> list:
+    """``o``'s fields in declaration order, its finish reason as its string value."""
     row = [getattr(o, f) for f in _OUTPUT_FIELDS]
     if o.finish_reason is not None:
         row[_REASON_AT] = o.finish_reason.value
     return row
 
 
-def _output_of(row: list) -> EngineOutput:
+def output_of(row: list) -> EngineOutput:
+    """The EngineOutput of an :func:`output_row` row (the row is changed in place)."""
     if row[_REASON_AT] is not None:
         row[_REASON_AT] = FinishReason(row[_REASON_AT])
     return EngineOutput(*row)
 
 
-def _event_row(e) -> list:
+def event_row(e) -> list:
+    """A KV event (:mod:`kvstore.events`) as a row: ``[0, hashes, parent, block size, medium,
+    ttl]`` (BlockStored), ``[1, hashes, medium]`` (BlockRemoved), ``[2, medium]`` (AllBlocksCleared)."""
     if isinstance(e, BlockStored):
         return [0, list(e.block_hashes), e.parent_hash, e.block_size, e.medium, e.ttl]
     if isinstance(e, BlockRemoved):
@@ -52,7 +59,8 @@ def _event_row(e) -> list:
     return [2, e.medium]
 
 
-def _event_of(row: list):
+def event_of(row: list):
+    """The KV event of an :func:`event_row` row."""
     if row[0] == 0:
         return BlockStored(tuple(row[1]), row[2], row[3], row[4], row[5])
     if row[0] == 1:

@@ -83,3 +83,4 @@ class EngineStats:
     kv_tier_load_seconds: float = 0.0          # look-ups and copies into the pool
     kv_tier_integrity_failures: int = 0
     kv_tier_unavailable: int = 0
+    kv_tier_host_bytes: int = 0                # held by the host tier now (bounded by its capacity)

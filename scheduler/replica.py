@@ -15,10 +15,12 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.v1 import scheduler_pb2
 from scheduler.async_engine import AsyncEngine
-from scheduler.engine import EngineStats, LLMEngine
+from scheduler.engine import LLMEngine
+from scheduler.engine_records import EngineStats
 from kvmesh.core.errors import EngineError
 from scheduler.router import ReplicaLoad
 
@@ -84,10 +86,22 @@ class Replica:
             index_resyncs=pub.resyncs if pub else 0, index_failures=pub.failures if pub else 0,
             kv_cache_dtype=info.kv_cache_dtype, kv_cache_bytes_per_token=info.kv_bytes_per_token,
             max_concurrency=info.max_concurrency, restarts=self.restarts, pid=getattr(self.aengine, "pid", 0),
+            stage_pids=stage_pids(self.aengine),
             **{name: getattr(st, name) for name in _TIER_STATS})
 
     async def shutdown(self) -> None:
         await close_engine_loop(self.aengine)
+
+
+def stage_pids(aengine) -> list[int]:
+    """Process ids of an engine loop's Ray pipeline stages, by stage (empty when its model runs
+    in its own process): an engine process reports them when it is ready; an engine thread's
+    executor holds them."""
+    pids = getattr(aengine, "stage_pids", None)
+    if pids is None:
+        executor = getattr(getattr(aengine, "engine", None), "executor", None)
+        pids = [i["pid"] for i in getattr(executor, "stage_info", ())]
+    return list(pids)
 
 
 async def close_engine_loop(aengine) -> None:

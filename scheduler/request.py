@@ -11,7 +11,30 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvmesh.core.errors import InvalidRequestError
 from kvmesh.core.sampling import SamplingParams
+
+
+def check_prompt(prompt_token_ids, vocab_size: int) -> None:
+    """A prompt from outside: not empty, every id an int in ``[0, vocab_size)``. Raises
+    InvalidRequestError. Run once, at the edge that received the request (the scheduler
+    service's ``Submit``, or :meth:`scheduler.engine.LLMEngine.add_request` for a direct caller)."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt is empty")
+    bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """Prompt + ``max_tokens`` within ``max_model_len``: the one max_model_len check of a request
+    at each edge (the scheduler service's ``Submit``; :meth:`scheduler.scheduler.Scheduler.add`
+    for a request not checked there). Returns the total; raises InvalidRequestError."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens "
+                                  f"({max_tokens}) = {total} exceeds max_model_len {max_model_len}")
+    return total
 
 
 class SpecDecodeCounts:
@@ -80,6 +103,7 @@ class Request:
     # speculative decoding (docs/spec_decode.md)
     spec_token_ids: list[int] = field(default_factory=list)   # proposals for the next step
     spec_k: int = 0                     # adaptive number of proposals (0: speculation off)
+    lookup_hit: bool = False            # ngram+draft: the last prompt lookup matched (the draft sits out)
     num_drafts: int = 0                 # steps that verified at least one proposal
     num_draft_tokens: int = 0           # proposals verified
     num_accepted_tokens: int = 0        # of which accepted
@@ -113,10 +137,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:
@@ -131,7 +151,7 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set ``finish_reason`` if the last generated token ends the request (token-level
-        stops only; stop strings are matched on text by the detokenizer). Returns True if
+        stops only; stop strings are matched on text by gateway.output_processor). Returns True if
         finished."""
         sp = self.sampling_params
         n = len(self.output_token_ids)

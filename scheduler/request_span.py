@@ -10,7 +10,7 @@ import time
 import grpc
 
 from kvmesh.core import telemetry
-from scheduler.engine import EngineOutput
+from scheduler.engine_records import EngineOutput
 from kvmesh.core.sampling import SamplingParams
 
 

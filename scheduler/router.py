@@ -33,7 +33,7 @@ Policies (``SchedulerConfig.routing``):
   that replica's KV events reach the index. A replica that dies loses its KV cache: the
   service calls :meth:`Router.forget`, which drops its provisional blocks and the sessions it
   last served, so its next incarnation is credited only with what the index learns from it. An index that is down or slow
-  (:class:`kvstore.index.IndexUnavailable`) never fails a request: it is routed by load and
+  (:class:`kvstore.index_contract.IndexUnavailable`) never fails a request: it is routed by load and
   counted in ``fallbacks``.
 - ``load``: the least-loaded healthy replica (ties: lowest index).
 - ``round_robin``, ``random`` (seeded): baselines for ``bench/routing.py``.
@@ -50,10 +50,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvmesh.core.config import ROUTING_POLICIES
+from kvmesh.core.service_config import ROUTING_POLICIES
 from kvstore.events import HOST, POOL
 from kvstore.hashing import hash_blocks
-from kvstore.index import IndexUnavailable
+from kvstore.index_contract import IndexUnavailable
 
 HOST_TIER_WEIGHT = 0.9      # a block in the replica's own host tier, against one in its pool
 SHARED_TIER_WEIGHT = 0.5    # a block loadable from the shared KV tier, against one in the replica's pool
@@ -97,7 +97,7 @@ class Router:
 
     Args:
         policy: one of :data:`ROUTING_POLICIES`.
-        index: a :class:`kvstore.index.PrefixIndex` (``prefix`` only).
+        index: a :class:`kvstore.index_contract.PrefixIndex` (``prefix`` only).
         replica_ids: the index's name of each replica, by replica index (``prefix`` only).
         hash_seed, block_size: the replicas' block-hash seed and tokens per block (``prefix`` only).
         prefix_weight, load_weight: score weights (see the module docstring).
@@ -133,8 +133,20 @@ class Router:
         self._provisional: dict[int, dict[int, float]] = {}       # replica -> block hash -> expiry
         self._expiries: deque[tuple[float, int, list[int]]] = deque()
 
+    def block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> list[int] | None:
+        """The hashes of the prompt's full blocks as the replicas' block managers hash them for a
+        request of ``cache_salt`` (:func:`kvstore.hashing.hash_blocks`, the replicas' seed and
+        block size), for :meth:`pick` and for the replica's block manager, which reuses them
+        (the prompt is hashed once per request); None unless the policy is ``prefix`` (no other
+        policy needs them: the block manager then hashes the prompt itself)."""
+        if self.policy != "prefix":
+            return None
+        if len(prompt_token_ids) < self.block_size:
+            return []
+        return hash_blocks(self.hash_seed, prompt_token_ids, self.block_size, cache_salt=cache_salt)
+
     def pick(self, loads: list[ReplicaLoad], session_id: str = "", prompt_token_ids: Sequence[int] = (),
-             cache_salt: str = "") -> int:
+             cache_salt: str = "", block_hashes: Sequence[int] | None = None) -> int:
         """Index of the replica for a new request.
 
         Args:
@@ -143,6 +155,8 @@ class Router:
             prompt_token_ids: the prompt (``prefix`` hashes its full blocks).
             cache_salt: the request's salt: its blocks hash as the replicas' block managers
                 hash them for it, so it gets credit only for blocks cached under its salt.
+            block_hashes: :meth:`block_hashes` of this prompt and salt, computed already (a
+                request sent to the router again); None = hash them here.
         Raises:
             NoHealthyReplicaError: no replica is healthy.
         """
@@ -158,7 +172,9 @@ class Router:
         elif self.policy == "random":
             choice = self._rng.choice(healthy).index
         elif self.policy == "prefix":
-            choice, matched = self._pick_prefix(healthy, session_id, prompt_token_ids, cache_salt)
+            if block_hashes is None:
+                block_hashes = self.block_hashes(prompt_token_ids, cache_salt)
+            choice, matched = self._pick_prefix(healthy, session_id, block_hashes)
         else:
             choice = min(healthy, key=lambda r: (r.load, r.index)).index
         self.stats.routed += 1
@@ -182,11 +198,11 @@ class Router:
             del self._sessions[session]
 
     # ---- prefix ------------------------------------------------------------------------
-    def _pick_prefix(self, healthy: list[ReplicaLoad], session_id: str, prompt: Sequence[int],
-                     cache_salt: str) -> tuple[int, int]:
-        """(replica, leading blocks of the prompt it can reuse) by score; by load when the index fails."""
-        hashes = (hash_blocks(self.hash_seed, prompt, self.block_size, cache_salt=cache_salt)
-                  if len(prompt) >= self.block_size else [])
+    def _pick_prefix(self, healthy: list[ReplicaLoad], session_id: str,
+                     hashes: Sequence[int]) -> tuple[int, int]:
+        """(replica, leading blocks of the prompt it can reuse) by score, from the hashes of the
+        prompt's full blocks; by load when the index fails."""
+        hashes = list(hashes)
         now = self.clock()
         self._expire(now)
         reuse: dict[int, tuple[float, int]] = {}      # replica -> (weighted blocks, blocks)

@@ -20,9 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvmesh.core.errors import CapacityError, DuplicateRequestError, InvalidRequestError
+from kvmesh.core.errors import CapacityError, DuplicateRequestError
 from scheduler.block_manager import BlockManager
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus, check_length
 
 
 @dataclass
@@ -93,16 +93,16 @@ class Scheduler:
         self.tiers = None
 
     # ---- admission -------------------------------------------------------------------
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, validated: bool = False) -> None:
         """Queue a request. Raises DuplicateRequestError for an id in use, InvalidRequestError if
-        it can never fit ``max_model_len``, CapacityError if this replica can never hold it (KV
-        pool, unchunked prefill budget)."""
+        it can never fit ``max_model_len`` (not checked again when ``validated``: the edge that
+        received it checked it, :func:`scheduler.request.check_length`), CapacityError if this
+        replica can never hold it (KV pool, unchunked prefill budget)."""
         if req.request_id in self.requests:
             raise DuplicateRequestError(f"duplicate request id {req.request_id!r}")
         total = req.num_prompt_tokens + req.sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({req.num_prompt_tokens} tokens) + max_tokens "
-                                      f"({req.sampling_params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
+        if not validated:
+            check_length(req.num_prompt_tokens, req.sampling_params.max_tokens, self.max_model_len)
         if self.bm.blocks_needed(total) > self.bm.num_blocks:
             raise CapacityError(f"request needs {self.bm.blocks_needed(total)} KV blocks of {self.bm.block_size} tokens; "
                                 f"the whole pool has {self.bm.num_blocks} (raise --kv-cache-memory)")

@@ -32,7 +32,9 @@ back to the router, which sends it to another live replica or waits for the rest
 request does: ``restart_wait`` seconds at most, within the call's deadline). Only a stream that
 has already sent tokens ends UNAVAILABLE (it cannot be resumed exactly). A request goes back at
 most :data:`MAX_REDISPATCHES` times (a request that kills every engine it reaches is not retried
-forever).
+forever). Those UNAVAILABLE statuses, and the one of a request that found no replica up within
+``restart_wait``, carry a retry hint (trailing metadata ``grpc-retry-pushback-ms``,
+:data:`RETRY_AFTER`): the request may be sent again; the gateway passes the hint on.
 """
 
 from __future__ import annotations
@@ -47,16 +49,17 @@ import uuid
 from urllib.parse import urlsplit
 
 from kvmesh.core import telemetry
-from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.core.errors import (CapacityError, DependencyUnavailableError, DuplicateRequestError, EngineError,
                                 InvalidRequestError)
 from kvmesh.core.grpc_server import GrpcServer, Service, open_server
 from kvmesh.core.proto import finish_reason_to_proto, sampling_params_from_proto, timings_to_proto, usage_to_proto
-from kvmesh.core.status import abort
+from kvmesh.core.status import abort, set_retry_hint
 from kvmesh.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from kvstore.index import open_index
-from scheduler.engine import EngineOutput
-from scheduler.request import FinishReason
+from scheduler.engine_records import EngineOutput
+from scheduler.request import FinishReason, check_length, check_prompt
 from scheduler.replica import (Replica, build_engine_threads, close_engine_loop, restart_engine_process,
                                start_engine_processes, watch_steps)
 from scheduler.request_span import end_request_span, start_request_span
@@ -67,6 +70,7 @@ log = logging.getLogger("kvmesh.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 MAX_CACHE_SALT = 256      # characters of SubmitRequest.cache_salt
 MAX_REDISPATCHES = 2      # times a request whose replica died before its first message goes back to the router
+RETRY_AFTER = 1.0         # seconds: the retry hint of a request ended UNAVAILABLE by a replica's death or absence
 
 
 def _response(rid: str, replica: int, o: EngineOutput) -> scheduler_pb2.SubmitResponse:
@@ -184,6 +188,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
         await self._check_available(context)
         await self.retire_dead()
         rid = request.request_id or uuid.uuid4().hex
+        # this service's edge: the request is validated here, once (sampling values, prompt ids,
+        # max_model_len), and goes on to its replica as validated, with the router's block hashes
         try:
             params = sampling_params_from_proto(request.sampling)
         except EngineError as e:
@@ -192,7 +198,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             await abort(context, InvalidRequestError(f"cache_salt: {len(request.cache_salt)} characters exceeds "
                                                      f"{MAX_CACHE_SALT}"))
         prompt = list(request.prompt_token_ids)
-        replica = await self._pick(context, request.session_id, prompt, request.cache_salt)
+        info = self.replicas[0].info
+        try:
+            check_prompt(prompt, info.vocab_size)
+            check_length(len(prompt), params.max_tokens, info.max_model_len)
+        except EngineError as e:
+            await abort(context, e)
+        hashes = self.router.block_hashes(prompt, request.cache_salt)
+        replica = await self._pick(context, request.session_id, prompt, request.cache_salt, block_hashes=hashes)
         key = (request.tenant, rid)
         if key in self.requests:
             await abort(context, DuplicateRequestError(f"request id {rid!r} is already in flight"))
@@ -211,7 +224,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
             while True:
                 aengine = replica.aengine       # this stream's engine loop (a restart gives the replica a new one)
                 stream = aengine.generate(rid, prompt, params, telemetry.traceparent(span),
-                                          cache_salt=request.cache_salt, tenant=request.tenant)
+                                          cache_salt=request.cache_salt, tenant=request.tenant, validated=True,
+                                          block_hashes=hashes)
                 sent = False
                 try:
                     async with contextlib.aclosing(stream):   # closing it aborts the request (cancel, disconnect)
@@ -231,12 +245,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                         break
                     if sent or redispatches >= MAX_REDISPATCHES:
                         again = "" if sent else f" (its replicas died {redispatches + 1} times under it)"
+                        set_retry_hint(context, RETRY_AFTER)
                         await abort(context, DependencyUnavailableError(f"replica {replica.index} failed: {e}{again}"))
                     redispatches += 1
                     log.warning("request %s: replica %d died before the request's first token (%s): back to the "
                                 "router", rid, replica.index, e)
                 # the death window: nothing sent yet, so it is served elsewhere or after the restart
-                picked = await self._pick(context, request.session_id, prompt, request.cache_salt, aborted)
+                picked = await self._pick(context, request.session_id, prompt, request.cache_salt, aborted,
+                                          block_hashes=hashes)
                 if picked is None:
                     break
                 self.requests[key] = replica = picked
@@ -254,7 +270,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 end_request_span(self.tracer, span, last, replica.info.block_size)
 
     async def _pick(self, context, session_id: str, prompt: list[int], cache_salt: str = "",
-                    aborted: asyncio.Event | None = None) -> "Replica | None":
+                    aborted: asyncio.Event | None = None, *,
+                    block_hashes: list[int] | None = None) -> "Replica | None":
         """The router's replica for a new request (or one whose replica died before its first
         message). While none is up and one is restarting or will be (``restart_replicas``: an
         engine process that has just died, before the service has noticed), waits for one
@@ -268,12 +285,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServiceServicer):
                 return None
             try:
                 return self.replicas[self.router.pick([r.load() for r in self.replicas], session_id, prompt,
-                                                      cache_salt)]
+                                                      cache_salt, block_hashes=block_hashes)]
             except NoHealthyReplicaError as e:
                 waited = time.monotonic() - t0
                 comes_back = self.sched_cfg.restart_replicas and self.sched_cfg.engine_process
                 if not comes_back or self.stopping or waited >= bound:
                     extra = f"; waited {waited:.1f} s for a restarting replica" if waited > 0.05 else ""
+                    set_retry_hint(context, RETRY_AFTER)
                     await abort(context, DependencyUnavailableError(f"{e}{extra}"))
                 await asyncio.sleep(0.05)
 

@@ -81,6 +81,49 @@ PROSE = (
 
 
 # ---------------------------------------------------------------------------------------------
+# order: the modules holding slow tests first
+
+# pyproject.toml's markers for what makes a test slow, the costliest kind first (the fuzzing
+# alone takes minutes)
+SLOW_MARKERS = ("fuzz", "quality", "compile", "chaos", "mesh", "multinode", "pull")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a test marked slow for a reason run first, those with a costlier kind
+    (:data:`SLOW_MARKERS`' order) before the others, each module's tests in their own order:
+    pytest-xdist (``make test-all``) hands whole modules to its test processes in this order,
+    so the long ones start early instead of one process running the fuzzing alone at the end."""
+    rank: dict[str, int] = {}
+    for item in items:
+        if item.module is None:
+            continue
+        kinds = [i for i, m in enumerate(SLOW_MARKERS) if item.get_closest_marker(m)]
+        name = item.module.__name__
+        rank[name] = min([rank.get(name, len(SLOW_MARKERS)), *kinds])
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(SLOW_MARKERS)) if item.module else len(SLOW_MARKERS))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_memory(request):
+    """After each module (its module-scoped engines torn down): collect garbage and give freed
+    heap back (``malloc_trim``), so one test process that runs half the suite under
+    pytest-xdist does not carry every module's freed pages. With ``KVMESH_TEST_RSS_LOG=FILE``
+    each module's name and this process's RSS after it (MiB) are appended to ``FILE``: the
+    check for a module that leaks (a test process was once killed for 20 GB)."""
+    yield
+    import gc
+
+    from kvmesh.core.memory import release_free_memory
+    gc.collect()
+    release_free_memory()
+    if path := os.environ.get("KVMESH_TEST_RSS_LOG"):
+        import psutil
+        rss = psutil.Process().memory_info().rss >> 20
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {os.getpid()} {request.module.__name__} {rss}\n")
+
+
+# ---------------------------------------------------------------------------------------------
 # checkpoints
 
 @pytest.fixture(scope="session")
@@ -153,7 +196,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 def make_engine(model, **kw):
     """An LLMEngine on ``model`` (name or directory). ``num_blocks`` sizes the KV pool."""
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from scheduler.engine import LLMEngine
     num_blocks = kw.pop("num_blocks", None)
     kw.setdefault("kv_cache_memory", 96 * 2**20)    # SmolLM2: 136 blocks of 16 tokens
@@ -162,19 +205,26 @@ def make_engine(model, **kw):
     return LLMEngine(EngineConfig(model=str(model), **kw), num_blocks=num_blocks)
 
 
-class SharedExecutor:
-    """Executor of an existing engine, reused by another engine (same model, block size and
-    max_model_len) so that a test can try several scheduler settings without reloading the
-    weights. ``num_blocks`` may be smaller than the real pool (block ids stay valid). Blocks
-    keep whatever K/V earlier engines left in them, as a real pool does."""
+class WrappedExecutor:
+    """The in-process executor of an existing engine, wrapped: reused by another engine (same
+    model, block size and max_model_len) so that a test can try several scheduler settings
+    without reloading the weights, or put in place of an engine's own. ``num_blocks`` may be
+    smaller than the real pool (block ids stay valid). Blocks keep whatever K/V earlier engines
+    left in them, as a real pool does. ``before_step(n)``, if given, runs before the model runs
+    step ``n`` (1, 2, ... over this wrapper's life): it may sleep (a slow remote executor), abort
+    requests from outside (a client disconnecting while the model runs) or raise (the step
+    fails). ``shutdown`` leaves the base executor running."""
 
-    def __init__(self, base, num_blocks: int | None = None):
-        self.base = base
+    def __init__(self, base, num_blocks: int | None = None, before_step=None):
+        self.base, self.before_step, self.calls = base, before_step, 0
         self.num_blocks = num_blocks or base.num_blocks
         assert self.num_blocks <= base.num_blocks
         self.kv_cache_bytes = base.kv_cache_bytes
 
     def execute(self, out):
+        self.calls += 1
+        if self.before_step is not None:
+            self.before_step(self.calls)
         return self.base.execute(out)
 
     def submit(self, out):
@@ -192,7 +242,7 @@ def derive_engine(engine, num_blocks: int | None = None, **overrides):
     from scheduler.engine import LLMEngine
     cfg = engine.cfg.replace(**overrides)
     assert cfg.block_size == engine.cfg.block_size and cfg.max_model_len == engine.cfg.max_model_len
-    return LLMEngine(cfg, executor=SharedExecutor(engine.executor, num_blocks))
+    return LLMEngine(cfg, executor=WrappedExecutor(engine.executor, num_blocks))
 
 
 def run_to_completion(engine, requests, max_steps: int = 100_000):
@@ -236,7 +286,29 @@ def redis_namespace():
         raw.close()
 
 
+class LoopThread:
+    """An asyncio event loop running on a daemon thread, for tests that drive async services
+    (serve_scheduler, serve_gateway) from synchronous code: ``run(coro)`` waits for a coroutine
+    on it; ``stop()`` ends the loop and joins the thread."""
+
+    def __init__(self, name: str = "test-loop"):
+        import asyncio
+        import threading
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 300):
+        import asyncio
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
 class Helpers:
+    LoopThread = LoopThread
     make_engine = staticmethod(make_engine)
     derive_engine = staticmethod(derive_engine)
     run = staticmethod(run_to_completion)
@@ -295,3 +367,10 @@ class Helpers:
 @pytest.fixture(scope="session")
 def h():
     return Helpers
+
+
+@pytest.fixture(scope="session")
+def wrap_executor():
+    """``wrap_executor(base, num_blocks=None, before_step=None)``: a :class:`WrappedExecutor`
+    around the in-process executor ``base``, for tests that act while a model step runs."""
+    return WrappedExecutor

@@ -93,6 +93,7 @@ def test_peak_rss_of_this_process():
     assert ablation_child.peak_rss(2**22 + 12345) is None           # no such process
 
 
+@pytest.mark.quality
 def test_ablation_smollm2_two_rows(smollm2_dir, tmp_path, capsys, monkeypatch):
     from kvmesh.cli import main
 
@@ -104,7 +105,7 @@ def test_ablation_smollm2_two_rows(smollm2_dir, tmp_path, capsys, monkeypatch):
     argv = ["bench", "ablation", "--model", str(smollm2_dir), "--dtype", "float32", "--rows", "kv-cache", "5",
             str(len(A.ROWS)), "--num-prompts", "2", "--max-tokens", "4", "--faithfulness-questions", "2",
             "--faithfulness-chats", "1", "--faithfulness-max-tokens", "4", "--reference", str(tmp_path / "ref.json"),
-            "--kv-cache-memory", "128MiB", "--threads", "1", "--output", str(out), "--markdown", str(md)]
+            "--kv-cache-memory", "128MiB", "--threads", "1", "--out", str(out), "--markdown", str(md)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "+ KV cache, batch 1" in printed and "+ prefix caching" in printed and "not available" in printed
@@ -149,14 +150,17 @@ def test_markdown_block_is_replaced_in_place(tmp_path):
 
 
 def test_results_convention_of_the_bench_modules(tmp_path, capsys):
-    """bench/markdown.py: --out (older names as aliases), --markdown/--md, --table; the JSON, the
+    """bench/markdown.py: --out, --markdown, --table (the legacy names refused); the JSON, the
     saved rows of both shapes, the Command line and tables of a markdown block."""
     from bench import markdown as M
 
-    p = argparse.ArgumentParser()
-    M.add_output_args(p, markers="x", aliases=("--output",))
-    args = p.parse_args(["--output", str(tmp_path / "r.json"), "--md", "d.md", "--table", "a", "b"])
+    p = argparse.ArgumentParser(exit_on_error=False)
+    M.add_output_args(p, markers="x")
+    args = p.parse_args(["--out", str(tmp_path / "r.json"), "--markdown", "d.md", "--table", "a", "b"])
     assert (args.out, args.markdown, args.table) == (str(tmp_path / "r.json"), "d.md", ["a", "b"])
+    for legacy in ("--output", "--result-file", "--json", "--md"):
+        with pytest.raises((argparse.ArgumentError, SystemExit)):
+            p.parse_args([legacy, "x.json"])
     M.write_json(tmp_path / "a.json", [{"k": 1}])
     M.write_json(tmp_path / "b.json", {"meta": {}, "rows": [{"k": 2}]})
     M.write_json("", {"not": "written"})

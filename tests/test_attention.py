@@ -2,10 +2,10 @@
 
 import torch
 
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
+from workers.input_batch import CASCADE_MIN_BLOCKS, cascade_groups
 from workers.kv_cache import KVCache
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, paged_attention
-from workers.model_runner import CASCADE_MIN_BLOCKS, ModelRunner
 
 BS, KVH, G, D = 4, 2, 3, 8
 H = KVH * G
@@ -80,15 +80,13 @@ def test_block_index_is_a_view_only_for_contiguous_runs():
 def test_cascade_groups_split_per_document_not_per_system_prompt():
     """Two documents after a common system prompt: rows group per document (the long shared
     run), not all together on the short system-prompt run."""
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size, runner.device = BS, torch.device("cpu")
     system = [1, 2]
     doc_a = list(range(100, 100 + 2 * CASCADE_MIN_BLOCKS))
     doc_b = list(range(200, 200 + 2 * CASCADE_MIN_BLOCKS))
     tables = [system + doc_a + [300], system + doc_b + [301], system + doc_a + [302], system + doc_b + [303],
               [400, 401]]
     lens = [len(t) * BS - 1 for t in tables]
-    groups = runner._cascade_groups(tables, lens)
+    groups = cascade_groups(tables, lens, BS)
     assert sorted(sorted(rows) for rows, _ in groups) == [[0, 2], [1, 3]]
     for rows, shared in groups:
         assert shared == system + (doc_a if rows[0] == 0 else doc_b)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -231,7 +232,8 @@ class KeyedMesh:
 
     async def _start(self, smollm2_dir):
         from gateway.server import serve_gateway
-        from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+        from kvmesh.core.engine_config import EngineConfig
+        from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
         from scheduler.service import serve_scheduler
         engine = dict(model=str(smollm2_dir), dtype="float32", kv_cache_memory=48 * 2**20, max_model_len=256)
         sched = await serve_scheduler(SchedulerConfig(**dict(dict(executor="local", port=0), **self.sched_kw)),
@@ -285,6 +287,17 @@ def _scrape(url: str) -> dict:
         text = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _scrape_once(url: str, done, timeout: float = 10.0) -> dict:
+    """The first scrape for which ``done(samples)`` holds, or the last after ``timeout`` s. The
+    HTTP API counts a request in the ``finally`` after its response's last byte went out, so a
+    client that read the response can scrape before the count moves (gRPC counts before the
+    status is sent)."""
+    deadline = time.monotonic() + timeout
+    while not done(samples := _scrape(url)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return samples
 
 
 def _count(samples: dict, name: str, **labels) -> float:
@@ -517,13 +530,13 @@ def test_http_revoked_key_and_tenant_metrics(mesh):
         assert _http(mesh, "/v1/completions", ACME_2, COMPLETION)[0] == 200
     finally:
         _write(mesh.keys_path, KEYS_FILE)
-    after = _scrape(url)
 
-    def delta(**labels):
+    def delta(after, **labels):
         return (_count(after, "kvmesh:gateway_requests_total", **labels)
                 - _count(before, "kvmesh:gateway_requests_total", **labels))
 
-    assert delta(method="Completions", code="OK", tenant="acme") == 2
-    assert delta(method="Completions", code="UNAUTHENTICATED", tenant="") == 1
+    after = _scrape_once(url, lambda s: delta(s, method="Completions", code="OK", tenant="acme") >= 2)
+    assert delta(after, method="Completions", code="OK", tenant="acme") == 2
+    assert delta(after, method="Completions", code="UNAUTHENTICATED", tenant="") == 1
     assert (_count(after, "kvmesh:gateway_prompt_tokens_total", tenant="acme")
             > _count(before, "kvmesh:gateway_prompt_tokens_total", tenant="acme"))

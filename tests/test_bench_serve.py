@@ -1,9 +1,7 @@
 """``kvmesh bench serve`` (bench/serve/): metrics from synthetic timelines (hand-computed),
 the arrival process, max-concurrency, multi-turn sessions (fake backends), the openai-chat backend
 against a real aiohttp SSE server on loopback, data sets and workload files, and one smoke run of
-the command against a real mesh (``kvmesh serve`` subprocess, SmolLM2, executor local).
-
-Over ~450 lines: one command's tests (metrics, arrivals, backends, data sets, the smoke run)."""
+the command against a real mesh (``kvmesh serve`` subprocess, SmolLM2, executor local)."""
 
 from __future__ import annotations
 
@@ -370,6 +368,7 @@ def test_bad_command_lines_exit_2(capsys):
 
 # ---- smoke run against a real mesh -----------------------------------------------------------------
 
+@pytest.mark.mesh
 def test_bench_serve_against_a_real_mesh(tmp_path, smollm2_tokenizer, monkeypatch, capsys):
     """``kvmesh bench serve`` starts a mesh (``kvmesh serve --executor local``, SmolLM2) and replays a
     workload file: a token-id prompt (Generate), a chat (Chat) and a two-turn session; 4 tokens
@@ -390,7 +389,7 @@ def test_bench_serve_against_a_real_mesh(tmp_path, smollm2_tokenizer, monkeypatc
     rc = cli.main(["bench", "serve", "--workload", str(wl), "--model", MODEL, "--executor", "local",
                    "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
                    "--ignore-eos", "--request-rate", "50", "--max-concurrency", "2", "--goodput", "ttft:600000",
-                   "--result-file", str(out), "--save-detailed", "--save-texts", "--plot-dir", str(plots),
+                   "--out", str(out), "--save-detailed", "--save-texts", "--plot-dir", str(plots),
                    "--no-progress"])
     printed = capsys.readouterr()
     assert rc == 0, printed.err[-3000:]
@@ -413,6 +412,7 @@ def test_bench_serve_against_a_real_mesh(tmp_path, smollm2_tokenizer, monkeypatc
     assert (plots / "ttft.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.mesh
 def test_bench_serve_openai_chat_against_kvmesh_http(tmp_path, monkeypatch, capsys):
     """``kvmesh bench serve --backend openai-chat`` without ``--base-url`` starts a mesh with its
     OpenAI-compatible HTTP API (``--http-port 0``) and streams chat completions to it: a chat and a
@@ -430,7 +430,7 @@ def test_bench_serve_openai_chat_against_kvmesh_http(tmp_path, monkeypatch, caps
     from kvmesh import cli
     rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--workload", str(wl), "--model", MODEL,
                    "--executor", "local", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
-                   "--ignore-eos", "--max-concurrency", "2", "--result-file", str(out), "--save-detailed",
+                   "--ignore-eos", "--max-concurrency", "2", "--out", str(out), "--save-detailed",
                    "--save-texts", "--no-progress"])
     printed = capsys.readouterr()
     assert rc == 0, printed.err[-3000:]

@@ -156,7 +156,7 @@ def _wait(pred, what: str, timeout: float = 15.0):
 
 
 def test_tenant_b_gets_no_hit_and_no_credit_from_tenant_a(mesh):
-    from kvstore.index import RedisIndex
+    from kvstore.index_redis import RedisIndex
     index = RedisIndex(mesh.redis_url, prefix=mesh.prefix, timeout=1.0)
     try:
         meta = (("authorization", f"Bearer {ACME_1}"),)

@@ -14,7 +14,8 @@ import pytest
 
 from kvmesh import cli
 from kvmesh.core import flags
-from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
 
 MODEL = "smollm2-135m-instruct"
 
@@ -163,6 +164,7 @@ def test_cli_import_is_light_and_bench_commands_are_the_modules_own(capsys):
     assert all(name in listing for name in ("engine", "serve", "ablation"))
 
 
+@pytest.mark.mesh
 def test_demo_two_turns_hit_prefix_cache(smollm2_dir, capsys):
     rc = cli.main(["demo", "--model", MODEL, "--max-tokens", "8"])
     cap = capsys.readouterr()

@@ -28,11 +28,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvmesh import cli
 from kvmesh.cli.services import service_configs
 from kvmesh.core import flags
-from kvmesh.core.config import GatewayConfig, SchedulerConfig
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
 
 MODEL = "smollm2-135m-instruct"
 KVMESH = Path(sys.executable).with_name("kvmesh")
 LISTEN = re.compile(r"^kvmesh: (scheduler|gateway) listening on (\S+):(\d+)$")
+
+pytestmark = pytest.mark.mesh
 SUMMARY = r"prompt (\d+) tokens \((\d+) from prefix cache\), output (\d+) tokens, TTFT [\d.]+ s, " \
           r"decode [\d.-]+ tokens/s, finish (\w+)"
 SYSTEM = ("You are a helpful assistant for a travel agency. Answer the traveller's questions in one or "
@@ -69,17 +71,31 @@ class Served:
     def stderr(self) -> str:
         return "\n".join(self.lines)
 
+    def _next_line(self, deadline: float, waiting_for: str) -> str:
+        """The next stderr line, waiting until ``deadline`` (monotonic) for it; fails the test
+        when none comes or the process exits first."""
+        try:
+            line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no {waiting_for} in time:\n{self.stderr}") from None
+        if line is None:
+            raise AssertionError(f"exited with {self.proc.wait()} before {waiting_for}:\n{self.stderr}")
+        return line
+
     def wait_listening(self, services=("scheduler", "gateway"), timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while set(services) - set(self.addresses):
-            try:
-                line = self._q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"not listening after {timeout} s:\n{self.stderr}") from None
-            if line is None:
-                raise AssertionError(f"exited with {self.proc.wait()} before listening:\n{self.stderr}")
-            if m := LISTEN.match(line):
+            if m := LISTEN.match(self._next_line(deadline, f"listening after {timeout} s")):
                 self.addresses[m.group(1)] = (m.group(2), int(m.group(3)))
+
+    def wait_line(self, pattern: str, timeout: float = 120) -> str:
+        """The first stderr line matching regex ``pattern``, waiting for it as it comes (the
+        announcements after ``wait_listening``'s lines may still be on their way)."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while not (hits := [l for l in self.lines if rx.match(l)]):
+            self._next_line(deadline, f"line matching {pattern!r} within {timeout} s")
+        return hits[0]
 
     def address(self, service: str = "gateway") -> str:
         host, port = self.addresses[service]
@@ -203,9 +219,12 @@ def test_serve_prints_where_it_listens(served):
 
 def test_serve_has_one_metrics_endpoint_for_both_services(served):
     """`kvmesh serve --metrics-port`: the gateway's endpoint also carries the scheduler's series
-    (one process, one scrape target); no second endpoint is started for the scheduler."""
+    (one process, one scrape target); no second endpoint is started for the scheduler (its
+    line would come before the gateway's)."""
+    url_line = r"kvmesh: metrics \(gateway and scheduler\) on (http://\S+/metrics)$"
+    served.wait_line(url_line)
     (line,) = [l for l in served.lines if "metrics" in l and l.startswith("kvmesh:")]
-    url = re.match(r"kvmesh: metrics \(gateway and scheduler\) on (http://\S+/metrics)$", line).group(1)
+    url = re.match(url_line, line).group(1)
     p = kvmesh("generate", "--server", served.address(), "--prompt", "Hello", "--max-tokens", "3",
                "--temperature", "0")
     assert p.returncode == 0, p.stderr

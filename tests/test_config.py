@@ -5,15 +5,39 @@ import math
 import pytest
 import torch
 
-from kvmesh.core.config import EngineConfig, _parse_bytes
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.sampling import SamplingParams
+from kvmesh.core.settings import parse_bytes
 from workers.kv_cache import allocate_kv_cache, budget_bytes
 
 
 @pytest.mark.parametrize("text, value", [("2GiB", 2 * 2**30), ("512MB", 512e6), ("1B", 1), ("1e9", 1e9), ("0.5", 0.5)])
 def test_parse_bytes(text, value):
-    assert _parse_bytes(text) == value
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_cache_dtype="int4"), "unknown kv_cache_dtype 'int4'"),
+    (dict(policy="fifo"), "unknown scheduling policy 'fifo'"),
+    (dict(weight_format="awq"), "unknown weight_format 'awq'"),
+    (dict(dtype="int8"), "unknown dtype 'int8'"),
+])
+def test_every_choice_is_checked_when_the_settings_are_made(kw, match):
+    """A setting with a list of choices is refused on construction (at start-up, before any
+    model is loaded), not first where a lower layer uses it."""
+    with pytest.raises(EngineError, match=match):
+        EngineConfig(**kw)
+
+
+def test_kv_cache_dtype_names_map_to_torch_dtypes():
+    from kvmesh.core.engine_config import KV_CACHE_DTYPES
+    from workers.kv_cache import kv_dtype
+    assert {n: kv_dtype(n, torch.float32) for n in ("fp32", "bf16", "fp16", "int8", "fp8")} == {
+        "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8,
+        "fp8": torch.float8_e4m3fn}
+    assert all(isinstance(kv_dtype(n, torch.float32), torch.dtype) for n in KV_CACHE_DTYPES)
+    assert kv_dtype("auto", torch.bfloat16) == torch.bfloat16
 
 
 def test_kv_budget_bytes_and_fractions():

@@ -17,9 +17,6 @@ a deployment:
 
 Nothing here builds an image or starts a container: no Docker engine or Kubernetes cluster runs
 in CI (see deploy/README.md for what is not verified).
-
-One concept (the deploy/ files agree with the code) in one module; over ~450 lines because each
-deployment file (compose, KubeRay manifests, Dockerfile) gets its own group of checks.
 """
 
 from __future__ import annotations
@@ -41,8 +38,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, env_var
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.grpc_server import LIVENESS
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
+from kvmesh.core.settings import env_var
 from kvmesh.v1 import llm_pb2, scheduler_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -828,11 +827,11 @@ DASHBOARD = DEPLOY / "grafana" / "kvmesh.json"
 
 @pytest.mark.parametrize("sub", sorted(METRICS_PORTS))
 def test_metrics_ports_agree(sub):
-    """Each service serves metrics on the deployments' port (kvmesh.core.config), the Kubernetes
+    """Each service serves metrics on the deployments' port (kvmesh.core.settings), the Kubernetes
     containerPort/Service/annotations name it, and compose's Prometheus scrapes it."""
-    import kvmesh.core.config
+    import kvmesh.core.settings
     cls, const = METRICS_PORTS[sub]
-    port = getattr(kvmesh.core.config, const)
+    port = getattr(kvmesh.core.settings, const)
     for c in service_containers(sub):
         assert settings(c)[cls].metrics_port == port, c.where
         if c.where.startswith("compose"):

@@ -286,6 +286,18 @@ def test_nothing_after_stop(tokenizer):
     assert d.num_output_tokens == n
 
 
+def test_min_tokens_defers_stop_strings(tokenizer):
+    """No stop string ends in the text of the first ``min_tokens`` tokens: the first "beta" (its
+    last token is the k-th) is passed over with ``min_tokens=k``, the second ends the text."""
+    ids = tokenizer.encode("alpha beta gamma beta delta", add_special_tokens=False)
+    d, deltas, _ = _stream(tokenizer, ids, stop=["beta"])
+    k = d.num_output_tokens
+    assert d.output_text == "alpha "
+    d, deltas, tail = _stream(tokenizer, ids, stop=["beta"], min_tokens=k)
+    assert tail is None and deltas[-1].stop_string == "beta"
+    assert d.output_text == "alpha beta gamma " and d.num_output_tokens > k
+
+
 def test_stop_in_prompt_does_not_trigger(tokenizer):
     prompt = tokenizer.encode("Say alpha beta then stop", add_special_tokens=False)
     ids = tokenizer.encode(" gamma delta", add_special_tokens=False)

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.sampling import SamplingParams
 from workers.layers.sampler import make_generator
@@ -162,3 +162,29 @@ def test_bad_drafts(smollm2_dir, tmp_path):
     with pytest.raises(EngineError, match="vocabulary"):
         DraftProposer(_cfg(smollm2_dir).replace(draft_model="qwen2.5-coder-0.5b-instruct"), NUM_BLOCKS, BS,
                       torch.device("cpu"))
+
+
+def test_lazy_writes_stale_blocks_and_catching_up(full, prompts, reference, prose_ids):
+    """The draft writes a request's K/V only when asked for proposals; a cached prefix it never
+    wrote is stale: a new request on it catches up from its prompt, or gets nothing without
+    one; a request that decoded far without the draft is left to decode without it."""
+    ref, _ = reference
+    p = prompts["a"]                                             # 37 tokens: blocks 0-1 full
+    bt = [30, 31, 32]
+    assert full.propose([DraftInput("w", 0, p[:32], bt, 0, None)])["w"].token_ids == []
+    full.free_requests(["w"])                                    # ended with its prompt unwritten
+    assert {30, 31} <= full._stale
+    blind = full.propose([DraftInput("blind", 32, p[32:], bt, K, None)])
+    assert blind["blind"].token_ids == []                        # no prompt to catch up from
+    out = full.propose([DraftInput("r", 32, p[32:], bt, K, None, context=p)])
+    assert out["r"].token_ids == ref["a"]                        # caught up on the stale prefix
+    assert not {30, 31, 32} & full._stale
+    # a decode that sat out more than MAX_CATCH_UP tokens is not caught up
+    from workers.spec_decode.draft import MAX_CATCH_UP
+    long = prose_ids[: MAX_CATCH_UP + 40]
+    tables = list(range(40, 40 + -(-(len(long) + K + 1) // BS)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    full.propose([DraftInput("late", 0, long[:20], tables, 2, greedy)])          # proposes: written
+    full.propose([DraftInput("late", 20, long[20:], tables, 0, greedy)])         # decoded without the draft
+    assert full.propose([DraftInput("late", len(long), [7], tables, 2, greedy)])["late"].token_ids == []
+    full.free_requests(["blind", "r", "late"])

@@ -27,11 +27,14 @@ import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.core.grpc_server import LIVENESS
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from test_cli_mesh import MODEL, Served, mesh_env
+
+pytestmark = [pytest.mark.chaos, pytest.mark.mesh]
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from scheduler.request import FinishReason, RequestStatus
-from workers.executor import Completed
 
 
 @pytest.fixture(scope="module")
@@ -84,43 +83,22 @@ def test_abort_everything(base, h, prompts):
     assert finished == {f"all-{i}" for i in range(len(prompts))}
 
 
-class AbortDuringExecute:
-    """Executor wrapper that aborts some requests while the model step is running (as a
-    client disconnect would, from another thread)."""
-
-    def __init__(self, engine_ref, inner, at_call: int, ids: list[str]):
-        self.engine_ref, self.inner, self.at_call, self.ids = engine_ref, inner, at_call, ids
-        self.num_blocks, self.kv_cache_bytes = inner.num_blocks, inner.kv_cache_bytes
-        self.calls = 0
-
-    def execute(self, out):
-        self.calls += 1
-        if self.calls == self.at_call:
-            for rid in self.ids:
-                assert self.engine_ref[0].abort_request(rid)
-        return self.inner.execute(out)
-
-    def submit(self, out):
-        return Completed(self.execute(out))
-
-    def free_requests(self, ids):
-        self.inner.free_requests(ids)
-
-    def shutdown(self):
-        pass
-
-
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("at_call", [1, 3])
-def test_abort_while_the_model_runs(base, h, prompts, policy, at_call):
+def test_abort_while_the_model_runs(base, h, prompts, policy, at_call, wrap_executor):
     """Abort lands between schedule() and update(): the step's result for that request is
     dropped, nothing crashes, the others are unaffected. at_call=1 is during the request's
     very first (prefill) step."""
     from scheduler.engine import LLMEngine
     ref = _reference(h, base, prompts, 8)
     holder = []
+
+    def abort_r2(n):     # while step n runs, as a client disconnect would, from another thread
+        if n == at_call:
+            assert holder[0].abort_request("r2")
+
     cfg = base.cfg.replace(policy=policy, enable_prefix_caching=False)
-    eng = LLMEngine(cfg, executor=AbortDuringExecute(holder, base.executor, at_call, ["r2"]))
+    eng = LLMEngine(cfg, executor=wrap_executor(base.executor, before_step=abort_r2))
     holder.append(eng)
     reqs = [eng.add_request(f"r{i}", p, h.greedy(8)) for i, p in enumerate(prompts)]
     for _ in range(100):

@@ -12,7 +12,6 @@ import pytest_asyncio
 
 from kvmesh.core.errors import EngineError
 from kvmesh.core.sampling import SamplingParams
-from workers.executor import Completed
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -148,36 +147,16 @@ async def test_bad_requests_keep_the_loop_alive(allm):
     assert ok[-1].finished and allm.engine.errored is None
 
 
-class SlowStartExecutor:
-    """Waits a little before running the step, as a remote (pipeline) executor does while it
-    ships the batch: widens the window in which an abort from the event loop meets a step
-    that has been scheduled but whose block tables are not read yet."""
-
-    def __init__(self, inner, delay=0.03):
-        self.inner, self.delay = inner, delay
-        self.num_blocks, self.kv_cache_bytes = inner.num_blocks, inner.kv_cache_bytes
-
-    def execute(self, out):
-        import time
-        time.sleep(self.delay)
-        return self.inner.execute(out)
-
-    def submit(self, out):
-        return Completed(self.execute(out))
-
-    def free_requests(self, ids):
-        self.inner.free_requests(ids)
-
-    def shutdown(self):
-        self.inner.shutdown()
-
-
-async def test_aborts_racing_with_steps(allm):
+async def test_aborts_racing_with_steps(allm, wrap_executor):
     """Many streams cut at different points while others keep running: aborts land while the
     engine thread is inside a step. The loop must survive and the blocks come back."""
+    import time
     eng = allm.engine.engine
     inner = eng.executor
-    eng.executor = SlowStartExecutor(inner)
+    # each step waits a little before it runs, as a remote (pipeline) executor does while it ships
+    # the batch: widens the window in which an abort from the event loop meets a step that has
+    # been scheduled but whose block tables are not read yet
+    eng.executor = wrap_executor(inner, before_step=lambda n: time.sleep(0.03))
     try:
         await _race(allm)
     finally:
@@ -205,34 +184,18 @@ async def _race(allm):
     assert eng.stats().used == 0 and not eng.scheduler.requests
 
 
-class FailingExecutor:
-    def __init__(self, inner, fail_at: int):
-        self.inner, self.fail_at, self.calls = inner, fail_at, 0
-        self.num_blocks, self.kv_cache_bytes = inner.num_blocks, inner.kv_cache_bytes
-
-    def execute(self, out):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("device lost")
-        return self.inner.execute(out)
-
-    def submit(self, out):
-        return Completed(self.execute(out))
-
-    def free_requests(self, ids):
-        self.inner.free_requests(ids)
-
-    def shutdown(self):
-        pass
-
-
-async def test_engine_loop_failure_reaches_callers(tiny_llama_dir, h):
+async def test_engine_loop_failure_reaches_callers(tiny_llama_dir, h, wrap_executor):
     """If a step raises, every open stream gets an EngineError (instead of waiting forever)
     and new requests are refused."""
     from scheduler.async_engine import AsyncEngine
     from scheduler.engine import LLMEngine
     base = h.make_engine(tiny_llama_dir)
-    eng = AsyncEngine(LLMEngine(base.cfg, executor=FailingExecutor(base.executor, fail_at=3)))
+
+    def fail_third(n):
+        if n == 3:
+            raise RuntimeError("device lost")
+
+    eng = AsyncEngine(LLMEngine(base.cfg, executor=wrap_executor(base.executor, before_step=fail_third)))
     try:
         async def stream(rid):
             return [o async for o in eng.generate(rid, [1, 2, 3, 4], h.greedy(20))]

@@ -19,13 +19,15 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.core.config import EngineConfig, SchedulerConfig, available_cpus
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
+from kvmesh.core.settings import available_cpus
 from kvmesh.core.errors import EngineError
 from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from kvstore.events import HOST, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
-from scheduler.engine import EngineOutput
-from scheduler.engine_core_wire import _event_of, _event_row, _output_of, _output_row, _pack, _unpack
+from scheduler.engine_records import EngineOutput
+from scheduler.engine_core_wire import event_of, event_row, output_of, output_row, pack, unpack
 from scheduler.request import FinishReason
 from scheduler.service import SERVICE_NAME, serve_scheduler
 
@@ -43,14 +45,14 @@ def _greedy(n: int) -> common_pb2.SamplingParams:
 def test_output_rows_round_trip():
     o = EngineOutput("r1", [5, 6], [{5: -0.25, 9: -1.5}, {6: -0.5}], True, FinishReason.STOP, "</s>", 12, 8, 2,
                      1.5, 1.6, 1.7, 2.0, 1, 4, 3)
-    back = _output_of(_unpack(_pack(_output_row(o))))
+    back = output_of(unpack(pack(output_row(o))))
     assert back == o and back.finish_reason is FinishReason.STOP
 
 
 def test_kv_event_rows_round_trip_with_their_medium():
     events = [BlockStored((1, 2), None, 16), BlockStored((3,), 2, 16, HOST), BlockStored((4,), None, 16, REDIS, 60.0),
               BlockRemoved((1,)), BlockRemoved((3,), HOST), AllBlocksCleared()]
-    assert [_event_of(_unpack(_pack(_event_row(e)))) for e in events] == events
+    assert [event_of(unpack(pack(event_row(e)))) for e in events] == events
 
 
 def test_executor_auto_resolution():
@@ -79,6 +81,7 @@ async def test_default_engine_processes_use_the_cores(smollm2_dir, replicas):
     assert not any(c.process.is_alive() for c in clients)
 
 
+@pytest.mark.chaos
 @aio
 async def test_killed_engine_process_unavailable_and_not_serving(smollm2_dir, prose_ids, caplog):
     """restart_replicas off: the service stays NOT_SERVING with a clear log line."""
@@ -133,6 +136,7 @@ async def _until(predicate, timeout: float):
     return time.monotonic() - t0
 
 
+@pytest.mark.chaos
 @aio
 async def test_killed_engine_process_is_restarted(smollm2_dir, prose_ids, caplog):
     """A killed engine process: in-flight streams UNAVAILABLE at once, NOT_SERVING while it is
@@ -181,6 +185,7 @@ async def _health_is(health, status) -> bool:
     return await _health(health) == status
 
 
+@pytest.mark.chaos
 @aio
 async def test_watchdog_kills_a_hung_engine_process(smollm2_dir, prose_ids):
     """An engine process that stops stepping (SIGSTOP) with a request open is killed after
@@ -225,6 +230,7 @@ async def _drain(call) -> list[pb.SubmitResponse]:
     return out
 
 
+@pytest.mark.chaos
 @aio
 async def test_two_replicas_keep_serving_while_one_restarts(smollm2_dir, prose_ids):
     """Two replicas (engine processes, pp 1), new requests sent all the while by two clients.
@@ -300,6 +306,11 @@ async def test_two_replicas_keep_serving_while_one_restarts(smollm2_dir, prose_i
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
+# The bound on a replica's restart in the restart tests (the service's restart_wait, the waiting
+# requests' deadlines): 4-7 s on an idle 2-core machine, 50-74 s measured beside 2 busy processes
+# and another test module (2026-12-04, Zen 5), where the tests must still pass (issue 35).
+RESTART_S = 180.0
+
 
 async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> None:
     """The death-window rule (docs/mesh.md) on a one-replica service: a request waiting in the
@@ -318,17 +329,17 @@ async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> No
     started = stub.Submit(pb.SubmitRequest(prompt_token_ids=prompt, sampling=_greedy(400)))
     await started.read()                                     # it has sent tokens
     os.kill(pid, signal.SIGSTOP)
-    waiting = asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60, request_id="waiting"))
+    waiting = asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=RESTART_S + 30, request_id="waiting"))
     await _until(lambda: _truthy(("", "waiting") in srv.service.requests), 10)     # dispatched to the stopped replica (keys: (tenant, id); no API keys: tenant "")
     assert srv.service.replicas[0].aengine is old
     caplog.clear()
     t_kill = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    sends = [asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60))]     # same tick as the kill
+    sends = [asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=RESTART_S + 30))]     # same tick as the kill
     short = asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=1.0, request_id="short"))
     for _ in range(10):
         await asyncio.sleep(0.1)                             # pacing: 10 sends over the next second
-        sends.append(asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=60)))
+        sends.append(asyncio.ensure_future(_tokens(stub, prompt, 6, timeout=RESTART_S + 30)))
     try:
         assert await short == want                           # (a restart within 1 s)
     except grpc.aio.AioRpcError as e:
@@ -343,7 +354,7 @@ async def _death_window(srv, stub, prompt: list[int], victim: str, caplog) -> No
     assert any("waiting" in r.getMessage() and "back to the router" in r.getMessage() for r in caplog.records)
     st = (await stub.GetStats(pb.GetStatsRequest())).replicas[0]
     assert st.healthy and st.pid != old.pid
-    assert time.monotonic() - t_kill < 60
+    assert time.monotonic() - t_kill < RESTART_S
 
 
 async def _tokens(stub, prompt: list[int], n: int, timeout: float | None = None, request_id: str = "") -> list[int]:
@@ -394,10 +405,11 @@ async def _watch_health(ch, seen: list) -> None:
         seen.append(r.status)
 
 
+@pytest.mark.chaos
 @aio
 async def test_no_request_lost_in_the_death_window_local(smollm2_dir, prose_ids, caplog):
     """--executor local, the engine process SIGKILLed: the death-window rule (:func:`_death_window`)."""
-    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1), _engine_cfg(smollm2_dir))
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, restart_wait=RESTART_S), _engine_cfg(smollm2_dir))
     try:
         await srv.wait_ready()
         async with grpc.aio.insecure_channel(srv.address) as ch:
@@ -407,7 +419,7 @@ async def test_no_request_lost_in_the_death_window_local(smollm2_dir, prose_ids,
             old = srv.service.replicas[0].aengine
             os.kill(old.pid, signal.SIGSTOP)
             call = stub.Submit(pb.SubmitRequest(request_id="between", prompt_token_ids=prose_ids[:20],
-                                                sampling=_greedy(6)), timeout=60)
+                                                sampling=_greedy(6)), timeout=RESTART_S + 30)
             await _until(lambda: _truthy(("", "between") in srv.service.requests), 10)
             caplog.clear()
             os.kill(old.pid, signal.SIGKILL)
@@ -422,13 +434,14 @@ async def test_no_request_lost_in_the_death_window_local(smollm2_dir, prose_ids,
         await srv.stop(grace=0)
 
 
+@pytest.mark.chaos
 @aio
 async def test_no_request_lost_in_the_death_window_ray_pp1(ray_two_cpus, smollm2_dir, prose_ids, caplog):
     """--executor ray at pp 1, its stage SIGKILLed (seen by the engine only when its step fails):
     the death-window rule (:func:`_death_window`). Its own service, stopped before this module's
     pp=2 one starts (file order: the module's Ray has 2 CPUs)."""
-    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, executor="ray", pp=1, stage_num_cpus=1),
-                                _engine_cfg(smollm2_dir, num_threads=1))
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, executor="ray", pp=1, stage_num_cpus=1,
+                                                restart_wait=RESTART_S), _engine_cfg(smollm2_dir, num_threads=1))
     try:
         await srv.wait_ready()
         async with grpc.aio.insecure_channel(srv.address) as ch:
@@ -437,6 +450,7 @@ async def test_no_request_lost_in_the_death_window_ray_pp1(ray_two_cpus, smollm2
         await srv.stop(grace=0)
 
 
+@pytest.mark.chaos
 @aio
 async def test_death_window_request_moves_to_the_live_replica(smollm2_dir, prose_ids, caplog):
     """Two replicas (round robin, engine processes): a request dispatched to a replica that dies
@@ -490,8 +504,8 @@ def ray_two_cpus():
 async def pp2_server(ray_two_cpus, smollm2_dir):
     """One pp=2 replica (engine process + two Ray stage actors), restarted by each test; its
     watchdog takes 10 s without a step with requests open for a hang."""
-    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, pp=2, stage_num_cpus=1, step_timeout=10),
-                                _engine_cfg(smollm2_dir, num_threads=1))
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=1, pp=2, stage_num_cpus=1, step_timeout=10,
+                                                restart_wait=RESTART_S), _engine_cfg(smollm2_dir, num_threads=1))
     await srv.wait_ready()
     yield srv
     await srv.stop(grace=0)
@@ -501,6 +515,7 @@ async def pp2_server(ray_two_cpus, smollm2_dir):
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.chaos
 @aio
 @pytest.mark.parametrize("victim", ["stage 0", "stage 1", "engine process", "idle stage 1", "hung stage 1"])
 async def test_pp2_replica_restarts_whole_after_a_process_dies(pp2_server, prose_ids, victim):
@@ -509,7 +524,7 @@ async def test_pp2_replica_restarts_whole_after_a_process_dies(pp2_server, prose
     during streams (the watchdog kills the engine process). The streams end UNAVAILABLE
     naming the stage (the watchdog), the service is NOT_SERVING while its only replica is down, a
     request sent meanwhile waits for the restart and gets the same greedy tokens as before, the
-    replica is back (new engine and stage processes) and SERVING within 30 s, and nothing of the
+    replica is back (new engine and stage processes) and SERVING within RESTART_S, and nothing of the
     dead replica is left: no stage process of it runs, its placement group is removed."""
     from ray.util import placement_group_table
     srv = pp2_server
@@ -537,8 +552,8 @@ async def test_pp2_replica_restarts_whole_after_a_process_dies(pp2_server, prose
         if victim.startswith("idle"):                        # found by the idle check, not by a request
             await _until(lambda: _truthy(NOT_SERVING in seen), 10)
         # sent while the replica is down: waits for the restart (within its deadline), same tokens
-        assert await _tokens(stub, prose_ids[:20], 6, timeout=60) == want
-        await _until(lambda: _replica_back(stub, old.pid, before.restarts + 1), 30 - (time.monotonic() - t_kill))
+        assert await _tokens(stub, prose_ids[:20], 6, timeout=RESTART_S + 30) == want
+        await _until(lambda: _replica_back(stub, old.pid, before.restarts + 1), RESTART_S - (time.monotonic() - t_kill))
         await _until(lambda: _truthy(seen and seen[-1] == SERVING), 5)
         watcher.cancel()
         assert NOT_SERVING in seen, seen
@@ -549,6 +564,7 @@ async def test_pp2_replica_restarts_whole_after_a_process_dies(pp2_server, prose
         assert await _tokens(stub, prose_ids[:20], 6) == want
 
 
+@pytest.mark.chaos
 @aio
 @pytest.mark.parametrize("victim", ["stage 0", "stage 1"])
 async def test_pp2_no_request_lost_in_the_death_window(pp2_server, prose_ids, victim, caplog):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.sampling import SamplingParams
 

@@ -45,7 +45,8 @@ def _random_prompts(vocab: int, seed: int):
 # tiny random checkpoints
 
 @pytest.fixture(scope="module", params=[("tiny_llama_dir", False), ("tiny_qwen2_dir", False),
-                                        ("tiny_llama_dir", True)], ids=["llama", "qwen2", "llama-compiled"])
+                                        pytest.param(("tiny_llama_dir", True), marks=pytest.mark.compile)],
+                ids=["llama", "qwen2", "llama-compiled"])
 def tiny(request, h):
     name, compile_ = request.param
     d = request.getfixturevalue(name)
@@ -117,7 +118,7 @@ def smol_hf(smollm2_dir):
     return _hf(smollm2_dir)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["eager", "compiled"])
+@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
 def smol_engine(smollm2_dir, h, request):
     """The default runtime (native attention where it builds), eager and with the compiled
     decode step."""

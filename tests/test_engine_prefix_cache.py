@@ -107,7 +107,7 @@ def test_no_caching_means_no_hits(engines, tokens, h):
 def test_kv_events_from_engine(tiny_llama_dir, tokens, h):
     """BlockStored for each newly cached block (chained by parent hash), BlockRemoved when a
     cached block is evicted to make room."""
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from scheduler.engine import LLMEngine
     sink = CollectingSink()
     eng = LLMEngine(EngineConfig(model=str(tiny_llama_dir), max_model_len=512), num_blocks=6,

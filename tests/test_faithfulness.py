@@ -275,6 +275,7 @@ def test_evaluate_hand_answers():
 
 # ---- a real run ---------------------------------------------------------------------------------
 
+@pytest.mark.quality
 def test_eval_faithfulness_smollm2_same_config_agrees(smollm2_dir, tmp_path, capsys):
     from kvmesh.cli import main
 
@@ -282,7 +283,7 @@ def test_eval_faithfulness_smollm2_same_config_agrees(smollm2_dir, tmp_path, cap
     # one question and one chat, both on the code of conduct: one ~1.5k-token policy prefill
     argv = ["eval", "faithfulness", "--model", str(smollm2_dir), "--dtype", "float32", "--num-questions", "1",
             "--num-chats", "1", "--max-tokens", "8", "--kv-cache-memory", "128MiB", "--reference", str(ref),
-            "--output", str(out)]
+            "--out", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "key-fact accuracy" in printed and "quality gate" in printed and "chat_turns" in printed
@@ -308,6 +309,7 @@ def test_eval_faithfulness_smollm2_same_config_agrees(smollm2_dir, tmp_path, cap
     assert "max_tokens" in capsys.readouterr().err
 
 
+@pytest.mark.quality
 def test_a_broken_configuration_fails_the_gate(smollm2_dir, monkeypatch):
     """A configuration whose logits are corrupted (a test hook: greedy picks the least likely
     token) loses every item the reference answers right: the gate says FAIL."""
@@ -326,6 +328,7 @@ def test_a_broken_configuration_fails_the_gate(smollm2_dir, monkeypatch):
     assert res["gate"]["verdict"] == "FAIL" and res["gate"]["reference_only"] >= 1
 
 
+@pytest.mark.quality
 def test_eval_faithfulness_through_a_served_mesh(smollm2_dir, tmp_path, capsys):
     """``--server``: the configuration is the mesh, asked through its gateway (chats turn by
     turn); a float32 mesh answers exactly as the in-process float32 reference."""
@@ -338,7 +341,7 @@ def test_eval_faithfulness_through_a_served_mesh(smollm2_dir, tmp_path, capsys):
     out = tmp_path / "served.json"
     with served(["serve", "--executor", "local", "--port", "0", "--scheduler-port", "0"], env, "gateway") as address:
         argv = ["eval", "faithfulness", "--server", address, "--model", str(smollm2_dir), "--num-questions", "1",
-                "--num-chats", "1", "--max-tokens", "8", "--kv-cache-memory", "128MiB", "--output", str(out)]
+                "--num-chats", "1", "--max-tokens", "8", "--kv-cache-memory", "128MiB", "--out", str(out)]
         assert main(argv) == 0
     res = json.loads(out.read_text())
     assert res["config"] == {"server": address} and res["num_chat_turns"] == len(F.select_chats(1)[0]["turns"])

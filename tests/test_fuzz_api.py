@@ -61,6 +61,8 @@ from hypothesis import strategies as st
 
 from kvmesh.v1 import common_pb2, llm_pb2, scheduler_pb2, scheduler_pb2_grpc
 
+pytestmark = pytest.mark.fuzz
+
 MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 256
 MAX_MESSAGE_BYTES = 256 * 1024      # the gateway's max_message_bytes here: huge values cross it
@@ -142,7 +144,8 @@ class FuzzMesh:
 
     async def _start(self):
         from gateway.server import serve_gateway
-        from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+        from kvmesh.core.engine_config import EngineConfig
+        from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
         from scheduler.service import serve_scheduler
         sched = await serve_scheduler(SchedulerConfig(executor="local", port=0),
                                       EngineConfig(model=MODEL, dtype="float32", kv_cache_memory=48 * 2**20,

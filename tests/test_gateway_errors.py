@@ -23,8 +23,9 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import DependencyUnavailableError, SettingsError
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

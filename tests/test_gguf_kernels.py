@@ -1,6 +1,7 @@
 """``kvmesh::gguf_linear`` (workers/kernels/csrc/gemm/gguf_gemm.cpp) against its PyTorch reference
 (:func:`workers.kernels.reference.gguf_linear_ref`), on every path this CPU has (amx,
-avx512vnni, avx2, scalar, forced with ``KVMESH_KERNEL_ISA``): both scale schemes, 4-, 6- and
+avx512vnni, avx2, scalar: each level this CPU has forced with ``workers.kernels.set_isa``, and
+checked to run its own path, ``kernels.path("gguf_linear")``): both scale schemes, 4-, 6- and
 8-bit lanes, groups of 16 and 32, N not a multiple of 16, row counts across the 4-row register
 blocks, the 16-row AMX tiles and the 64-row cache blocks, float32 and bfloat16 x. The amx path
 must give the avx512vnni path's outputs bit for bit (the same integers, the same float steps). The reference itself is checked against a plain
@@ -15,18 +16,30 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmesh.core.engine_config import _cpu_flags
+from workers import kernels
 from workers.kernels import gemm
 from workers.kernels.reference import gguf_linear_bf16_ref, gguf_linear_ref, quantize_activations, unpack_gguf_qweight
 
 pytestmark = pytest.mark.skipif(not gemm.gguf_available(), reason="the native kernels are not built here")
 
-PATHS = {"amx": "amx", "avx512bf16": "avx512vnni", "avx512": "avx512vnni", "avx2": "avx2", "scalar": "scalar"}
+# the path of each level: avx512vnni needs AVX512-VNNI beyond the avx512 level (else avx2), amx AMX-INT8
+_VNNI = "avx512_vnni" in _cpu_flags()
+_VNNI_OR_AVX2 = "avx512vnni" if _VNNI else "avx2"
+PATHS = {"amx": "amx" if _VNNI and "amx_int8" in _cpu_flags() else _VNNI_OR_AVX2, "avx512bf16": _VNNI_OR_AVX2,
+         "avx512": _VNNI_OR_AVX2, "avx2": "avx2", "scalar": "scalar"}
 
 
 def _levels():
-    from workers import kernels
     order = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]
     return order[: order.index(kernels.cpu_isa()) + 1]
+
+
+@pytest.fixture
+def set_level():
+    """set_level(name): the kernels at that level (the CPU's best again afterwards)."""
+    yield lambda name: kernels.set_isa(name)
+    kernels.set_isa("auto")
 
 
 def _weights(n, k, bits, G, scheme, seed):
@@ -63,14 +76,13 @@ def _dequantized(q, scales, supers, G):
                                            (6, 32, "k"), (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"),
                                            (4, 32, "k-sym"), (8, 16, "k-sym")], ids=str)
 @pytest.mark.parametrize("n,k", [(40, 256), (64, 512), (16, 768)], ids=str)
-def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypatch):
+def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, set_level):
     q, scales, supers = _weights(n, k, bits, G, scheme, seed=n + k + bits + G)
     qw = gemm.pack_gguf_qweight(q, bits)
     assert torch.equal(unpack_gguf_qweight(qw, bits, k)[:n], q)
     gen = torch.Generator().manual_seed(k)
     for level in _levels():
-        monkeypatch.setenv("KVMESH_KERNEL_ISA", level)
-        assert gemm.gguf_path() == PATHS[level]
+        assert set_level(level) == level and kernels.path("gguf_linear") == PATHS[level]
         for m in (1, 3, 8, 17, 130):
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
@@ -91,7 +103,7 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, monkeypat
 
 @pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
                                            (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
-def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
+def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, set_level):
     """From 16 rows the amx path multiplies in AMX-INT8 tiles (rows padded to 16, k-quant m xsum
     as a tile product; float32 x, and bfloat16 x below 32 rows); its outputs are the avx512vnni
     path's, bit for bit, below and above the 16-row threshold, with row tails, bias and both
@@ -111,14 +123,14 @@ def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, monkeypatch):
             bias = torch.randn(n, generator=gen) if m == 17 else None
             out = {}
             for level in ("amx", "avx512"):
-                monkeypatch.setenv("KVMESH_KERNEL_ISA", level)
+                set_level(level)
                 out[level] = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)
             assert torch.equal(out["amx"], out["avx512"]), (m, dtype)
 
 
 @pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
                                            (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
-def test_amx_bf16_route_matches_its_reference(bits, G, scheme, monkeypatch):
+def test_amx_bf16_route_matches_its_reference(bits, G, scheme, set_level):
     """bfloat16 x of 32 rows or more on the amx path: the panels dequantized to bfloat16 and
     multiplied with AMX-BF16 tiles, x not quantized. Against :func:`gguf_linear_bf16_ref`
     (float64 sums of x and the bfloat16 weights): float32 sums in another order (~1e-6 of the
@@ -127,7 +139,7 @@ def test_amx_bf16_route_matches_its_reference(bits, G, scheme, monkeypatch):
     16-row tiles, an odd panel count) and bias covered."""
     if "amx" not in _levels():
         pytest.skip("this CPU has no AMX")
-    monkeypatch.setenv("KVMESH_KERNEL_ISA", "amx")
+    set_level("amx")
     n, k = 40, 1024 if G == 32 else 512                    # 3 panels: a pair and a single one
     q, scales, supers = _weights(n, k, bits, G, scheme, seed=3 * bits + G)
     qw = gemm.pack_gguf_qweight(q, bits)

@@ -23,7 +23,8 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
 from kvmesh.core.grpc_server import LIVENESS
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc, scheduler_pb2 as pb, scheduler_pb2_grpc
 
@@ -87,7 +88,10 @@ async def ray_mesh(local_ray, smollm2_dir):
     and a health-only port, as deployed), in this event loop."""
     from gateway.server import serve_gateway
     from scheduler.service import serve_scheduler
-    sched = await serve_scheduler(SchedulerConfig(port=0, replicas=1, executor="ray", pp=1, stage_num_cpus=1),
+    # restart_wait: the requests' own 120 s (a restart takes 4-7 s idle, up to 74 s beside 2 busy
+    # processes and another test module), not the default 30 s
+    sched = await serve_scheduler(SchedulerConfig(port=0, replicas=1, executor="ray", pp=1, stage_num_cpus=1,
+                                                  restart_wait=120),
                                   EngineConfig(model=str(smollm2_dir), dtype="float32", kv_cache_memory=32 * 2**20,
                                                max_model_len=256, num_threads=1))
     gw = None
@@ -102,6 +106,7 @@ async def ray_mesh(local_ray, smollm2_dir):
         await sched.stop(0)
 
 
+@pytest.mark.chaos
 @aio
 async def test_gateway_health_follows_the_scheduler_through_a_stage_kill(ray_mesh, prose_ids):
     """kill -9 of the replica's stage: the gateway's "" and LLMService (on its health-only port,

@@ -20,7 +20,7 @@ import openai
 import pytest
 from test_gateway import CHAT, PROMPT, FakeScheduler, Mesh, _start_fake, _until, greedy, joined
 
-from kvmesh.core.config import GatewayConfig
+from kvmesh.core.service_config import GatewayConfig
 from kvmesh.v1 import llm_pb2, llm_pb2_grpc, scheduler_pb2
 
 # 40+ prompt tokens: a second run of it finds its first full blocks in the prefix cache

@@ -136,6 +136,21 @@ def test_kvmesh_home(monkeypatch, tmp_path):
     assert model_dir("smollm2-135m-instruct") == tmp_path / "h" / ".cache" / "kvmesh" / "models" / "smollm2-135m-instruct"
 
 
+def test_the_kernel_and_compile_caches_follow_kvmesh_home(monkeypatch, tmp_path):
+    """One rule for every cache: the native kernels' build and Inductor's compiled code live
+    under kvmesh_home(), so XDG_CACHE_HOME moves them with the models."""
+    from workers.compiled_decode import inductor_cache_dir
+    from workers.kernels.build import KERNELS
+    monkeypatch.delenv("KVMESH_HOME", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")     # restored after the test (the function sets it)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "xdg" / "kvmesh"
+    assert kvmesh_home() == root
+    assert KERNELS.directory().parent == root / "torch_extensions"
+    assert inductor_cache_dir() == root / "inductor"
+
+
 def test_canonical_name_accepts_hf_repo_ids():
     assert canonical_name("SMOLLM2-135M-Instruct") == "smollm2-135m-instruct"
     assert canonical_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
@@ -507,7 +522,7 @@ def smollm2_float32_dequantized(tmp_path_factory):
     return dict(model.state_dict())
 
 
-@pytest.mark.slow
+@pytest.mark.pull
 def test_pull_smollm2_values_are_the_float32_conversion_cast(smollm2_dir, smollm2_float32_dequantized):
     """Every stored tensor is bit for bit the float32 dequantization cast to its stored dtype
     (round to nearest even for the bfloat16 matrices; the float32 vectors unchanged)."""
@@ -593,6 +608,7 @@ def _greedy(h, model_dir, weight_format, prose_ids):
     return h.run(eng, [("g", prose_ids[10:40], h.greedy(8))])["g"].output_token_ids
 
 
+@pytest.mark.pull
 def test_pull_writes_the_gguf_config_and_tokenizer_only(fresh_pull, smollm2_dir):
     """No safetensors, the marker says so; config.json is the dense conversion's but for its
     ``dtype``; the tokenizer and generation files are the ones a dense pull writes."""
@@ -621,6 +637,7 @@ def test_default_format_serves_a_fresh_pull_without_converting(fresh_pull, smoll
     assert count_conversions == [] and not list(d.glob("*.safetensors"))
 
 
+@pytest.mark.pull
 def test_weight_format_none_converts_a_fresh_pull_once(fresh_pull, smollm2_dir, h, prose_ids, count_conversions,
                                                        capfd):
     """The first dense load converts (one line on stderr), the second does not; the result is
@@ -650,6 +667,7 @@ def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.pull
 def test_older_pull_serves_both_formats_without_converting(smollm2_dir, tmp_path, monkeypatch, h, prose_ids):
     """A directory pulled before pulls kept the GGUF alone (safetensors, a marker without
     ``dense``): resolved without pulling again, served in both formats without converting."""

@@ -1,8 +1,9 @@
-"""kvmesh's defaults on every kernel level this CPU supports (``KVMESH_KERNEL_ISA`` forced, issue 39):
-the Python side (``cpu_kernel_level``, which picks the default dtype) and the kernels agree on the
-level; the default configuration (``dtype auto``, ``weight_format auto``) takes bfloat16 above the
-scalar level and float32 at it; and a decode step of that configuration runs kvmesh's kernels, not
-ATen's matmuls (no ``aten::mm``/``addmm``/``linear`` in its profile)."""
+"""kvmesh's defaults on every kernel level this CPU supports (the ``kernel_isa`` setting forced, issue
+39): the Python side (``cpu_kernel_level``, which picks the default dtype) and the kernels agree on
+the level, also on one above the CPU's (lowered by both); ``KVMESH_KERNEL_ISA`` is the setting's
+variable; the default configuration (``dtype auto``, ``weight_format auto``) takes bfloat16 above
+the scalar level and float32 at it; and a decode step of that configuration runs kvmesh's
+kernels at its level, not ATen's matmuls (no ``aten::mm``/``addmm``/``linear`` in its profile)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from kvmesh.core.engine_config import KERNEL_LEVELS, EngineConfig, cpu_kernel_level
+from kvmesh.core.errors import SettingsError
 from workers import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the native kernels are not built here")
@@ -22,27 +24,32 @@ def _supported(level: str) -> bool:
 
 
 @pytest.fixture
-def forced(monkeypatch):
-    """force(level): the kernels and the settings at ``level``; the CPU's best again afterwards."""
-    def force(level: str) -> None:
-        monkeypatch.setenv("KVMESH_KERNEL_ISA", level)
-        assert kernels.set_isa(level) == level
+def forced():
+    """force(level): the kernels at ``level``; the CPU's best again afterwards."""
+    def force(level: str) -> str:
+        return kernels.set_isa(level)
     yield force
-    monkeypatch.delenv("KVMESH_KERNEL_ISA", raising=False)
     kernels.set_isa("auto")
 
 
 def test_settings_and_kernels_agree_on_the_level(forced, monkeypatch):
     monkeypatch.delenv("KVMESH_KERNEL_ISA", raising=False)
-    assert cpu_kernel_level() == kernels.cpu_isa()
+    assert cpu_kernel_level() == cpu_kernel_level("auto") == kernels.cpu_isa()
     for level in KERNEL_LEVELS:
         if _supported(level):
-            forced(level)
-            assert cpu_kernel_level() == kernels.isa() == level
+            assert forced(level) == level
+            assert cpu_kernel_level(level) == kernels.isa() == level
             want = torch.float32 if level == "scalar" else torch.bfloat16
-            assert EngineConfig(model="m", dtype="auto").torch_dtype == want
-    monkeypatch.setenv("KVMESH_KERNEL_ISA", "sse9")            # unknown: ignored, as the kernels do
-    assert cpu_kernel_level() == kernels.cpu_isa()
+            assert EngineConfig(model="m", dtype="auto", kernel_isa=level).torch_dtype == want
+        else:                                                  # above the CPU's best: lowered by both
+            assert cpu_kernel_level(level) == forced(level) == kernels.cpu_isa()
+    monkeypatch.setenv("KVMESH_KERNEL_ISA", "avx2")            # the setting's variable
+    assert EngineConfig.from_env(model="m").kernel_isa == "avx2"
+    assert EngineConfig(model="m").kernel_isa == "auto"
+    monkeypatch.setenv("KVMESH_KERNEL_ISA", "sse9")
+    with pytest.raises(SettingsError, match="kernel_isa"):
+        EngineConfig.from_env(model="m")
+    monkeypatch.delenv("KVMESH_KERNEL_ISA")
     monkeypatch.setenv("KVMESH_NATIVE_KERNELS", "0")
     assert cpu_kernel_level() == "scalar"
     assert EngineConfig(model="m", dtype="auto").torch_dtype == torch.float32
@@ -53,14 +60,15 @@ def test_settings_and_kernels_agree_on_the_level(forced, monkeypatch):
 def test_default_decode_step_runs_kvmesh_kernels(level, forced, smollm2_dir, prose_ids, monkeypatch):
     if not _supported(level):
         pytest.skip(f"this CPU's best kernel level is {kernels.cpu_isa()}")
-    forced(level)
+    forced("scalar" if level != "scalar" else "auto")               # another level: the engine sets its own
     monkeypatch.delenv("KVMESH_WEIGHT_FORMAT", raising=False)       # the product's default: auto
     from kvmesh.core.sampling import SamplingParams
     from scheduler.engine import LLMEngine
-    cfg = EngineConfig(model=str(smollm2_dir), kv_cache_memory=32 * 2**20, max_model_len=256)
+    cfg = EngineConfig(model=str(smollm2_dir), kv_cache_memory=32 * 2**20, max_model_len=256, kernel_isa=level)
     assert cfg.dtype == "auto" and cfg.weight_format == "auto"
     engine = LLMEngine(cfg)
     try:
+        assert kernels.isa() == level
         assert engine.cfg.torch_dtype == (torch.float32 if level == "scalar" else torch.bfloat16)
         engine.add_request("r", prose_ids[:40], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         produced = 0

@@ -8,8 +8,13 @@
   q and cache vs a float32 reference of the same inputs: the output's rounding (rtol 2^-8).
 - ``kvmesh::reshape_and_cache`` bit-identical to ``KVCache.write`` (bytes and scales).
 - ``torch.compile(fullgraph=True)`` calls the mutating op in place (no copy of the cache).
-- The loader: cached build reused, ``KVMESH_KERNEL_ISA``, ``KVMESH_NATIVE_KERNELS=0`` (the
-  build and its cache: tests/test_kernel_build.py).
+- The one ISA switch (csrc/isa.h): forced to each level this CPU has, every op runs that level's
+  path (``kernels.paths()``, the table below) -- the attention, KV-write, norm, RoPE and SiLU
+  tests here run at every level, the GEMMs' in test_gemm_kernel.py, test_quant_kernels.py and
+  test_gguf_kernels.py; a level above the CPU's is lowered with one warning; an unknown name
+  raises.
+- The loader: cached build reused, ``KVMESH_KERNEL_ISA`` read at load, ``KVMESH_NATIVE_KERNELS=0``
+  (the build and its cache: tests/test_kernel_build.py).
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import os
 import subprocess
 import sys
 
+import logging
+
 import pytest
 import torch
 
+from kvmesh.core.engine_config import _cpu_flags
 from workers import kernels
 from workers.kernels.reference import paged_attention_ref
 from workers.kv_cache import KVCache
@@ -41,6 +49,42 @@ def isa(request):
     assert kernels.set_isa(request.param) == request.param
     yield request.param
     kernels.set_isa("auto")
+
+
+def expected_paths(level: str) -> dict[str, str]:
+    """What each op runs at ``level`` (the C++ docstrings' rules: the nearest level at or below
+    it that the op has code for)."""
+    at = RANK[level]
+    vnni = "avx512_vnni" in _cpu_flags()
+    gguf = ("amx" if at >= 4 and vnni and "amx_int8" in _cpu_flags() else "avx512vnni" if at >= 2 and vnni
+            else "avx2" if at >= 1 else "scalar")
+    wide = "avx512" if at >= 2 else "scalar"             # norm, RoPE, SiLU: AVX-512F or baseline code
+    return {"paged_attention": level, "reshape_and_cache": "avx2" if at >= 1 else "scalar", "bf16_linear": level,
+            "int4_linear": "avx512bf16" if at >= 3 else "none", "int8_linear": "avx512bf16" if at >= 3 else "none",
+            "gguf_linear": gguf, "rms_norm": wide, "rotary_bf16": wide, "silu_and_mul_bf16": wide}
+
+
+def test_every_op_runs_the_forced_levels_path(isa):
+    assert kernels.isa() == isa
+    assert kernels.paths() == expected_paths(isa)
+
+
+def test_a_level_above_the_cpus_is_lowered_once_and_an_unknown_one_raises(caplog):
+    best = kernels.cpu_isa()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.kernels"):
+            for name in [n for n in RANK if RANK[n] > RANK[best]] * 2:
+                assert kernels.set_isa(name) == best and kernels.isa() == best
+        above = [n for n in RANK if RANK[n] > RANK[best]]
+        assert [r.getMessage() for r in caplog.records] == [
+            f"kvmesh: kernel ISA {n} is above this CPU's best; using {best}" for n in above]
+        kernels.set_isa("scalar")
+        with pytest.raises(RuntimeError, match="unknown kernel ISA 'sse9'"):
+            kernels.set_isa("sse9")
+        assert kernels.isa() == "scalar" and kernels.paths() == expected_paths("scalar")
+    finally:
+        kernels.set_isa("auto")
+    assert kernels.isa() == best
 
 
 def make_cache(nb, bs, kvh, d, dtype, gen, magnitude=1.0):
@@ -376,6 +420,10 @@ def test_loader_reuses_the_build_and_honours_the_isa_and_off_switches():
     assert "compiling" not in r.stderr                   # the build directory's library is reused
     r = _child({"KVMESH_KERNEL_ISA": "avx9000"})
     assert r.stdout.split() == ["True", kernels.cpu_isa()] and "unknown KVMESH_KERNEL_ISA" in r.stderr, r.stderr
+    if kernels.cpu_isa() != "amx":                       # above this CPU: lowered, with one warning
+        r = _child({"KVMESH_KERNEL_ISA": "amx"})
+        assert r.stdout.split() == ["True", kernels.cpu_isa()], r.stderr
+        assert r.stderr.count("is above this CPU's best") == 1, r.stderr
     r = _child({"KVMESH_NATIVE_KERNELS": "0"})
     assert r.stdout.split() == ["False", "none"], r.stderr
     assert "KVMESH_NATIVE_KERNELS=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -386,12 +434,12 @@ def test_loader_reuses_the_build_and_honours_the_isa_and_off_switches():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_rms_norm_matches_the_model_norm(dtype):
+def test_fused_rms_norm_matches_the_model_norm(isa, dtype):
     """kvmesh::rms_norm / add_rms_norm against workers.models.llama.RMSNorm's PyTorch
     expression: the residual sum is bit-identical (rounded to dtype first, as the model does);
-    the norm agrees to float32 rounding (its mean is summed in another order)."""
-    if not kernels.available():
-        pytest.skip(kernels.unavailable_reason())
+    the norm agrees to float32 rounding (its mean is summed in another order). At every level
+    (bfloat16: the AVX-512F loop at avx512 and above, the baseline one below)."""
+    assert kernels.path("rms_norm") == expected_paths(isa)["rms_norm"]
     from workers.models.llama import RMSNorm
     g = torch.Generator().manual_seed(3)
     norm = RMSNorm(576, 1e-5)
@@ -415,11 +463,10 @@ def test_fused_rms_norm_matches_the_model_norm(dtype):
         torch.ops.kvmesh.add_rms_norm(x, r[:, :5].contiguous(), norm.weight, 1e-5)
 
 
-def test_rotary_bf16_is_bit_identical_to_the_model_rotation():
+def test_rotary_bf16_is_bit_identical_to_the_model_rotation(isa):
     """kvmesh::rotary_bf16 on a strided q/k view of a fused qkv projection equals
-    RotaryEmbedding.rotate bit for bit (same bfloat16 rounding of every op)."""
-    if not kernels.available():
-        pytest.skip(kernels.unavailable_reason())
+    RotaryEmbedding.rotate bit for bit (same bfloat16 rounding of every op), at every level."""
+    assert kernels.path("rotary_bf16") == expected_paths(isa)["rotary_bf16"]
     from workers.layers.rotary import RotaryEmbedding
     rope = RotaryEmbedding(64, 4096, 10000.0)
     g = torch.Generator().manual_seed(5)
@@ -435,10 +482,12 @@ def test_rotary_bf16_is_bit_identical_to_the_model_rotation():
         torch.ops.kvmesh.rotary_bf16(x, cos[:2], sin)
 
 
-def test_silu_and_mul_bf16_matches_the_model_activation():
+def test_silu_and_mul_bf16_matches_the_model_activation(isa):
     """``kvmesh::silu_and_mul_bf16`` against workers.models.llama.silu_and_mul in bfloat16:
     at most one bfloat16 ulp apart (the two exp implementations differ in the last float32
-    bits), nearly all bit-identical; widths that are not a multiple of 16 (the scalar tail)."""
+    bits), nearly all bit-identical; widths that are not a multiple of 16 (the scalar tail);
+    at every level."""
+    assert kernels.path("silu_and_mul_bf16") == expected_paths(isa)["silu_and_mul_bf16"]
     from workers.models.llama import silu_and_mul
     gen = torch.Generator().manual_seed(2)
     for T, inter in ((1, 1536), (37, 1536), (5, 4864 + 3)):

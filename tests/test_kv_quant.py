@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from kvmesh.core.config import EngineConfig
-from workers.kv_cache import KV_DTYPES, KVCache, allocate_kv_cache, bytes_per_block, kv_dtype
+from kvmesh.core.engine_config import EngineConfig
+from workers.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, kv_dtype
 from workers.layers.attention import AttentionMetadata, CascadeGroup, PrefillChunk, block_index, paged_attention
 
 from test_attention import BS as ATTN_BS, _decode_md  # noqa: E402  (tests/ is on sys.path)
@@ -27,7 +27,7 @@ NB = 32
 def _caches(name: str) -> tuple[KVCache, KVCache]:
     """A float32 cache and a ``name`` cache of the same shape."""
     dense, = allocate_kv_cache(1, NB, BS, KVH, D, torch.float32, torch.device("cpu"))
-    quant, = allocate_kv_cache(1, NB, BS, KVH, D, KV_DTYPES[name], torch.device("cpu"))
+    quant, = allocate_kv_cache(1, NB, BS, KVH, D, kv_dtype(name, torch.float32), torch.device("cpu"))
     return dense, quant
 
 
@@ -208,7 +208,7 @@ def test_greedy_outputs_with_a_quantized_kv_cache(name, smollm2_dir, prompts, de
     bits: up to 6% error per value; the greedy paths of a 135M model part at near ties).
     Required: int8 >= 8 equal tokens on 6 of 8 prompts and >= 12 on average; fp8 4 of 8, 8."""
     eng = int8_engine if name == "int8" else h.make_engine(smollm2_dir, dtype="float32", kv_cache_dtype=name)
-    per_block = bytes_per_block(30, h.BLOCK, 3, 64, KV_DTYPES[name])
+    per_block = bytes_per_block(30, h.BLOCK, 3, 64, kv_dtype(name, torch.float32))
     assert eng.executor.num_blocks == 96 * 2**20 // per_block == 544
     reqs = h.run(eng, [(f"q{i}", p, h.greedy(NEW)) for i, p in enumerate(prompts)])
     same = [_common_prefix(reqs[f"q{i}"].output_token_ids, ref) for i, ref in enumerate(dense_outputs)]
@@ -245,7 +245,7 @@ def test_block_hash_seeds_differ_across_kv_dtypes(smollm2_dir):
 
 @pytest.mark.asyncio
 async def test_stats_report_the_kv_format_and_capacity(smollm2_dir):
-    from kvmesh.core.config import SchedulerConfig
+    from kvmesh.core.service_config import SchedulerConfig
     from kvmesh.v1 import scheduler_pb2 as pb, scheduler_pb2_grpc
     from scheduler.service import serve_scheduler
     import grpc

@@ -21,10 +21,11 @@ import uuid
 import pytest
 import torch
 
-from kvstore.events import BlockRemoved, BlockStored
+from kvstore.events import HOST, REDIS, BlockRemoved, BlockStored
 from kvstore.hashing import hash_blocks, seed_hash
-from kvstore.tiers import (FORMAT_VERSION, HOST, REDIS, BlockLayout, HostTier, KVTiers, block_key, decode_value,
-                           encode_value, TierValueError)
+from kvstore.tier_format import FORMAT_VERSION, BlockLayout, TierValueError, block_key, decode_value, encode_value
+from kvstore.tier_stores import HostTier
+from kvstore.tiers import KVTiers
 from workers.kv_blocks import block_body_bytes, load_blocks, save_blocks
 from workers.kv_cache import allocate_kv_cache, is_quantized
 
@@ -361,6 +362,7 @@ def test_corrupted_value_in_redis_means_recompute(h, redis_engines, prose_ids):
     ref.shutdown()
 
 
+@pytest.mark.chaos
 def test_redis_killed_between_turns_means_recompute(h, redis_engines, private_redis, prose_ids):
     make, _, _ = redis_engines
     url, proc = private_redis
@@ -394,7 +396,8 @@ def ray_local():
 
 
 def test_pp2_stages_store_and_load_their_own_layers(ray_local, h, smollm2_dir, prose_ids, redis_prefix):
-    from kvmesh.core.config import EngineConfig, SchedulerConfig
+    from kvmesh.core.engine_config import EngineConfig
+    from kvmesh.core.service_config import SchedulerConfig
     from scheduler.engine import LLMEngine
     from workers.executor import create_executor
     raw, prefix = redis_prefix

@@ -21,11 +21,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from kvstore.events import HOST, POOL
 from kvstore.hashing import hash_blocks
-from kvstore.index import RedisIndex
+from kvstore.index_redis import RedisIndex
 from scheduler.service import serve_scheduler
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

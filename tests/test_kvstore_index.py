@@ -4,9 +4,6 @@ The same contract tests run against MemoryIndex and RedisIndex. RedisIndex uses 
 ``REDIS_URL`` (default redis://127.0.0.1:6379/0) under a unique key prefix per test, and
 deletes only that prefix's keys afterwards; the outage tests start a private redis-server
 on a free port. No model weights: events are built directly.
-
-Over ~450 lines because one contract runs against both index implementations (parametrized
-over MemoryIndex and RedisIndex) plus the Redis-only outage and tier tests.
 """
 
 from __future__ import annotations
@@ -25,7 +22,9 @@ import pytest
 from kvmesh.core.sampling import SamplingParams
 from kvstore.events import HOST, POOL, REDIS, AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.hashing import hash_blocks, seed_hash
-from kvstore.index import SHARED_NO_TTL, IndexUnavailable, MemoryIndex, PrefixMatch, RedisIndex
+from kvstore.index_contract import SHARED_NO_TTL, IndexUnavailable, PrefixMatch
+from kvstore.index_memory import MemoryIndex
+from kvstore.index_redis import RedisIndex
 from kvstore.publisher import KVEventPublisher
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request

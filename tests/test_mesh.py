@@ -44,7 +44,8 @@ class Meshes:
 
     async def _start(self, model_dir):
         from gateway.server import serve_gateway
-        from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+        from kvmesh.core.engine_config import EngineConfig
+        from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
         from scheduler.service import serve_scheduler
         ecfg = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=KV, max_model_len=MAX_LEN,
                             num_threads=1)

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh import cli
 from kvmesh.core import flags
-from kvmesh.core.config import GatewayConfig, SchedulerConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.metrics import GATEWAY_METRICS, SCHEDULER_METRICS
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
 from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 KV_MEMORY = 48 * 2**20
@@ -50,7 +50,7 @@ class Mesh:
 
     async def _start(self, smollm2_dir):
         from gateway.server import serve_gateway
-        from kvmesh.core.config import EngineConfig
+        from kvmesh.core.engine_config import EngineConfig
         from scheduler.service import serve_scheduler
         sched = await serve_scheduler(SchedulerConfig(executor="local", port=0, metrics_port=0),
                                       EngineConfig(model=str(smollm2_dir), dtype="float32",

@@ -43,12 +43,13 @@ def test_quantized_rows_are_gated_against_their_models_dense_row():
     assert "| b | int8 | not available: x/y |" in text
 
 
+@pytest.mark.quality
 def test_model_choice_smollm2_one_item(smollm2_dir, tmp_path, capsys):
     out = tmp_path / "mc.json"
     md = tmp_path / "results.md"
     md.write_text("# Results\n")
     assert MC.main(["--configs", str(smollm2_dir), "--num-questions", "1", "--num-chats", "0", "--max-tokens", "8",
-                    "--kv-cache-memory", "256MiB", "--output", str(out), "--markdown", str(md)]) == 0
+                    "--kv-cache-memory", "256MiB", "--out", str(out), "--markdown", str(md)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["available"], row.get("error")
     assert row["accuracy"]["overall"]["n"] == 1 and row["accuracy"]["chat_turns"] is None

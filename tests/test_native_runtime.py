@@ -50,7 +50,7 @@ def reference(smollm2_dir, prose_ids, h):
     return _run(eng, h, _workload(prose_ids), late)
 
 
-@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile_", [False, pytest.param(True, marks=pytest.mark.compile)], ids=["eager", "compiled"])
 def test_native_runtime_matches_reference(smollm2_dir, prose_ids, h, reference, compile_):
     eng = h.make_engine(smollm2_dir, attention_backend="native", enable_compile=compile_, max_num_batched_tokens=64,
                         max_num_seqs=8)
@@ -68,6 +68,7 @@ def test_native_runtime_matches_reference(smollm2_dir, prose_ids, h, reference, 
         assert runner.compiled_decode.calls - calls >= 10          # the decode steps ran compiled
 
 
+@pytest.mark.compile
 def test_output_does_not_depend_on_the_padding_bucket(smollm2_dir, prose_ids, h):
     """The same request alone (bucket 1) and beside two others (3 rows, padded to bucket 4)."""
     eng = h.make_engine(smollm2_dir, attention_backend="native", enable_compile=True, max_num_seqs=4)
@@ -105,7 +106,7 @@ def test_int8_kv_native_matches_reference(smollm2_dir, prose_ids, h):
 _FALLBACK = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.sampling import SamplingParams
 from scheduler.engine import LLMEngine
@@ -143,14 +144,13 @@ def test_fallback_without_native_kernels(smollm2_dir, tmp_path):
 def test_bf16_model_uses_the_native_gemm_where_it_wins(smollm2_dir, prose_ids, h):
     """bfloat16 serving on the CPU with the kernels built: every dense Linear runs the native
     bf16-weight GEMM (no ATen weight left) and the logits stay close to the float32 model's."""
-    from workers.kernels import gemm
     from workers.layers.linear import Linear
     logits = {}
     for dtype in ("float32", "bfloat16"):
         eng = h.make_engine(smollm2_dir, dtype=dtype)
         linears = [m for m in eng.executor.runner.model.modules() if isinstance(m, Linear)]
         packed = [m.bf16_panels is not None for m in linears]
-        if dtype == "bfloat16" and gemm.available():
+        if dtype == "bfloat16" and kernels.available():
             assert all(packed) and all(m.weight is None for m in linears)
         elif dtype == "float32":
             assert not any(packed)

@@ -11,13 +11,19 @@ runs every step through the kernel, keeps no second copy of the weights, and giv
 greedy tokens as the model through ATen's kernel.
 
 int8 (per-column scales; the int4 format's lm_head): against ``x.float() @ (q * bf16(s)).T``
-with the same tolerance, and ATen's int8 kernel within twice it."""
+with the same tolerance, and ATen's int8 kernel within twice it.
+
+Both kernels have one level, avx512bf16 (amx runs it too): forced to each level this CPU has,
+they run it and match their references from avx512bf16 up, and below it they raise and
+``int4_available`` is False (the layers keep ATen's kernels)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvmesh.core.engine_config import KERNEL_LEVELS
+from workers import kernels
 from workers.kernels import gemm
 from workers.layers import quant
 
@@ -68,6 +74,35 @@ def _reference(t, x):
     ref = x.float() @ w.T
     bound = 2 ** -8 * ref.abs() + 1e-4 * (x.float().abs() @ w.abs().T)
     return ref, bound
+
+
+@pytest.mark.parametrize("level", KERNEL_LEVELS)
+def test_int4_and_int8_run_their_level_or_raise_below_it(level):
+    if KERNEL_LEVELS.index(level) > KERNEL_LEVELS.index(kernels.cpu_isa()):
+        pytest.skip(f"this CPU's best kernel level is {kernels.cpu_isa()}")
+    t, x = _case(100, 256, 32, 5, 11)
+    panels, sz = gemm.pack_int4_panels(quant.unpack_int4(t["qweight"]), t["scales"], t["zeros"], 32)
+    t8 = quant.quantize_int8(torch.randn(100, 256, generator=torch.Generator().manual_seed(12)) * 0.05)
+    p8, s8 = gemm.pack_int8_panels(t8["qweight"], t8["scales"])
+    runs = KERNEL_LEVELS.index(level) >= KERNEL_LEVELS.index("avx512bf16")
+    assert kernels.set_isa(level) == level
+    try:
+        assert kernels.path("int4_linear") == kernels.path("int8_linear") == ("avx512bf16" if runs else "none")
+        assert gemm.int4_available() == runs
+        if not runs:
+            with pytest.raises(RuntimeError, match=f"in use \\({level}\\) is below avx512bf16"):
+                gemm.int4_linear(x, panels, sz, 32, 100)
+            with pytest.raises(RuntimeError, match=f"in use \\({level}\\) is below avx512bf16"):
+                gemm.int8_linear(x, p8, s8, 100)
+            return
+        ref, bound = _reference(t, x)
+        assert ((gemm.int4_linear(x, panels, sz, 32, 100).float() - ref).abs() <= bound).all()
+        w8 = quant.dequantize_int8(t8["qweight"], t8["scales"].to(torch.bfloat16))
+        ref8 = x.float() @ w8.T
+        bound8 = 2 ** -8 * ref8.abs() + 1e-4 * (x.float().abs() @ w8.abs().T)
+        assert ((gemm.int8_linear(x, p8, s8, 100).float() - ref8).abs() <= bound8).all()
+    finally:
+        kernels.set_isa("auto")
 
 
 # (N, K, group): SmolLM2's qkv / down / gate_up shapes, N not a multiple of 16, larger groups

@@ -238,7 +238,7 @@ def test_save_quantized_and_pipeline_stage(qenv, tmp_path):
 
 
 def test_identity_differs_between_formats(qenv, tmp_path):
-    from kvmesh.core.config import EngineConfig
+    from kvmesh.core.engine_config import EngineConfig
     from scheduler.engine import model_identity
     other = tmp_path / "calib.txt"
     other.write_text("Some other calibration text about travel expenses.")

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import EngineError
 from scheduler.engine import LLMEngine
 from workers.executor import RayPipelineExecutor, ensure_ray
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.multinode
 
 KV = 64 * 2**20
 
@@ -73,7 +73,7 @@ def cluster():
     def start(args, name):
         log = open(Path(temp) / f"{name}.log", "w")
         procs.append(subprocess.Popen([ray_bin, "start", *args, *common], stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+                                      start_new_session=True, env=dict(os.environ, RAY_worker_niceness="0")))
 
     try:
         start(["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={temp}",

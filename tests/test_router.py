@@ -13,7 +13,9 @@ from kvmesh.core.sampling import SamplingParams
 from kvstore.hashing import hash_blocks, seed_hash
 from kvstore.events import HOST, REDIS, BlockRemoved, BlockStored
 from kvstore.events import POOL as POOL_MEDIUM
-from kvstore.index import IndexUnavailable, MemoryIndex, PrefixMatch, RedisIndex
+from kvstore.index_contract import IndexUnavailable, PrefixMatch
+from kvstore.index_memory import MemoryIndex
+from kvstore.index_redis import RedisIndex
 from scheduler.block_manager import BlockManager
 from scheduler.request import Request
 from scheduler.router import SHARED_TIER_WEIGHT, NoHealthyReplicaError, ReplicaLoad, Router
@@ -222,7 +224,8 @@ def test_router_hashes_match_the_block_managers_events(clock):
 
 
 def test_routing_settings(monkeypatch):
-    from kvmesh.core.config import SchedulerConfig, env_var
+    from kvmesh.core.service_config import SchedulerConfig
+    from kvmesh.core.settings import env_var
     from kvmesh.core.errors import EngineError
 
     monkeypatch.setenv("KVMESH_REDIS_URL", "redis://redis:6379/0")

@@ -30,11 +30,13 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.core.sampling import SamplingParams
 from kvmesh.v1 import common_pb2, scheduler_pb2 as pb, scheduler_pb2_grpc
 from kvstore.hashing import hash_blocks
-from kvstore.index import IndexUnavailable, RedisIndex
+from kvstore.index_contract import IndexUnavailable
+from kvstore.index_redis import RedisIndex
 from scheduler.service import serve_scheduler
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -336,6 +338,7 @@ async def test_dead_replica_leaves_the_index(server, stub, index, seed):
             r1.start_publishing(server.service.index)
 
 
+@pytest.mark.chaos
 async def test_redis_outage_routes_by_load_then_recovers(smollm2_dir):
     if not shutil.which("redis-server"):
         pytest.skip("needs redis-server for a private Redis to kill")
@@ -382,6 +385,7 @@ async def stats_failed(stats) -> bool:
     return all(r.index_failures > 0 for r in (await stats()).replicas)
 
 
+@pytest.mark.chaos
 async def test_restarted_replica_is_credited_only_with_what_it_holds(smollm2_dir, redis_url):
     """A replica restarts with an empty KV pool: the router credits it with nothing of its dead
     incarnation. A chat is warmed on replica 0 (turn 1, routed there: the router records its

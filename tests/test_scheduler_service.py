@@ -16,7 +16,8 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.proto import sampling_params_from_proto
 from kvmesh.core.sampling import SamplingParams
@@ -251,6 +252,7 @@ async def test_duplicate_request_id_already_exists(stub, prompts):
     await _assert_serves(stub, prompts[0])
 
 
+@pytest.mark.chaos
 async def test_dead_replicas_are_skipped_then_unavailable(server, stub, prompts, reference):
     """A replica whose engine loop died (AsyncEngine.errored) gets no requests; none left → UNAVAILABLE."""
     r0, r1 = server.service.replicas

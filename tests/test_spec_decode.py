@@ -5,10 +5,7 @@ budget, pipeline parallelism and the acceptance metrics (real SmolLM2 weights, f
 Exactness of the rejection sampler is checked on synthetic distributions with fixed seeds:
 chi-square statistics against the 0.999 quantile of their chi-square distribution (df=5:
 20.52, df=35: 66.62), so the tests are deterministic and would fail for a sampler off by a
-few percent of probability mass on any token.
-
-Over ~450 lines because its tests share module-scoped float32 engines (target and draft);
-splitting the module would load them twice."""
+few percent of probability mass on any token."""
 
 from __future__ import annotations
 
@@ -17,7 +14,8 @@ import asyncio
 import pytest
 import torch
 
-from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.sampling import SamplingParams
 from scheduler.async_engine import AsyncEngine
@@ -186,6 +184,43 @@ def test_token_budget_counts_proposals_and_rollback_trims_blocks():
     assert [len(q.spec_token_ids) for q in out.seqs if q.req is a] == [1]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_turns_off_under_load_and_back_on(method):
+    """speculative_max_batch_tokens = 8: each row verifies (and asks the draft for) at most
+    8 // n - 1 proposals for n running and waiting requests: 7 alone, 3 beside one other, 1 at
+    four, none at five (a waiting request counts)."""
+    bm = BlockManager(256, 4, False, 0)
+    s = make_scheduler(bm, max_num_batched_tokens=64, speculative_method=method, num_speculative_tokens=8,
+                       speculative_adaptive=False, speculative_max_batch_tokens=8)
+    reqs = [_decoding(s, f"r{i}", 5) for i in range(5)]
+    out = s.schedule()
+    s.update(out, {q.req.request_id: [7] for q in out.seqs if q.sample})      # all prefilled
+
+    def step(live):
+        for r in live:
+            r.spec_token_ids = list(range(100, 108))
+        out = s.schedule()
+        got = {q.req.request_id: (len(q.spec_token_ids), q.num_proposals) for q in out.seqs}
+        s.update(out, {q.req.request_id: [7] for q in out.seqs})              # every proposal rejected
+        return got
+
+    for n, k in ((5, 0), (4, 1), (2, 3), (1, 7)):
+        while len(s.running) > n:                                 # the batch shrinks
+            s.finish(s.running[-1], FinishReason.ABORT)
+        got = step(s.running)
+        assert set(got) == {r.request_id for r in s.running}
+        assert all(v == (k, k if method == "draft" else 0) for v in got.values()), (n, got)
+    assert reqs[0].num_drafts >= 3
+    for i in range(4):
+        _decoding(s, f"w{i}", 5)                # waiting requests count: five in all
+    assert s._speculation_cap(frozenset()) == 0
+    uncapped = make_scheduler(BlockManager(256, 4, False, 0), max_num_batched_tokens=64, speculative_method=method,
+                              num_speculative_tokens=8, speculative_adaptive=False)
+    assert uncapped._speculation_cap(frozenset()) == 8
+    with pytest.raises(EngineError, match="speculative_max_batch_tokens"):
+        EngineConfig(model="m", speculative_method=method, draft_model="d", speculative_max_batch_tokens=-1)
+
+
 def test_speculation_needs_continuous_policy():
     with pytest.raises(EngineError, match="continuous"):
         make_scheduler(BlockManager(8, 4, False, 0), "static", speculative_method="ngram",
@@ -210,12 +245,13 @@ def base(h, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def ngram(h, base):
-    return h.derive_engine(base, speculative_method="ngram")
+    """Speculation uncapped (speculative_max_batch_tokens 0): every row of a mixed batch speculates."""
+    return h.derive_engine(base, speculative_method="ngram", speculative_max_batch_tokens=0)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_prefix_caches(request):
-    """``base`` and ``ngram`` share one KV pool (conftest.SharedExecutor): each one's prefix
+    """``base`` and ``ngram`` share one KV pool (conftest.WrappedExecutor): each one's prefix
     cache may name blocks the other has overwritten since, so both start every test empty."""
     for name in ("base", "ngram"):
         if name in request.fixturenames:
@@ -224,9 +260,9 @@ def _fresh_prefix_caches(request):
 
 @pytest.fixture(scope="module")
 def draft(h, smollm2_dir):
-    """The draft is SmolLM2's own first 8 layers, with a 160-token context."""
+    """The draft is SmolLM2's own first 8 layers, with a 160-token context; speculation uncapped."""
     return h.make_engine(smollm2_dir, speculative_method="draft", draft_model=str(smollm2_dir),
-                         draft_num_layers=8, draft_max_model_len=160)
+                         draft_num_layers=8, draft_max_model_len=160, speculative_max_batch_tokens=0)
 
 
 def _repetitive(prose_ids, n=80, again=30):
@@ -293,6 +329,75 @@ def test_draft_greedy_identical_and_past_draft_context(h, base, draft, prose_ids
     assert draft.stats().used == 0
 
 
+def _draft_forwards(engine) -> list[int]:
+    """A counter of the engine's draft model forwards (``[n]``, updated in place)."""
+    model = engine.executor.runner.proposer.model
+    n, forward = [0], model.forward
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return forward(*a, **kw)
+
+    model.forward = counted
+    return n
+
+
+def test_ngram_plus_draft_greedy_identical_and_the_draft_sits_out_lookup_runs(h, base, draft, smollm2_dir,
+                                                                               prose_ids):
+    """``ngram+draft``: prompt lookup where the sequence repeats itself, the draft elsewhere;
+    greedy output is the target's, and the copying request needs fewer draft forwards than
+    under ``draft`` alone."""
+    both = h.make_engine(smollm2_dir, speculative_method="ngram+draft", draft_model=str(smollm2_dir),
+                         draft_num_layers=8, draft_max_model_len=160, speculative_max_batch_tokens=0)
+    try:
+        requests = _mixed(prose_ids, h)
+        ref = _outputs(h, base, requests)
+        got = _run_checked(h, both, requests)
+        assert {rid: r.output_token_ids for rid, r in got.items()} == ref
+        assert got["plain"].num_drafts > 0 and got["copy"].num_accepted_tokens >= 6
+        copy = requests[:1]
+        n_both, n_draft = _draft_forwards(both), _draft_forwards(draft)
+        alone = h.run(both, copy)["copy"]
+        assert alone.output_token_ids == ref["copy"] and alone.num_accepted_tokens >= 6
+        h.run(draft, copy)
+        assert 0 < n_both[0] < n_draft[0]
+        assert both.stats().used == 0
+    finally:
+        both.shutdown()
+
+
+def test_draft_off_under_load_and_back_on_greedy_identical(h, base, smollm2_dir, prose_ids):
+    """With the default cap (speculative_max_batch_tokens 8), six decoding rows verify nothing
+    and the draft runs no forward; as the batch shrinks, speculation comes back, the draft
+    catching up on the tokens it skipped; greedy output stays the target's."""
+    eng = h.make_engine(smollm2_dir, speculative_method="draft", draft_model=str(smollm2_dir))
+    try:
+        assert eng.cfg.speculative_max_batch_tokens == 8
+        requests = [(f"r{i}", prose_ids[20 * i: 20 * i + 40], h.greedy(6 + 8 * i)) for i in range(6)]
+        ref = _outputs(h, base, requests)
+        forwards, steps = _draft_forwards(eng), []
+        schedule = eng.scheduler.schedule
+
+        def spy(*a, **kw):
+            out = schedule(*a, **kw)
+            dec = [q for q in out.seqs if q.num_new_tokens == 1]
+            steps.append((len(dec), max((len(q.spec_token_ids) + q.num_proposals for q in out.seqs), default=0),
+                          forwards[0]))
+            return out
+
+        eng.scheduler.schedule = spy
+        got = h.run(eng, requests)
+        assert {rid: r.output_token_ids for rid, r in got.items()} == ref
+        full = [i for i, (d, _, _) in enumerate(steps) if d >= 5]
+        assert full and all(steps[i][1] == 0 for i in full)                 # off under load ...
+        assert all(steps[i + 1][2] == steps[i][2] for i in full[:-1] if i + 1 in full)   # ... no draft forward
+        assert any(d <= 2 and k > 0 for d, k, _ in steps)                   # on again as the batch shrinks
+        assert got["r5"].num_accepted_tokens > 0                            # the draft caught up right
+        assert eng.stats().used == 0
+    finally:
+        eng.shutdown()
+
+
 def test_prefix_cache_hits_on_speculated_blocks(h, base, ngram, prose_ids):
     """Blocks filled by speculative steps are cached with their accepted tokens' K/V: a
     prompt that continues a speculated output hits them and decodes as plain greedy does."""
@@ -313,7 +418,8 @@ def test_draft_equal_to_target_accepts_every_proposal(h, smollm2_dir, prose_ids)
     proposal is accepted, if and only if its KV cache is right: prefill chunks (chunked,
     prefix-cache hits), the lookahead slots, rollback of its own proposals, block reuse."""
     eng = h.make_engine(smollm2_dir, speculative_method="draft", draft_model=str(smollm2_dir),
-                        max_num_batched_tokens=64, kv_cache_memory=24 * 2**20, max_model_len=256)
+                        max_num_batched_tokens=64, kv_cache_memory=24 * 2**20, max_model_len=256,
+                        speculative_max_batch_tokens=0)
     try:
         reqs = _run_checked(h, eng, [("a", prose_ids[:70], h.greedy(20)), ("b", prose_ids[:90], h.greedy(16)),
                                      ("c", prose_ids[150:190], h.greedy(12, presence_penalty=0.3))])
@@ -386,22 +492,23 @@ def test_stops_inside_an_accepted_run(h, ngram, prose_ids, smollm2_tokenizer):
     assert r.finish_reason == FinishReason.STOP and r.stop_reason == full[j]
     # a stop string (a token's text, first seen there) completing in the middle of a
     # multi-token delta: the text layer cuts exactly there
-    from kvmesh.llm import _TextStream
+    from gateway.output_processor import OutputProcessor
+    from kvmesh.llm import _step          # kvmesh.llm's fold of an engine output into the processor
     stop, cut, last = _stop_inside_delta(smollm2_tokenizer, deltas)
     sp = h.greedy(24, stop=[stop])
-    stream = _TextStream(smollm2_tokenizer, "t", None, prompt, sp)
+    output = OutputProcessor(smollm2_tokenizer, prompt, sp, cumulative=True)
     ngram.add_request("t", prompt, sp)
-    multi, ro = False, None
-    while ro is None or not ro.finished:
+    multi, d = False, None
+    while d is None or not d.finished:
         for o in ngram.step():
             multi |= len(o.new_token_ids) > 1
-            ro, hit = stream.apply(o)
-            if hit is not None:
-                ngram.finish_request("t", FinishReason.STOP, hit)
+            d = _step(output, o)
+            if d.end_upstream:
+                ngram.finish_request("t", FinishReason.STOP, d.stop_reason)
     ngram.step()
-    assert multi and ro.outputs[0].text == cut and ro.outputs[0].stop_reason == stop
-    assert ro.outputs[0].token_ids == full[: last + 1]     # nothing after the stop's token
-    m = ro.metrics                                         # kvmesh.llm's RequestOutput.metrics
+    assert multi and output.text == cut and (d.finish_reason, d.stop_reason) == ("stop", stop)
+    assert output.token_ids == full[: last + 1]            # nothing after the stop's token
+    m = output.metrics                                     # kvmesh.llm's RequestOutput.metrics
     assert m.num_drafts > 0 and m.acceptance_rate == m.num_accepted_tokens / m.num_draft_tokens
     assert ngram.stats().used == 0
 
@@ -447,7 +554,7 @@ async def test_grpc_final_message_carries_acceptance(smollm2_dir, prose_ids, smo
     import grpc
 
     from gateway.server import serve_gateway
-    from kvmesh.core.config import GatewayConfig
+    from kvmesh.core.service_config import GatewayConfig
     from kvmesh.v1 import common_pb2, llm_pb2, llm_pb2_grpc
     from scheduler.service import serve_scheduler
     sched = await serve_scheduler(SchedulerConfig(executor="local", port=0),

@@ -114,7 +114,7 @@ class TlsMesh:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def gateway_config(self, **kw):
-        from kvmesh.core.config import GatewayConfig
+        from kvmesh.core.service_config import GatewayConfig
         p = self.pki
         base = dict(port=0, scheduler_address=f"127.0.0.1:{self.sched.port}", connect_timeout=60,
                     tls_cert_file=p.server_cert, tls_key_file=p.server_key, scheduler_tls_ca_file=p.ca,
@@ -123,7 +123,8 @@ class TlsMesh:
 
     async def _start(self, smollm2_dir):
         from gateway.server import serve_gateway
-        from kvmesh.core.config import EngineConfig, SchedulerConfig
+        from kvmesh.core.engine_config import EngineConfig
+        from kvmesh.core.service_config import SchedulerConfig
         from scheduler.service import serve_scheduler
         p = self.pki
         sched = await serve_scheduler(SchedulerConfig(executor="local", port=0, tls_cert_file=p.server_cert,
@@ -284,7 +285,8 @@ def test_gateway_with_a_wrong_client_certificate_cannot_reach_the_scheduler(mesh
 
 def test_bad_tls_settings_are_named(mesh, pki):
     from gateway.server import serve_gateway
-    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.engine_config import EngineConfig
+    from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
     from scheduler.service import serve_scheduler
     with pytest.raises(EngineError, match="tls_cert_file and tls_key_file go together"):
         mesh.run(serve_gateway(GatewayConfig(port=0, tls_cert_file=pki.server_cert)))
@@ -303,7 +305,8 @@ def test_bad_tls_settings_are_named(mesh, pki):
 
 def test_serve_refuses_a_tls_scheduler_the_gateway_cannot_dial(pki):
     from kvmesh import serve
-    from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+    from kvmesh.core.engine_config import EngineConfig
+    from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
     sched = SchedulerConfig(port=0, tls_cert_file=pki.server_cert, tls_key_file=pki.server_key)
     with pytest.raises(EngineError, match="needs --scheduler-tls-ca-file"):
         asyncio.run(serve.start_mesh(serve.Mesh(), sched, EngineConfig(), GatewayConfig(port=0)))

@@ -144,6 +144,7 @@ def _generate(address: str, prompt: str, metadata=()) -> list:
         return list(stub.Generate(req, metadata=metadata, timeout=120))
 
 
+@pytest.mark.mesh
 def test_one_trace_per_request_across_gateway_scheduler_and_ray_stages(smollm2_dir):
     collector = Collector()
     env = mesh_env(RAY_AUTH_MODE="disabled", OTEL_TRACES_EXPORTER="otlp",

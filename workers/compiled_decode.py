@@ -8,9 +8,8 @@ layer costs a handful of calls instead of ~35 eager op dispatches.
 
 One graph serves every layer: ``DecoderLayer.forward`` is compiled as a function of the layer
 (Dynamo treats a module argument's weights as graph inputs), so a bucket costs two traces (the
-first layer, without a residual yet, and the rest) instead of one trace of the whole model:
-measured 6.6 s cold for both, against 35-44 s for a whole-model graph per bucket on this
-2-core machine.
+first layer, without a residual yet, and the rest) instead of one trace of the whole model,
+which compiles several times slower (docs/engine.md, "Compiled decode step").
 
 Shapes: the batch dimension is padded up to a bucket (powers of two up to ``max_num_seqs``;
 SGLang's CPU graph runner does the same, PR #7843), so each bucket is one graph compiled once
@@ -18,7 +17,7 @@ and replayed; padding rows decode token 0 at position 0 with their K/V slot -1 (
 and a one-token context, and their outputs are dropped. Block tables are padded to the
 widest a sequence can need (``max_model_len / block_size``), so their width never changes
 the graph. Inductor's compiled code is cached on disk (``TORCHINDUCTOR_CACHE_DIR``, default
-``$KVMESH_HOME/inductor``), so a restart only re-traces. Every bucket is compiled when the
+``kvmesh_home()/inductor``), so a restart only re-traces. Every bucket is compiled when the
 model runner starts (:meth:`CompiledDecode.warmup`, a line on stderr before and after).
 
 Prefill steps, mixed steps, steps with speculative verify chunks and the torch attention
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.hub.cache import kvmesh_home
 from workers.layers.attention import AttentionMetadata, NativeMetadata
 
 log = logging.getLogger("kvmesh.workers")
@@ -41,12 +41,11 @@ log = logging.getLogger("kvmesh.workers")
 
 def inductor_cache_dir() -> Path:
     """Where Inductor keeps compiled code: ``TORCHINDUCTOR_CACHE_DIR`` if set, else
-    ``$KVMESH_HOME/inductor`` (``~/.cache/kvmesh/inductor``); set in the environment so that
-    Inductor's compile workers see it too."""
+    ``kvmesh_home()/inductor`` (:func:`kvmesh.hub.cache.kvmesh_home`, the root of the models and
+    the kernel cache too); set in the environment so that Inductor's compile workers see it too."""
     d = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not d:
-        home = Path(os.environ.get("KVMESH_HOME") or Path.home() / ".cache" / "kvmesh")
-        d = str(home / "inductor")
+        d = str(kvmesh_home() / "inductor")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
     return Path(d)
 

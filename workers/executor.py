@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -127,6 +128,9 @@ def _drop_sigterm_note(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("SIGTERM handler is not set")
 
 
+LOCAL_RAY_STARTS = 3     # tries of ensure_ray to start a local instance (its raylet's start can time out)
+
+
 def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
     """Connect to Ray: the cluster at ``address``, or a local instance started here with no
     dashboard, no usage stats and logs under Ray's temp dir. Idempotent."""
@@ -137,6 +141,10 @@ def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     if not address:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")      # a local instance needs no token
+        # Ray's raylet starts its workers at nice 15 (its worker_niceness) unless told otherwise;
+        # the stage actors are on every request's path, so a local instance runs them at the
+        # caller's priority (a cluster's nodes need it at `ray start`: deploy/Dockerfile)
+        os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
     if ray.is_initialized():
@@ -146,9 +154,22 @@ def ensure_ray(address: str = "", num_cpus: float | None = None) -> None:
     logging.getLogger("ray._private.worker").addFilter(_drop_sigterm_note)
     if address:
         ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        return
+    # A local instance whose raylet does not register within Ray's fixed 30 s (seen on a
+    # 2-core machine running two test processes and a compiler) is stopped and started again,
+    # up to LOCAL_RAY_STARTS times in all; other errors are raised as they come.
+    for attempt in range(1, LOCAL_RAY_STARTS + 1):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+            return
+        except Exception as e:      # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(e) or attempt == LOCAL_RAY_STARTS:
+                raise
+            ray.shutdown()
+            print(f"kvmesh: the local Ray instance timed out during startup (start {attempt} of "
+                  f"{LOCAL_RAY_STARTS}); starting it again", file=sys.stderr, flush=True)
+
 
 
 def _first_line(e: BaseException) -> str:
@@ -332,6 +353,13 @@ class RayPipelineExecutor:
         except ray.exceptions.RayError as e:
             raise DependencyUnavailableError(f"a pipeline stage is down: {_first_line(e)}") from None
 
+    def release_memory(self) -> None:
+        """Have every stage give its freed memory back to the OS (no wait; each runs it after the
+        calls submitted before). The engine process calls it once its replica has gone idle."""
+        with self._lock:
+            for stage in self.stages:
+                stage.release_memory.remote()
+
     def free_requests(self, request_ids: list[str]) -> None:
         """Forget finished or aborted requests on every stage (the last keeps per-request
         sampler state, each one the request's state and span). Called between the steps that
@@ -366,9 +394,9 @@ def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executo
     """The executor of one replica, as the scheduler service's settings say.
 
     Args:
-        cfg: the replica's resolved :class:`kvmesh.core.config.EngineConfig`.
+        cfg: the replica's resolved :class:`kvmesh.core.engine_config.EngineConfig`.
         model_dir: checkpoint directory.
-        sched_cfg: :class:`kvmesh.core.config.SchedulerConfig` (``executor`` — ``auto`` is local at
+        sched_cfg: :class:`kvmesh.core.service_config.SchedulerConfig` (``executor`` — ``auto`` is local at
             pp 1 without ``ray_address`` —, ``pp``, ``pp_layers``, ``ray_address``,
             ``stage_num_cpus``: 0 shares this machine's cores among the stages).
         replica: index of the replica.

@@ -2,22 +2,20 @@
 huge pages) that the packed bf16 weights are copied into at load.
 
 Why: batch-1 decode streams every weight once per step; on 4 KiB pages that is ~50,000 pages
-(SmolLM2-135M, 270 MB) whose TLB misses and page-bounded hardware prefetch slow the read.
-Measured with ``python -m bench.huge_pages`` (the two layouts alternated in one process) on an
-AMD EPYC Zen 5 (family 26 model 2, 2 threads, other jobs running): SmolLM2's 120 projection
-GEMMs through ``kvmesh::bf16_linear`` 1.05-1.50x faster at M = 1 and 0.95-1.17x at M = 8 over
-four runs (docs/engine.md, "Weights on huge pages").
+(SmolLM2-135M, 270 MB) whose TLB misses and page-bounded hardware prefetch slow the read
+(``python -m bench.huge_pages`` measures both layouts; figures: docs/engine.md, "Weights on
+2 MiB pages").
 
-Used only where the kernel reads the weights (CPU, the native bf16 GEMM); a no-op where the
-kernel's THP setting is ``never``, ``mmap.MADV_HUGEPAGE`` is missing (not Linux) or
-``KVMESH_HUGE_PAGES=0``.
+Used only where the kernels read the weights (CPU: the native bf16 and GGUF GEMMs); a no-op
+where the kernel's THP setting is ``never`` or ``mmap.MADV_HUGEPAGE`` is missing (not Linux).
+There is no switch of its own (issue 38 decided against one: it won in every measurement but one
+run in the noise, and the system's THP setting already turns it off).
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-import os
 from pathlib import Path
 
 import torch
@@ -31,8 +29,8 @@ THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 def available() -> bool:
     """Whether :func:`to_huge_pages` would move anything: Linux with ``MADV_HUGEPAGE``, THP not
-    ``[never]``, and ``KVMESH_HUGE_PAGES`` not ``0``."""
-    if os.environ.get("KVMESH_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    ``[never]``."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         return "[never]" not in THP_MODE.read_text()

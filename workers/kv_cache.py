@@ -44,11 +44,9 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from kvmesh.core.engine_config import KV_CACHE_DTYPES
 from kvmesh.core.errors import SettingsError
 
-KV_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 # quantized KV dtypes -> the largest magnitude a stored value may have
 QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_BYTES = 4          # one float32 scale per (K or V, block, KV head)
@@ -56,13 +54,14 @@ _TINY = 2.0 ** -60       # smallest scale: an all-zero block still divides by so
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """``auto`` → the model's dtype; else one of KV_DTYPES (``int8`` and ``fp8`` are
-    quantized). Raises EngineError naming ``kv_cache_dtype`` for an unknown name."""
+    """``auto`` → the model's dtype; else the torch dtype of one of
+    :data:`kvmesh.core.engine_config.KV_CACHE_DTYPES` (``int8`` and ``fp8`` are quantized).
+    Raises SettingsError naming ``kv_cache_dtype`` for an unknown name."""
     if name == "auto":
         return model_dtype
-    if name not in KV_DTYPES:
-        raise SettingsError(f"unknown kv_cache_dtype {name!r}; choose auto or one of {sorted(KV_DTYPES)}")
-    return KV_DTYPES[name]
+    if name not in KV_CACHE_DTYPES:
+        raise SettingsError(f"unknown kv_cache_dtype {name!r}; choose auto or one of {sorted(KV_CACHE_DTYPES)}")
+    return getattr(torch, KV_CACHE_DTYPES[name])
 
 
 def is_quantized(dtype: torch.dtype) -> bool:
@@ -190,12 +189,18 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     Linux supplies zero pages on first touch, so only the pages that are written become
     resident: the KV pool's resident memory grows with the blocks in use, not with the budget
     (``torch.zeros`` writes, and so commits, every page up front). The first write of a page
-    costs a page fault: a cold 1.5k-token prefill of SmolLM2 spent 7.8 ms in KV writes against
-    2.8 ms on a pre-touched pool (Sapphire Rapids class Xeon). Transparent huge pages
-    (``MADV_HUGEPAGE``) are not asked for: faulting in 2 MiB pages made that 71 ms and
-    measured no decode gain. Raises OSError (ENOMEM) when the mapping cannot be made."""
+    costs a page fault (what that costs a cold prefill: docs/engine.md, "Profile", 2026-12-01 on
+    a Sapphire Rapids class Xeon). Transparent huge pages (``MADV_HUGEPAGE``) are not asked for:
+    they measured slower writes and no decode gain (same place); the mapping is advised
+    ``MADV_NOHUGEPAGE``, which keeps it so where
+    THP is ``always`` and keeps it a mapping of its own (the kernel merges adjacent anonymous
+    mappings only when their flags match: a stage's pool merged with a 29 MiB neighbour before,
+    and ``/proc/PID/smaps`` could not tell the pool's pages apart). Raises OSError (ENOMEM) when
+    the mapping cannot be made."""
     nbytes = math.prod(shape) * dtype.itemsize
     mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
     # frombuffer keeps a reference to the mapping for the tensor's life
     return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
@@ -204,15 +209,20 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[KVCache]:
     """Zero-filled caches, one per layer: data ``[2, num_blocks, block_size, KVH, D]`` in
     ``dtype`` and, for a quantized dtype, scales ``[2, num_blocks, KVH]`` float32. On the CPU
-    the data lives in lazily committed zero pages (:func:`zeroed_host_tensor`).
-    Raises EngineError when the memory cannot be allocated."""
+    the layers' data are consecutive views of one lazily committed zero mapping
+    (:func:`zeroed_host_tensor`): the pool is one anonymous mapping of its size, which
+    ``/proc/PID/smaps`` shows with its resident pages (``bench.soak`` reads it there; one
+    mapping per layer did not always merge into one: another mapping made between two layers'
+    splits them). Raises EngineError when the memory cannot be allocated."""
     device = torch.device(device)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     try:
+        if device.type == "cpu":
+            datas = list(zeroed_host_tensor((num_layers, *shape), dtype).unbind(0))
+        else:
+            datas = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         caches = []
-        for _ in range(num_layers):
-            shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-            data = (zeroed_host_tensor(shape, dtype) if device.type == "cpu"
-                    else torch.zeros(shape, dtype=dtype, device=device))
+        for data in datas:
             scales = (torch.zeros(2, num_blocks, num_kv_heads, dtype=torch.float32, device=device)
                       if is_quantized(dtype) else None)
             caches.append(KVCache(data, scales))

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
-from workers.input_batch import CASCADE_MIN_BLOCKS, InputBatch, cascade_groups  # noqa: F401 (re-exported)
-from workers.layers.sampler import _SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
+from workers.input_batch import InputBatch
+from workers.layers.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.loader import load_model, use_serving_kernels, weight_bytes
 from workers.spec_decode.rejection import VerifyRow, verify
 
@@ -58,9 +58,20 @@ def resolve_attention_backend(cfg: EngineConfig, device: torch.device, head_dim:
     return "torch"
 
 
+def apply_kernel_isa(cfg: EngineConfig, device: torch.device) -> None:
+    """Set the native kernels' level to ``cfg.kernel_isa`` (:func:`workers.kernels.set_isa`:
+    process-wide; a level above the CPU's is lowered, with a warning) when this engine runs on
+    the CPU and the kernels load; nothing otherwise."""
+    if device.type != "cpu":
+        return
+    from workers import kernels
+    if kernels.available():
+        kernels.set_isa(cfg.kernel_isa)
+
+
 def _plain_greedy(p: SamplingParams) -> bool:
     """Greedy, no penalties, no logprobs: the next token is the logits' argmax."""
-    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and p.repetition_penalty == 1.0
+    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty)
 
 
@@ -74,7 +85,9 @@ class SeqInput:
     ``token_ids`` are the tokens at positions ``[start, start + len(token_ids))``;
     ``block_table`` lists the KV blocks covering positions ``[0, start + len(token_ids))``.
     The sampling fields are set only when ``sample`` (the chunk ends at the last token);
-    ``prompt_token_ids`` / ``output_token_ids`` only when a penalty needs the history.
+    ``output_token_ids`` only when a penalty needs the history; ``prompt_token_ids`` in-process
+    always (a reference: a draft model reads a cached prefix it has not written from it), from a
+    Ray stage's step message only when a penalty needs it.
     ``traceparent``: the W3C trace context of the scheduler's span of a traced request (None
     when tracing is off); the workers' spans of the request are its children.
     ``spec_token_ids``: proposals to verify, at positions ``[start + len(token_ids), ...)``
@@ -112,12 +125,11 @@ class StepInput:
             slots = end + len(s.spec_token_ids) + (1 + s.num_proposals if s.num_proposals else 0)
             seq = SeqInput(req.request_id, s.start, req.tokens(s.start, end),
                            req.block_table[: -(-slots // block_size)], s.sample, traceparent=req.traceparent,
-                           spec_token_ids=list(s.spec_token_ids), num_proposals=s.num_proposals)
+                           spec_token_ids=list(s.spec_token_ids), num_proposals=s.num_proposals,
+                           prompt_token_ids=req.prompt_token_ids)
             if s.sample:
                 sp = seq.params = req.sampling_params
                 seq.num_output_tokens, seq.eos_token_ids = req.num_output_tokens, req.eos_token_ids
-                if sp.repetition_penalty != 1.0:
-                    seq.prompt_token_ids = req.prompt_token_ids
                 if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
                     seq.output_token_ids = req.output_token_ids
             seqs.append(seq)
@@ -156,6 +168,7 @@ class ModelRunner:
                  start_layer: int = 0, end_layer: int | None = None):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        apply_kernel_isa(cfg, self.device)            # before the weights: their packing follows the level
         self.dtype = cfg.torch_dtype
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, max_positions=cfg.max_model_len,
                                 start_layer=start_layer, end_layer=end_layer, weight_format=cfg.weight_format,
@@ -189,10 +202,10 @@ class ModelRunner:
             from workers import kernels
             self.prefill_native = kernels.prefill_in_kernel(self.dtype)
         # Cascade groups on the native backend only where a group's rows run the flash path (AMX
-        # or AVX512-BF16 register tiles; SmolLM2 bf16, 32 rows on 8 policies at 1.6k context, one
-        # thread of an AMD EPYC Zen 5: 77 ms per step with groups, 101 ms without, bench.runtime_ab):
-        # through the float32 many-row path a group's prefix read once, then a merge, measured
-        # slower than each row reading its whole context (Sapphire Rapids class Xeon: 112 vs 94 ms).
+        # or AVX512-BF16 register tiles), where they measured faster than plain rows; through the
+        # float32 many-row path a group's prefix read once, then a merge, measured slower than each
+        # row reading its whole context (figures: docs/engine.md, "Attention backends" and
+        # "Profile", 2026-12-02 on a Zen 5).
         self.native_cascade = self.prefill_native
         self.compiled_decode = None
         if cfg.enable_compile and self.attention_backend == "native":
@@ -207,7 +220,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.proposer = None           # the draft model (last stage, speculative_method 'draft')
         self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}   # id -> last proposal, its q
-        if cfg.speculative_method == "draft" and self.model.is_last:
+        if cfg.uses_draft and self.model.is_last:
             from workers.spec_decode.draft import DraftProposer
             self.proposer = DraftProposer(cfg, num_blocks, cfg.block_size, self.device)
 
@@ -220,10 +233,6 @@ class ModelRunner:
                                         cascade=self.cfg.enable_prefix_caching and (not native or self.native_cascade),
                                         dtype=self.dtype,
                                         prefill_native=self.prefill_native)
-
-    def _cascade_groups(self, tables: list[list[int]], lens: list[int]) -> list[tuple[list[int], list[int]]]:
-        """:func:`workers.input_batch.cascade_groups` with this runner's block size."""
-        return cascade_groups(tables, lens, self.block_size)
 
     def _generator(self, s: SeqInput) -> torch.Generator | None:
         seed = s.params.seed
@@ -261,7 +270,8 @@ class ModelRunner:
         with torch.profiler.record_function("sample"):
             out = self._sample(hidden, sample_idx, sample_seqs)
         if self.proposer is not None:
-            self._propose(step, out)
+            with torch.profiler.record_function("propose"):
+                self._propose(step, out)
         return out
 
     def _sample(self, hidden: torch.Tensor, sample_idx: list[int], sample_seqs: list[SeqInput]) -> ModelRunnerOutput:
@@ -292,7 +302,8 @@ class ModelRunner:
                 if so.logprobs is not None:
                     logprobs = {s.request_id: lp for s, lp in zip(seqs, so.logprobs) if s.params.logprobs is not None}
             if spec:
-                sampled.update(self._verify([s for s, _ in spec], logits[[i for _, r in spec for i in r]]))
+                with torch.profiler.record_function("verify"):     # rejection: workers/spec_decode/rejection.py
+                    sampled.update(self._verify([s for s, _ in spec], logits[[i for _, r in spec for i in r]]))
         return ModelRunnerOutput(sampled, logprobs)
 
     def _verify(self, seqs: list[SeqInput], logits: torch.Tensor) -> dict[str, list[int]]:
@@ -300,7 +311,7 @@ class ModelRunner:
         sequence's ``1 + k`` positions in order. Their requests have no penalties, logprobs or
         pending ``min_tokens`` (the scheduler does not speculate for them)."""
         logits = logits.float()
-        greedy = [s.params.temperature < _SAMPLING_EPS for s in seqs]
+        greedy = [s.params.temperature < SAMPLING_EPS for s in seqs]
         probs = None
         if not all(greedy):
             params = [s.params for s in seqs for _ in range(len(s.spec_token_ids) + 1)]
@@ -337,7 +348,8 @@ class ModelRunner:
                     toks.append(new[-1])
                     m = s.num_proposals
                     gen = self._generator(s)
-            inputs.append(DraftInput(s.request_id, s.start, toks, s.block_table, m, params, gen))
+            inputs.append(DraftInput(s.request_id, s.start, toks, s.block_table, m, params, gen,
+                                     s.prompt_token_ids))
         for rid, p in self.proposer.propose(inputs).items():
             if p.token_ids:
                 out.proposals[rid] = list(p.token_ids)

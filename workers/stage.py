@@ -23,6 +23,7 @@ caller sees the error from the last stage.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -37,6 +38,8 @@ from kvmesh.core.errors import DependencyUnavailableError, EngineError
 from kvmesh.core.telemetry import StageSpans
 from workers.model_runner import ModelRunner, ModelRunnerOutput
 from workers.step_delta import StepDecoder, StepDelta
+
+log = logging.getLogger(__name__)
 
 STEP_TIMES = 1024     # steps whose times a stage keeps (step_times)
 LINK_TIMEOUT = 30.0   # seconds to set up a link between two stages
@@ -121,6 +124,10 @@ class PipelineStage:
                  replica: int = 0):
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if (nice := os.getpriority(os.PRIO_PROCESS, 0)) > 0:
+            log.warning("pipeline stage %d runs at nice %d (Ray's default worker_niceness is 15): any process at "
+                        "normal priority takes its CPU first; start the Ray nodes with RAY_worker_niceness=0",
+                        index, nice)
         self.index = index
         self.runner = ModelRunner(cfg, model_dir, num_blocks, start_layer, end_layer)
         self.requests = StepDecoder(index)
@@ -137,14 +144,16 @@ class PipelineStage:
     def info(self) -> dict:
         """The stage as it runs: ``index``, ``start_layer`` / ``end_layer``, ``num_blocks``,
         ``kv_cache_bytes``, ``num_threads`` (torch's intra-op threads in this process),
-        ``node_id`` (the Ray node it runs on, hex), ``pid`` (its process) and ``num_requests``
-        (requests whose state it holds: sent and not yet freed)."""
+        ``node_id`` (the Ray node it runs on, hex), ``pid`` (its process), ``nice`` (its
+        scheduling niceness) and ``num_requests`` (requests whose state it holds: sent and not
+        yet freed)."""
         import ray
         m = self.runner.model
         return {"index": self.index, "start_layer": m.start_layer, "end_layer": m.end_layer,
                 "num_blocks": self.runner.num_blocks, "kv_cache_bytes": self.runner.kv_cache_bytes,
                 "num_threads": torch.get_num_threads(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "num_requests": len(self.requests.states)}
+                "pid": os.getpid(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                "num_requests": len(self.requests.states)}
 
     # ---- the link to the next stage (set up by the executor: listen, connect_next, accept_prev)
     def listen(self) -> tuple[str, int, bytes]:
@@ -256,6 +265,12 @@ class PipelineStage:
         stage); output ready: this stage's layers (and sampler) are done; end: the hidden
         states are sent on (on the last stage: the result is about to be returned)."""
         return list(self.step_ns)
+
+    def release_memory(self) -> None:
+        """Give this process's freed memory back to the OS (:mod:`kvmesh.core.memory`); the engine
+        asks when its replica has gone idle."""
+        from kvmesh.core.memory import release_free_memory
+        release_free_memory()
 
     def flush_telemetry(self) -> None:
         """Export the queued spans (before the actor is killed)."""

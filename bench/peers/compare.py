@@ -197,13 +197,13 @@ def http_server(name: str, cmd: list[str], env: dict, port: int, workdir: Path, 
 
 
 def load_generator(name: str, backend_args: list[str], workload: Path, workdir: Path, args) -> dict:
-    """``kvmesh bench serve BACKEND_ARGS --workload FILE --ignore-eos --result-file JSON SERVE_ARGS``:
+    """``kvmesh bench serve BACKEND_ARGS --workload FILE --ignore-eos --out JSON SERVE_ARGS``:
     greedy (its default temperature 0), exactly each request's max_tokens; returns its result
     JSON (vLLM's summary keys: ``median_ttft_ms``, ``p90_itl_ms``, ``output_throughput`` ...)."""
     out = workdir / f"serve-{name}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "kvmesh.cli", "bench", "serve", *backend_args, "--workload", str(workload),
-           "--ignore-eos", "--no-progress", "--result-file", str(out), *shlex.split(args.serve_args)]
+           "--ignore-eos", "--no-progress", "--out", str(out), *shlex.split(args.serve_args)]
     log(f"serve {name}: {shlex.join(cmd)}")
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     (workdir / f"serve-{name}.log").write_text(res.stdout + res.stderr)

@@ -21,7 +21,8 @@ from bench.serve.load import run_benchmark
 from bench.serve.metrics import RequestRecord, parse_goodput, report, summarize
 from bench.serve.plots import plot_sweep, plot_ttft
 from bench.serve.workload import DATASETS, load_requests, load_workload, save_workload
-from kvmesh.core.config import EngineConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.core.errors import EngineError
 from kvmesh.core.flags import (add_engine_args, add_scheduler_args, given_flags, scheduler_rename,
                                settings_argv)
@@ -101,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="reported percentiles (50,90,99)")
     g.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (ms)")
-    add_output_args(g, aliases=("--result-file",), table=False)    # config and summary (JSON); vLLM's name too
+    add_output_args(g, table=False)    # config and summary (JSON)
     g.add_argument("--save-detailed", action="store_true", help="per-request records in the result file")
     g.add_argument("--save-texts", action="store_true", help="generated texts in the result file")
     g.add_argument("--plot-dir", metavar="DIR", help="write ttft.png (and sweep.png with --sweep-rates)")

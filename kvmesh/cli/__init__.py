@@ -3,14 +3,16 @@
     kvmesh models list | pull NAME...   known models; fetch pinned GGUF weights (--dense)  (models.py)
     kvmesh generate --prompt TEXT       stream one completion, here or via --server ADDR (generate.py)
     kvmesh chat --server ADDR           interactive multi-turn chat through a gateway     (chat.py)
-    kvmesh serve                        the mesh in one process: scheduler + gateway      (services.py)
+    kvmesh serve                        the mesh: scheduler + gateway in one process,     (services.py)
+                                        each replica's engine in a process of its own
     kvmesh scheduler | gateway          one service alone (compose, Kubernetes)           (services.py)
-    kvmesh demo                         the mesh in-process and a two-turn PolicyDesk chat (demo.py)
+    kvmesh demo                         the mesh as serve, and a two-turn PolicyDesk chat  (demo.py)
     kvmesh bench engine|serve|ablation  benchmarks, registered by their bench modules     (bench.py)
     kvmesh eval faithfulness            the PolicyDesk quality gate                       (bench.py)
 
-Settings are one dataclass per service in :mod:`kvmesh.core.config`; every field has a flag,
-generated from the field (:mod:`kvmesh.core.flags`), and an environment variable
+Settings are one dataclass per service (:mod:`kvmesh.core.engine_config`,
+:mod:`kvmesh.core.service_config`); every field has a flag, generated from the field
+(:mod:`kvmesh.core.flags`), and an environment variable
 (``KVMESH_<FIELD>``, ``KVMESH_SCHEDULER_<FIELD>``, ``KVMESH_GATEWAY_<FIELD>``; a flag wins). Bad
 arguments and a refused request (:class:`~kvmesh.core.errors.EngineError`, a gRPC status such as
 INVALID_ARGUMENT) print ``kvmesh: error: <message>`` on stderr and exit 2; a server or

@@ -1,5 +1,6 @@
-"""``kvmesh demo``: the mesh in this process and a two-turn PolicyDesk chat through its gateway,
-with TTFT, decode tokens/s and the prefix-cache hits of the second turn."""
+"""``kvmesh demo``: the mesh as ``kvmesh serve`` starts it (the scheduler service and the gateway in
+this process, each replica's engine in a process of its own) and a two-turn PolicyDesk chat
+through its gateway, with TTFT, decode tokens/s and the prefix-cache hits of the second turn."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ DEMO_QUESTION = "travel-02"
 
 def register(sub) -> None:
     """Add ``demo`` to the top-level subparsers ``sub``."""
-    p = sub.add_parser("demo", help="a two-turn PolicyDesk chat through an in-process mesh: streamed answers, "
+    p = sub.add_parser("demo", help="a two-turn PolicyDesk chat through a mesh started here: streamed answers, "
                                     "TTFT, tokens/s, prefix-cache hits",
-                       description="Start the mesh (the scheduler service and its replicas, the gateway) in this "
-                                   "process on free ports, ask a PolicyDesk question (policydesk/data) "
-                                   "with the policy in the system message through the gateway's Chat RPC, "
-                                   "then a follow-up turn in the same session that reuses the cached prefix.")
+                       description="Start the mesh as kvmesh serve does (the scheduler service and the gateway in "
+                                   "this process, each replica's engine in a process of its own) on free ports, "
+                                   "ask a PolicyDesk question (policydesk/data) with the policy in the system "
+                                   "message through the gateway's Chat RPC, then a follow-up turn in the same "
+                                   "session that reuses the cached prefix.")
     p.add_argument("--question", default=DEMO_QUESTION, metavar="ID",
                    help=f"question id from questions.jsonl ({DEMO_QUESTION})")
     add_sampling_args(p, max_tokens=160, temperature=0.0)

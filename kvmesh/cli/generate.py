@@ -9,7 +9,7 @@ import sys
 
 from kvmesh.cli.remote import add_server_arg, connect, response_summary, rpc_error, stream_responses
 from kvmesh.cli.sampling import add_sampling_args, sampling_kwargs, sampling_params
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import SettingsError
 from kvmesh.core.flags import add_engine_args, engine_kwargs, given_flags
 from kvmesh.core.sampling import SamplingParams

@@ -1,5 +1,7 @@
-"""The service commands: ``kvmesh serve`` (the whole mesh in one process), ``kvmesh scheduler`` and
-``kvmesh gateway`` (one service each, as deploy/ runs them). Their settings are the flags of
+"""The service commands: ``kvmesh serve`` (the whole mesh: the scheduler and the gateway in one
+process, each replica's engine in a process of its own, the model's stages in Ray actors under the
+ray executor),
+``kvmesh scheduler`` and ``kvmesh gateway`` (one service each, as deploy/ runs them). Their settings are the flags of
 :mod:`kvmesh.core.flags` over the ``KVMESH_*`` variables."""
 
 from __future__ import annotations
@@ -8,17 +10,20 @@ import argparse
 import asyncio
 import sys
 
-from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
 from kvmesh.core.flags import (add_engine_args, add_gateway_args, add_scheduler_args, engine_kwargs, gateway_kwargs,
                                scheduler_kwargs)
 
 
 def register(sub) -> None:
     """Add ``serve``, ``scheduler`` and ``gateway`` to the top-level subparsers ``sub``."""
-    p = sub.add_parser("serve", help="the mesh in one process: scheduler + gateway",
-                       description="Start the scheduler service (its replicas, Ray stage actors) and the "
-                                   "public gateway in one process. Prints `kvmesh: <service> listening on "
-                                   "HOST:PORT` on stderr for each; SIGINT/SIGTERM stops them (exit 0).")
+    p = sub.add_parser("serve", help="the mesh: scheduler + gateway in one process, the engines in their own",
+                       description="Start the scheduler service and the public gateway in one process, each "
+                                   "replica's engine in a process of its own (--no-engine-process: a thread), the "
+                                   "model in Ray actors under the ray executor (auto: with --pp > 1 or "
+                                   "--ray-address). Prints `kvmesh: <service> listening on HOST:PORT` on stderr for "
+                                   "each; SIGINT/SIGTERM stops them (exit 0).")
     add_grace_arg(p)
     add_gateway_args(p, in_mesh=True)
     add_scheduler_args(p, listen="--scheduler-")

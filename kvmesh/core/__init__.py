@@ -14,6 +14,7 @@ module                    concept
 :mod:`.grpc_server`       the gRPC server scaffold of both services (bind, health, reflection,
                           metrics, graceful stop)
 :mod:`.proto`             conversions between the protos and the engine's types
+:mod:`.memory`            giving freed memory back to the OS (``malloc_trim``) when idle
 ========================  =====================================================================
 
 Layers (tests/test_import_layers.py checks them): bench > front (``kvmesh.cli``, ``kvmesh.llm``,

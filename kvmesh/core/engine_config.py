@@ -9,23 +9,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmesh.core.errors import SettingsError
-from kvmesh.core.settings import Settings, _coerce_strings, _parse_bytes, setting
+from kvmesh.core.settings import Settings, coerce_strings, parse_bytes, setting
 
 if TYPE_CHECKING:
     import torch
 
-# dtype names accepted in settings -> torch dtype attribute (torch is imported only where a
-# torch dtype is asked for, so the gateway's process, which reads these settings, loads no torch)
+# The choices of the engine settings, one list each; EngineConfig checks every field against its
+# list on construction, so a bad value stops the start-up. dtype names -> torch dtype attribute
+# (torch is imported only where a torch dtype is asked for, so the gateway's process, which reads
+# these settings, loads no torch).
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+          "float16": "float16", "fp16": "float16"}          # dtype (weights, activations)
+# kv_cache_dtype: the float dtypes, or quantized blocks (workers.kv_cache: a scale per block and KV head)
+KV_CACHE_DTYPES = {**DTYPES, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
 WEIGHT_FORMATS = ("auto", "none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
-SPECULATIVE_METHODS = ("", "ngram", "draft")
+SPECULATIVE_METHODS = ("", "ngram", "draft", "ngram+draft")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
-KERNEL_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")   # kvmesh's CPU kernel paths, lowest first
+KERNEL_LEVELS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")   # kvmesh's CPU kernel levels, lowest first
+KERNEL_ISAS = ("auto",) + KERNEL_LEVELS        # what the kernel_isa setting (KVMESH_KERNEL_ISA) accepts
 
 
 @functools.cache
@@ -38,12 +43,14 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def cpu_kernel_level() -> str:
-    """The path kvmesh's native CPU kernels take here, one of :data:`KERNEL_LEVELS`: the CPU's
-    best (Linux /proc/cpuinfo flags, the rule of workers/kernels/csrc/gemm/gemm_ops.cpp: avx2 =
-    AVX2 + FMA; avx512 = + AVX-512F; avx512bf16 = + AVX512-BF16 and -BW; amx = + AMX-BF16),
-    lowered to ``KVMESH_KERNEL_ISA`` when that names a lower level (an unknown name or ``auto``
-    is ignored, as the kernels do); ``scalar`` off x86-64 and with ``KVMESH_NATIVE_KERNELS=0``."""
+def cpu_kernel_level(want: str = "auto") -> str:
+    """The level kvmesh's native CPU kernels run at here, one of :data:`KERNEL_LEVELS`, read
+    from Linux /proc/cpuinfo so that a process without torch can tell (the kernels' own rule,
+    workers/kernels/csrc/isa.cpp: avx2 = AVX2 + FMA + F16C; avx512 = + AVX-512 F, BW, VL, DQ;
+    avx512bf16 = + AVX512-BF16; amx = + AMX-TILE and AMX-BF16): the CPU's best, or ``want``
+    (a ``kernel_isa`` setting) when that names a lower level (``auto``: the best; a level above
+    the best is lowered to it, as the kernels do); ``scalar`` off x86-64 and with
+    ``KVMESH_NATIVE_KERNELS=0``."""
     import os
     import platform
 
@@ -51,19 +58,18 @@ def cpu_kernel_level() -> str:
         return "scalar"
     f = _cpu_flags()
     level = "scalar"
-    if {"avx2", "fma"} <= f:
+    if {"avx2", "fma", "f16c"} <= f:
         level = "avx2"
-        if "avx512f" in f:
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f:
             level = "avx512"
-            if {"avx512_bf16", "avx512bw"} <= f:
-                level = "amx" if "amx_bf16" in f else "avx512bf16"
-    want = os.environ.get("KVMESH_KERNEL_ISA", "auto")
+            if "avx512_bf16" in f:
+                level = "amx" if {"amx_tile", "amx_bf16"} <= f else "avx512bf16"
     if want in KERNEL_LEVELS and KERNEL_LEVELS.index(want) < KERNEL_LEVELS.index(level):
         return want
     return level
 
 
-POLICIES = ("continuous", "static", "naive")   # batching policies; scheduler.scheduler implements them
+POLICIES = ("continuous", "static", "naive")   # batching policies; scheduler.batching implements them
 
 @dataclass
 class EngineConfig(Settings):
@@ -89,6 +95,10 @@ class EngineConfig(Settings):
         speculative_method: ``""`` (off), ``ngram`` (prompt lookup) or ``draft`` (a draft model).
         num_speculative_tokens: proposed tokens per step (k; with adaptive speculation, the most).
         speculative_adaptive: per request, lower k when acceptance is low, raise it when high.
+        speculative_max_batch_tokens: the most tokens (rows x (1 + k)) one step verifies: k is
+            cut to this // n - 1 for n running and waiting requests (0 = no cap). A CPU's verify pass is bound by
+            compute past about 8 rows (docs/spec_decode.md), so speculation turns off under load
+            and back on as the batch shrinks; raise it where the GEMM has more compute (a GPU).
         draft_model: the draft checkpoint (known name or directory; same tokenizer as ``model``).
         draft_num_layers: keep only the draft's first N decoder layers (0 = all).
         draft_max_model_len: the draft's context limit in tokens (0 = its max_position_embeddings);
@@ -104,6 +114,11 @@ class EngineConfig(Settings):
         enable_prefix_caching, enable_chunked_prefill: switches.
         device: ``cpu``, ``cuda``, ``cuda:1`` ...
         num_threads: torch intra-op threads (0 = leave torch's default).
+        kernel_isa: the instruction-set level of kvmesh's native CPU kernels, one of
+            :data:`KERNEL_LEVELS` (``auto``: the CPU's best; a level above the CPU's is lowered
+            to it, with a warning). Process-wide: every kernel follows the last engine started
+            in the process (:func:`workers.kernels.set_isa`). ``KVMESH_KERNEL_ISA`` also sets
+            it for processes that run the kernels without an engine (read when they load).
         attention_backend: ``native`` (the C++ paged-attention kernels of :mod:`workers.kernels`,
             reading K/V in place through the block tables; CPU only), ``torch`` (the PyTorch
             reference: gather + SDPA), or ``auto`` (native where it can be built and runs, else
@@ -125,7 +140,7 @@ class EngineConfig(Settings):
     model: str = setting("smollm2-135m-instruct", "known model name (see `kvmesh models list`) or a Hugging Face "
                          "checkpoint directory", metavar="NAME|DIR")
     dtype: str = setting("auto", "weights/activations: float32, bfloat16 (float16 slow on CPUs); auto = bfloat16 "
-                         "on CUDA and on CPUs with AVX512-BF16/AMX, else float32", metavar="DTYPE")
+                         "on CUDA and on CPUs with AVX2 + FMA and up, float32 at the scalar level", metavar="DTYPE")
     kv_cache_dtype: str = setting("auto", "KV cache: auto (= dtype), float32, bfloat16, or quantized blocks int8, "
                                   "fp8 (a scale per block and head)", metavar="DTYPE")
     weight_format: str = setting("auto", "gguf: the published GGUF's own quantized blocks, run natively; none: dense "
@@ -141,6 +156,11 @@ class EngineConfig(Settings):
     num_speculative_tokens: int = setting(4, "proposed tokens per step (the most, when adaptive)", metavar="K")
     speculative_adaptive: bool = setting(True, "always propose K tokens (default: adapt K per request to its "
                                          "acceptance rate)", flag="--fixed-speculative-tokens")
+    speculative_max_batch_tokens: int = setting(8, "the most tokens (rows x (1 + K)) a step verifies: each "
+                                                "row's K is cut to this // n - 1 for n running and waiting "
+                                                "requests, so batches of more than half this decode without "
+                                                "speculation; 0: no cap",
+                                                metavar="TOKENS")
     draft_model: str = setting("", "draft model (same tokenizer as --model)", metavar="NAME|DIR")
     draft_num_layers: int = setting(0, "keep the draft's first N decoder layers (0 = all)")
     draft_max_model_len: int = setting(0, "the draft's context limit; longer sequences continue without "
@@ -162,6 +182,8 @@ class EngineConfig(Settings):
                                                    "shortens the decode steps that a long prompt shares")
     device: str = setting("cpu", "cpu, cuda, cuda:1 ...", metavar="DEVICE")
     num_threads: int = setting(0, "torch intra-op threads (0 = torch's default)")
+    kernel_isa: str = setting("auto", "instruction set of the native CPU kernels: scalar, avx2, avx512, avx512bf16, "
+                              "amx (one above the CPU's is lowered to it); auto = the CPU's best", choices=KERNEL_ISAS)
     attention_backend: str = setting("auto", "native (C++ paged-attention kernels, CPU), torch (PyTorch "
                                      "reference), auto = native where it builds", choices=ATTENTION_BACKENDS)
     enable_compile: bool = setting(False, "decode steps through torch.compile, one graph per batch bucket, "
@@ -176,11 +198,11 @@ class EngineConfig(Settings):
     kv_offload_prefix: str = setting("kvmesh", "key prefix in the Redis tier", metavar="PREFIX")
 
     def __post_init__(self) -> None:
-        _coerce_strings(self)
+        coerce_strings(self)
         if isinstance(self.kv_cache_memory, str):
-            self.kv_cache_memory = _parse_bytes(self.kv_cache_memory)
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if isinstance(self.kv_offload_host_memory, str):
-            self.kv_offload_host_memory = _parse_bytes(self.kv_offload_host_memory)
+            self.kv_offload_host_memory = parse_bytes(self.kv_offload_host_memory)
         if self.kv_offload_host_memory < 0:
             raise SettingsError(f"kv_offload_host_memory must be >= 0 bytes, got {self.kv_offload_host_memory}")
         if self.kv_offload_redis_url and not self.kv_offload_redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -188,11 +210,16 @@ class EngineConfig(Settings):
                                 f"got {self.kv_offload_redis_url!r}")
         if self.kv_offload_redis_ttl < 0:
             raise SettingsError(f"kv_offload_redis_ttl must be >= 0 seconds, got {self.kv_offload_redis_ttl}")
-        if self.kv_offload and self.speculative_method == "draft":
+        if self.kv_offload and self.uses_draft:
             raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) does not keep a draft "
                                 "model's KV: use it without speculative_method 'draft'")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise SettingsError(f"unknown dtype {self.dtype!r}; choose auto or one of {sorted(DTYPES)}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SettingsError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or one of "
+                                f"{sorted(KV_CACHE_DTYPES)}")
+        if self.policy not in POLICIES:
+            raise SettingsError(f"unknown scheduling policy {self.policy!r}; choose one of {POLICIES}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise SettingsError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -211,15 +238,24 @@ class EngineConfig(Settings):
                                 f"(got {self.policy!r})")
         if self.speculative_method and not 1 <= self.num_speculative_tokens <= 16:
             raise SettingsError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if self.speculative_method == "draft" and not self.draft_model:
-            raise SettingsError("speculative_method 'draft' needs draft_model (--draft-model)")
+        if self.uses_draft and not self.draft_model:
+            raise SettingsError(f"speculative_method {self.speculative_method!r} needs draft_model (--draft-model)")
+        if self.kernel_isa not in KERNEL_ISAS:
+            raise SettingsError(f"unknown kernel_isa {self.kernel_isa!r}; choose one of {KERNEL_ISAS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise SettingsError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.speculative_max_batch_tokens < 0:
+            raise SettingsError(f"speculative_max_batch_tokens must be >= 0, got {self.speculative_max_batch_tokens}")
         if self.draft_num_layers < 0 or self.draft_max_model_len < 0:
             raise SettingsError("draft_num_layers and draft_max_model_len must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SettingsError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether the speculative method runs a draft model (``draft``, ``ngram+draft``)."""
+        return self.speculative_method in ("draft", "ngram+draft")
 
     @property
     def kv_offload(self) -> bool:
@@ -229,15 +265,14 @@ class EngineConfig(Settings):
     @property
     def torch_dtype(self) -> torch.dtype:
         """``auto``: bfloat16 on CUDA and wherever kvmesh's CPU kernels have a vector path
-        (:func:`cpu_kernel_level` above ``scalar``: AVX2 + FMA and up, following a lower
-        ``KVMESH_KERNEL_ISA``); float32 at the scalar level. Measured: with AVX512-BF16/AMX bf16 is
-        faster for prefill and batched decode (docs/engine_offline.md); on an AVX2-only Zen 3
-        bf16 decodes 2.6x faster than float32 with dense weights and 1.25x with the GGUF weights,
-        and prefills faster with both (docs/results-history.md, section 0z10)."""
+        (:func:`cpu_kernel_level` of :attr:`kernel_isa` above ``scalar``: AVX2 + FMA + F16C and
+        up); float32 at the scalar level. Rule: bf16 wherever it measured faster than float32,
+        prefill and decode (figures: docs/engine_offline.md; docs/results-history.md, section
+        0z10)."""
         import torch
 
         if self.dtype == "auto":
-            if self.device.startswith("cuda") or cpu_kernel_level() != "scalar":
+            if self.device.startswith("cuda") or cpu_kernel_level(self.kernel_isa) != "scalar":
                 return torch.bfloat16
             return torch.float32
         return getattr(torch, DTYPES[self.dtype])

@@ -1,11 +1,11 @@
-"""Command-line flags generated from the settings' fields (:mod:`kvmesh.core.config`).
+"""Command-line flags generated from the settings' fields (:mod:`kvmesh.core.settings`).
 
 Each field of a settings class becomes one flag: ``--<field>`` with dashes (a bool field
-``enable_x`` or ``x`` becomes ``--x`` / ``--no-x``, unless its :func:`~kvmesh.core.config.setting`
+``enable_x`` or ``x`` becomes ``--x`` / ``--no-x``, unless its :func:`~kvmesh.core.settings.setting`
 names another ``flag``), typed from the field's annotation (or its ``kind``), with the field's
 ``help``, ``metavar`` and ``choices`` and the field's default added to the help. The flags'
 own defaults are None, so a flag that is not given leaves the field to its ``KVMESH_*``
-variable and then its default (:meth:`~kvmesh.core.config.Settings.from_env`): defaults are
+variable and then its default (:meth:`~kvmesh.core.settings.Settings.from_env`): defaults are
 stated once, in the dataclass.
 
 The CLI (:mod:`kvmesh.cli`) and the benchmarks that start a mesh (``kvmesh bench serve``,
@@ -19,7 +19,9 @@ import argparse
 from collections.abc import Callable
 from dataclasses import MISSING, Field, fields
 
-from kvmesh.core.config import EngineConfig, GatewayConfig, SchedulerConfig, _parse_bytes
+from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.service_config import GatewayConfig, SchedulerConfig
+from kvmesh.core.settings import parse_bytes
 
 Rename = Callable[[str, str], "str | None"]   # (field, flag) -> flag to use, or None = no flag
 
@@ -28,7 +30,7 @@ Rename = Callable[[str, str], "str | None"]   # (field, flag) -> flag to use, or
 
 def _bytes(v: str) -> float:
     try:
-        n = _parse_bytes(v)
+        n = parse_bytes(v)
     except ValueError:
         n = -1.0
     if n < 0:

@@ -9,7 +9,7 @@ gateway's endpoint (``kvmesh serve --metrics-port``) also carries the scheduler'
 Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's index):
 
 * observed when a request's outputs reach the service (:meth:`SchedulerMetrics.observer`, called
-  on the event loop with each step's :class:`scheduler.engine.EngineOutput` batch, one clock
+  on the event loop with each step's :class:`scheduler.engine_records.EngineOutput` batch, one clock
   read per batch): ``inter_token_latency_seconds`` (one observation per output carrying tokens,
   after the request's first: the time since its previous one; one token per step → a request
   with n output tokens gives n-1 observations); at finish, from the engine's own timestamps,
@@ -21,7 +21,8 @@ Scheduler (labels ``model_name`` and, per replica, ``replica`` = the replica's i
   ``spec_decode_num_draft_tokens_total`` (proposals verified), ``spec_decode_num_accepted_tokens_total``
   and ``spec_decode_num_emitted_tokens_total`` (accepted + the target's own token of each such
   step); acceptance rate = accepted / draft tokens, mean accepted length = emitted / drafts;
-* read from engine state under the engine lock at scrape time (:class:`_ReplicaCollector`):
+* read at scrape time (:class:`_ReplicaCollector`) from the stats each replica's engine loop
+  pushes after every step (its :class:`scheduler.engine_records.EngineStats`; no lock taken):
   ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (blocks held by
   requests / all blocks, 0..1), ``prefix_cache_queries_total`` and ``prefix_cache_hits_total``
   (prompt tokens looked up / found, as GetStats: once per request, at its first admission, so

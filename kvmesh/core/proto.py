@@ -3,7 +3,7 @@ parameters both ways, finish reasons, and the usage and timings of an engine out
 
 Used by the gateway (:mod:`gateway.stream`), the scheduler service (:mod:`scheduler.service`) and
 the client (:mod:`kvmesh.client`). An engine output is read by its attributes (those of
-:class:`scheduler.engine.EngineOutput`), so this module imports nothing above the bottom layer.
+:class:`scheduler.engine_records.EngineOutput`), so this module imports nothing above the bottom layer.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def finish_reason_name(response_or_reason) -> str:
 
 
 def usage_to_proto(o, *, final: bool = True) -> common_pb2.Usage:
-    """The usage of an engine output ``o`` (:class:`scheduler.engine.EngineOutput`): with
+    """The usage of an engine output ``o`` (:class:`scheduler.engine_records.EngineOutput`): with
     ``final``, prompt, completion and cached prompt tokens and the speculative counts; else only
     what is known mid-stream (cached prompt tokens, speculative counts so far)."""
     usage = common_pb2.Usage(cached_prompt_tokens=o.num_cached_tokens, spec_num_drafts=o.num_drafts,

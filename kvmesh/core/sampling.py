@@ -7,7 +7,7 @@ form is ``kvmesh.v1.SamplingParams`` (:mod:`kvmesh.core.proto` converts).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from kvmesh.core.errors import InvalidRequestError
 
@@ -52,6 +52,24 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
+
+    @classmethod
+    def trusted(cls, **values) -> "SamplingParams":
+        """Build without validating: for an internal hop that carries values an edge has already
+        validated (the scheduler service's ``Submit`` → its replica's engine process). Fields not
+        given take their defaults. Never for values from outside a trust boundary: the public
+        constructor (which validates) is for those. Raises TypeError for an unknown field."""
+        obj = cls.__new__(cls)
+        for f in fields(cls):
+            if f.name in values:
+                v = values.pop(f.name)
+            else:
+                v = f.default_factory() if f.default is MISSING else f.default
+            setattr(obj, f.name, v)
+        if values:
+            raise TypeError(f"unknown SamplingParams field(s): {', '.join(sorted(values))}")
+        obj.stop, obj.stop_token_ids = list(obj.stop), list(obj.stop_token_ids)
+        return obj
 
     def validate(self) -> None:
         """Raise :class:`~kvmesh.core.errors.InvalidRequestError` naming the first bad field."""

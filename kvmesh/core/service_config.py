@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from kvmesh.core.errors import SettingsError
 from kvmesh.core.settings import (
     Settings,
-    _check_metrics_port,
-    _check_tls,
-    _coerce_strings,
-    _metrics_port_off,
     available_cpus,
+    check_metrics_port,
+    check_tls_files,
+    coerce_strings,
+    metrics_port_off,
     setting,
 )
 
@@ -123,9 +123,9 @@ class SchedulerConfig(Settings):
     ENV_OVERRIDES = {"redis_url": "KVMESH_REDIS_URL"}   # the issue's name; shared with other services
 
     def __post_init__(self) -> None:
-        _metrics_port_off(self)
-        _coerce_strings(self)
-        _check_metrics_port(self)
+        metrics_port_off(self)
+        coerce_strings(self)
+        check_metrics_port(self)
         if self.replicas < 1:
             raise SettingsError(f"replicas must be >= 1, got {self.replicas}")
         if self.pp < 1:
@@ -152,14 +152,14 @@ class SchedulerConfig(Settings):
             raise SettingsError("prefix_weight and load_weight must be >= 0")
         if "/" in self.scheduler_id:
             raise SettingsError(f"scheduler_id must not contain '/', got {self.scheduler_id!r}")
-        _check_metrics_port(self, "health_port")
+        check_metrics_port(self, "health_port")
         self.layer_split()
 
     def check_tls(self) -> None:
         """Raise SettingsError naming the settings when the TLS files do not go together
         (certificate and key; a client CA only with them). :func:`scheduler.service.serve_scheduler`
         calls it."""
-        _check_tls(self)
+        check_tls_files(self)
 
     def resolved_executor(self) -> str:
         """``executor``, with ``auto`` resolved: ``local`` (no Ray hop) for one stage on this
@@ -223,7 +223,7 @@ class GatewayConfig(Settings):
         max_header_bytes: the HTTP API's request line and headers together (bytes); over it the
             answer is 431 and the connection is closed (gRPC metadata has grpc's own bound).
 
-    Security (README, "Security: API keys and TLS"):
+    Security (docs/mesh.md, "Security: API keys, tenants, TLS"):
         api_keys_file: ``TENANT:KEY`` lines (:mod:`gateway.auth`; also ``KVMESH_API_KEYS``); empty
             and no ``KVMESH_API_KEYS`` = no keys needed.
         tls_cert_file, tls_key_file: PEM certificate chain and key of the public listener (TLS
@@ -277,11 +277,11 @@ class GatewayConfig(Settings):
     ENV_PREFIX = "KVMESH_GATEWAY_"
 
     def __post_init__(self) -> None:
-        _metrics_port_off(self)
-        _metrics_port_off(self, "http_port")
-        _coerce_strings(self)
-        _check_metrics_port(self)
-        _check_metrics_port(self, "http_port")
+        metrics_port_off(self)
+        metrics_port_off(self, "http_port")
+        coerce_strings(self)
+        check_metrics_port(self)
+        check_metrics_port(self, "http_port")
         if self.max_tokens_cap < 1 or not 1 <= self.default_max_tokens:
             raise SettingsError("max_tokens_cap and default_max_tokens must be >= 1")
         if not 0 < self.default_timeout <= self.max_timeout:
@@ -295,14 +295,14 @@ class GatewayConfig(Settings):
                                 f"{self.max_id_length} and {self.max_message_bytes}")
         if not 1024 <= self.max_header_bytes <= 2**24:
             raise SettingsError(f"max_header_bytes must be in [1024, 2**24], got {self.max_header_bytes}")
-        _check_metrics_port(self, "health_port")
+        check_metrics_port(self, "health_port")
 
     def check_tls(self) -> None:
         """Raise SettingsError naming the settings when the TLS files do not go together: the
         listener's certificate and key; the client certificate and key to the scheduler, and
         those and ``scheduler_tls_server_name`` only with ``scheduler_tls_ca_file``.
         :func:`gateway.server.serve_gateway` calls it."""
-        _check_tls(self)
+        check_tls_files(self)
         if bool(self.scheduler_tls_client_cert_file) != bool(self.scheduler_tls_client_key_file):
             raise SettingsError("scheduler_tls_client_cert_file and scheduler_tls_client_key_file go together")
         if (self.scheduler_tls_client_cert_file or self.scheduler_tls_server_name) and not self.scheduler_tls_ca_file:

@@ -1,10 +1,15 @@
-"""What the settings classes share: :func:`setting` (a field with its flag's help), the
-:class:`Settings` base (``from_env``, ``replace``), :func:`env_var`, and the checks and
-conversions their ``__post_init__`` run (strings from the environment, byte sizes, ports, TLS).
+"""Settings: one typed object per service, from flags and ``KVMESH_*`` environment variables.
 
-The classes themselves: :mod:`kvmesh.core.engine_config` (one engine replica) and
-:mod:`kvmesh.core.service_config` (the scheduler and gateway services); :mod:`kvmesh.core.config`
-re-exports all three modules' public names.
+Precedence: explicit argument > ``KVMESH_<FIELD>`` environment variable > default. A class may
+name another variable for a field in ``ENV_OVERRIDES`` (:func:`env_var`): SchedulerConfig's
+``redis_url`` reads ``KVMESH_REDIS_URL``.
+
+This module holds what the settings classes share: :func:`setting` (a field with its flag's
+help), the :class:`Settings` base (``from_env``, ``replace``), :func:`env_var`, and the checks
+and conversions their ``__post_init__`` run (strings from the environment, byte sizes, ports,
+TLS). The classes themselves: :mod:`kvmesh.core.engine_config` (EngineConfig, one engine
+replica) and :mod:`kvmesh.core.service_config` (SchedulerConfig, GatewayConfig: the scheduler
+and gateway services). The flags are built from them by :mod:`kvmesh.core.flags`.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _parse_bytes(v: str | float | int) -> float:
-    """``"2GiB"``, ``"512MB"``, ``"0.2"`` (fraction), ``1e9`` → float."""
+def parse_bytes(v: str | float | int) -> float:
+    """A byte size as a float. Suffixes, any case: ``GiB``/``MiB``/``KiB`` and ``G``/``M`` binary
+    (``"2GiB"``), ``GB``/``MB``/``KB`` decimal (``"512MB"``), ``B``; or a plain number (``1e9``;
+    ``"0.2"``: settings read a value below 1 as a fraction). Raises ValueError when it does not
+    parse."""
     if isinstance(v, (int, float)):
         return float(v)
     s = v.strip().lower().replace(" ", "")
@@ -76,9 +84,10 @@ def env_var(cls, field: str, prefix: str | None = None) -> str:
     return getattr(cls, "ENV_OVERRIDES", {}).get(field) or f"{prefix or cls.ENV_PREFIX}{field.upper()}"
 
 
-def _coerce_strings(obj) -> None:
-    """Environment variables arrive as strings: convert int/float/bool fields.
-    Raises SettingsError naming the field when a value does not parse."""
+def coerce_strings(obj) -> None:
+    """Environment variables arrive as strings: convert the int/float/bool fields of settings
+    ``obj`` in place (the byte sizes through :func:`parse_bytes`). Raises SettingsError naming
+    the field when a value does not parse."""
     for f in fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, str) and f.type in ("int", "bool", "float"):
@@ -86,7 +95,7 @@ def _coerce_strings(obj) -> None:
                 if f.type == "bool":
                     v = v.strip().lower() in ("1", "true", "yes", "on")
                 elif f.name in ("kv_cache_memory", "kv_offload_host_memory"):
-                    v = _parse_bytes(v)
+                    v = parse_bytes(v)
                 else:
                     v = int(v) if f.type == "int" else float(v)
             except ValueError:
@@ -94,8 +103,10 @@ def _coerce_strings(obj) -> None:
             setattr(obj, f.name, v)
 
 
-def _check_tls(obj) -> None:
-    """A listener's TLS settings: certificate and key together; a client CA only with them.
+def check_tls_files(obj) -> None:
+    """Check a listener's TLS settings (``obj.tls_cert_file``, ``tls_key_file``, maybe
+    ``tls_client_ca_file``): certificate and key together; a client CA only with them. Raises
+    SettingsError naming the settings otherwise.
     Checked when the service starts (``check_tls``), not on construction: the settings of one
     service may come from several sources, each naming one file."""
     if bool(obj.tls_cert_file) != bool(obj.tls_key_file):
@@ -110,7 +121,7 @@ SCHEDULER_METRICS_PORT = 9461
 GATEWAY_METRICS_PORT = 9451
 
 
-def _metrics_port_off(obj, name: str = "metrics_port") -> None:
+def metrics_port_off(obj, name: str = "metrics_port") -> None:
     """``KVMESH_*_METRICS_PORT=`` (empty), ``off`` or ``none`` mean -1 (no metrics server); the
     same for another optional port field ``name``."""
     v = getattr(obj, name)
@@ -118,7 +129,9 @@ def _metrics_port_off(obj, name: str = "metrics_port") -> None:
         setattr(obj, name, -1)
 
 
-def _check_metrics_port(obj, name: str = "metrics_port") -> None:
+def check_metrics_port(obj, name: str = "metrics_port") -> None:
+    """Raise SettingsError unless the port field ``name`` of ``obj`` is in [-1, 65535] (0: any
+    free port, -1: off)."""
     if not -1 <= getattr(obj, name) <= 65535:
         raise SettingsError(f"{name} must be a port in [0, 65535], 0 = any free port, -1 = off; "
                             f"got {getattr(obj, name)}")

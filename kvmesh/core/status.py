@@ -24,6 +24,7 @@ _HTTP = {_Code.INVALID_ARGUMENT: (400, "invalid_request_error", None),
          _Code.DEADLINE_EXCEEDED: (504, "timeout_error", "timeout"),
          _Code.CANCELLED: (503, "service_unavailable_error", "cancelled")}
 INTERNAL_HTTP = (500, "server_error", "internal_error")
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"    # gRPC's standard retry hint: trailing metadata, milliseconds
 
 
 def grpc_code(e: BaseException) -> grpc.StatusCode:
@@ -44,3 +45,21 @@ async def abort(context: grpc.aio.ServicerContext, e: BaseException, prefix: str
     """End the RPC of ``context`` with ``e``'s status (:func:`grpc_code`) and message (after
     ``prefix``). Raises, as ``context.abort`` does: nothing after it runs."""
     await context.abort(grpc_code(e), f"{prefix}{e}")
+
+
+def set_retry_hint(context: grpc.aio.ServicerContext, seconds: float) -> None:
+    """Add a retry hint to the RPC's trailing metadata (``grpc-retry-pushback-ms``): the request
+    was not served and may be sent again after ``seconds``."""
+    context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) +
+                                  ((RETRY_PUSHBACK, str(round(seconds * 1000))),))
+
+
+def retry_hint(e: grpc.aio.AioRpcError) -> float | None:
+    """The retry hint (seconds) in a failed call's trailing metadata, None when it has none."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_PUSHBACK:
+            try:
+                return int(value) / 1000
+            except ValueError:
+                return None
+    return None

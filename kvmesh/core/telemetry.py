@@ -97,14 +97,6 @@ def shutdown_tracing(service_name: str | None = None) -> None:
         p.shutdown()       # BatchSpanProcessor.shutdown exports what is queued
 
 
-def flush_tracing(timeout_ms: int = 10_000) -> None:
-    """Export every provider's queued spans now."""
-    with _lock:
-        providers = list(_providers.values())
-    for p in providers:
-        p.force_flush(timeout_ms)
-
-
 # ---- context propagation ------------------------------------------------------------------------
 
 def extract_metadata(metadata: Iterable | None) -> Context:

@@ -90,7 +90,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "healthy", "num_waiting", "num_running", "num_waiting_tokens", "num_running_tokens", "num_blocks", "num_used_blocks", "num_cached_blocks", "num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "replica_id", "indexed", "index_resyncs", "index_failures", "kv_cache_dtype", "kv_cache_bytes_per_token", "max_concurrency", "restarts", "pid", "prefix_cache_preempted_queries", "prefix_cache_preempted_hits", "kv_tier_host_hits", "kv_tier_redis_hits", "kv_tier_host_bytes_loaded", "kv_tier_redis_bytes_loaded", "kv_tier_host_bytes_stored", "kv_tier_redis_bytes_stored", "kv_tier_blocks_offloaded", "kv_tier_load_seconds", "kv_tier_integrity_failures", "kv_tier_unavailable")
+    __slots__ = ("replica", "healthy", "num_waiting", "num_running", "num_waiting_tokens", "num_running_tokens", "num_blocks", "num_used_blocks", "num_cached_blocks", "num_steps", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "replica_id", "indexed", "index_resyncs", "index_failures", "kv_cache_dtype", "kv_cache_bytes_per_token", "max_concurrency", "restarts", "pid", "prefix_cache_preempted_queries", "prefix_cache_preempted_hits", "kv_tier_host_hits", "kv_tier_redis_hits", "kv_tier_host_bytes_loaded", "kv_tier_redis_bytes_loaded", "kv_tier_host_bytes_stored", "kv_tier_redis_bytes_stored", "kv_tier_blocks_offloaded", "kv_tier_load_seconds", "kv_tier_integrity_failures", "kv_tier_unavailable", "kv_tier_host_bytes", "stage_pids")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,8 @@ class ReplicaStats(_message.Message):
     KV_TIER_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_INTEGRITY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_PIDS_FIELD_NUMBER: _ClassVar[int]
     replica: int
     healthy: bool
     num_waiting: int
@@ -159,7 +161,9 @@ class ReplicaStats(_message.Message):
     kv_tier_load_seconds: float
     kv_tier_integrity_failures: int
     kv_tier_unavailable: int
-    def __init__(self, replica: _Optional[int] = ..., healthy: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., replica_id: _Optional[str] = ..., indexed: _Optional[bool] = ..., index_resyncs: _Optional[int] = ..., index_failures: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., prefix_cache_preempted_queries: _Optional[int] = ..., prefix_cache_preempted_hits: _Optional[int] = ..., kv_tier_host_hits: _Optional[int] = ..., kv_tier_redis_hits: _Optional[int] = ..., kv_tier_host_bytes_loaded: _Optional[int] = ..., kv_tier_redis_bytes_loaded: _Optional[int] = ..., kv_tier_host_bytes_stored: _Optional[int] = ..., kv_tier_redis_bytes_stored: _Optional[int] = ..., kv_tier_blocks_offloaded: _Optional[int] = ..., kv_tier_load_seconds: _Optional[float] = ..., kv_tier_integrity_failures: _Optional[int] = ..., kv_tier_unavailable: _Optional[int] = ...) -> None: ...
+    kv_tier_host_bytes: int
+    stage_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replica: _Optional[int] = ..., healthy: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., replica_id: _Optional[str] = ..., indexed: _Optional[bool] = ..., index_resyncs: _Optional[int] = ..., index_failures: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_bytes_per_token: _Optional[float] = ..., max_concurrency: _Optional[int] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., prefix_cache_preempted_queries: _Optional[int] = ..., prefix_cache_preempted_hits: _Optional[int] = ..., kv_tier_host_hits: _Optional[int] = ..., kv_tier_redis_hits: _Optional[int] = ..., kv_tier_host_bytes_loaded: _Optional[int] = ..., kv_tier_redis_bytes_loaded: _Optional[int] = ..., kv_tier_host_bytes_stored: _Optional[int] = ..., kv_tier_redis_bytes_stored: _Optional[int] = ..., kv_tier_blocks_offloaded: _Optional[int] = ..., kv_tier_load_seconds: _Optional[float] = ..., kv_tier_integrity_failures: _Optional[int] = ..., kv_tier_unavailable: _Optional[int] = ..., kv_tier_host_bytes: _Optional[int] = ..., stage_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("replicas", "routing", "scheduler_id", "index", "routed_requests", "prefix_routed", "prefix_routed_blocks", "routing_fallbacks")

@@ -13,6 +13,14 @@ proposals, ``k`` at most its adaptive ``spec_k``); the ``k`` proposals count aga
 budget and get KV slots. With a draft model, a sampling row that asks the draft for ``m``
 proposals also gets ``1 + m`` lookahead slots (vLLM v1's ``num_lookahead_tokens``). After the
 step, :meth:`Scheduler.update` rolls back rejected proposals and lookahead slots.
+
+Speculation under load (``speculative_max_batch_tokens`` = B): a verify pass reads the weights
+once for all its rows, so it costs about one decode step only while the step's rows stay few;
+past about 8 rows a CPU's GEMM is bound by compute and each proposal costs its full share
+(docs/spec_decode.md, "Measurements"). Each step therefore caps every row's ``k`` at
+``B // n - 1`` for the ``n`` running and waiting requests: a lone request verifies up to
+``B - 1`` proposals, a batch of more than ``B / 2`` decodes without speculation (and the draft,
+asked for nothing, runs no forward), and speculation comes back as the batch shrinks.
 """
 
 from __future__ import annotations
@@ -33,9 +41,12 @@ class ContinuousBatching(Scheduler):
             their tokens, ITL/TPOT, stays near a decode step's), instead of one long step; a
             step without decodes (a cold start) still prefills the whole budget (vLLM's
             ``long_prefill_token_threshold`` caps every step; this caps only the shared ones).
-        speculative_method: ``""`` (off), ``ngram`` or ``draft``.
+        speculative_method: ``""`` (off), ``ngram``, ``draft`` or ``ngram+draft`` (prompt lookup
+            where it matches, the draft asked for the next step only where it did not).
         num_speculative_tokens: the most proposals verified per request and step (k).
         speculative_adaptive: adapt each request's k to its acceptance (docs/spec_decode.md).
+        speculative_max_batch_tokens: the most tokens (rows x (1 + k)) a step may verify; 0: no
+            cap (see the module docstring).
     """
 
     supports_micro_batches = True
@@ -43,7 +54,8 @@ class ContinuousBatching(Scheduler):
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 2048, enable_chunked_prefill: bool = True,
                  max_prefill_tokens_with_decodes: int = 0, speculative_method: str = "",
-                 num_speculative_tokens: int = 0, speculative_adaptive: bool = True):
+                 num_speculative_tokens: int = 0, speculative_adaptive: bool = True,
+                 speculative_max_batch_tokens: int = 0):
         super().__init__(block_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=max_model_len)
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -53,6 +65,10 @@ class ContinuousBatching(Scheduler):
         self.speculative_method = speculative_method
         self.num_speculative_tokens = num_speculative_tokens if speculative_method else 0
         self.speculative_adaptive = speculative_adaptive
+        if speculative_max_batch_tokens < 0:
+            raise SettingsError(f"speculative_max_batch_tokens must be >= 0, got {speculative_max_batch_tokens}")
+        self.speculative_max_batch_tokens = speculative_max_batch_tokens
+        self._k_cap = self.num_speculative_tokens          # this step's cap on k (schedule)
         self._fetched: dict[str, tuple[int, list]] = {}   # waiting request -> (pool hits, its tier blocks)
 
     def _check_servable(self, req: Request, total: int) -> None:
@@ -70,6 +86,7 @@ class ContinuousBatching(Scheduler):
     def schedule(self, busy: frozenset[str] | set[str] = frozenset()) -> SchedulerOutput:
         """Running requests (those not ``busy``), then waiting ones unless this step had to preempt."""
         out = SchedulerOutput()
+        self._k_cap = self._speculation_cap(busy)
         budget, prefill_left = self._schedule_running(out, busy)
         if not out.preempted:
             self._admit(out, budget, prefill_left)
@@ -116,21 +133,35 @@ class ContinuousBatching(Scheduler):
                 i += 1
         return budget, prefill_left
 
+    def _speculation_cap(self, busy) -> int:
+        """The most proposals a row may verify (or ask the draft for) this step:
+        ``speculative_max_batch_tokens // n - 1``, at least 0, for the ``n`` requests that decode
+        this step or soon will (running ones not ``busy``, and waiting ones, up to
+        ``max_num_seqs``: the draft's proposals are for the next step); ``num_speculative_tokens``
+        without a cap."""
+        cap = self.speculative_max_batch_tokens
+        if not (cap and self.num_speculative_tokens):
+            return self.num_speculative_tokens
+        n = sum(1 for r in self.running if r.request_id not in busy) + len(self.waiting)
+        return max(0, min(self.num_speculative_tokens, cap // max(min(n, self.max_num_seqs), 1) - 1))
+
     def _speculation(self, req: Request, n: int, budget: int, sample: bool) -> tuple[list[int], int]:
         """What a row of ``n`` real tokens of ``req`` speculates this step: the proposals it
-        verifies (a decode with proposals; at most ``spec_k``, the budget left after its own
-        token, and one less than the tokens it may still emit) and, with a draft model, how
-        many proposals the draft makes for its next step (a row that samples)."""
-        if not (self.num_speculative_tokens and sample and req.can_speculate()):
+        verifies (a decode with proposals; at most ``spec_k``, this step's cap
+        (:meth:`_speculation_cap`), the budget left after its own token, and one less than the
+        tokens it may still emit) and, with a draft model, how many proposals the draft makes for
+        its next step (a row that samples; at most ``spec_k`` and the cap)."""
+        k_cap = self._k_cap
+        if not (self.num_speculative_tokens and k_cap and sample and req.can_speculate()):
             return [], 0
         left = min(req.sampling_params.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens)
         spec: list[int] = []
         if n == 1:
-            k = min(len(req.spec_token_ids), req.spec_k, budget - 1, left - 1)
+            k = min(len(req.spec_token_ids), req.spec_k, k_cap, budget - 1, left - 1)
             spec = req.spec_token_ids[:max(k, 0)]
         m = 0
-        if self.speculative_method == "draft":
-            m = max(0, min(req.spec_k, left - 2))
+        if self.speculative_method == "draft" or (self.speculative_method == "ngram+draft" and not req.lookup_hit):
+            m = max(0, min(req.spec_k, k_cap, left - 2))
         return spec, m
 
     def _admit(self, out: SchedulerOutput, budget: int, prefill_left: int) -> None:

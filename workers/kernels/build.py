@@ -45,7 +45,7 @@ from types import ModuleType
 from kvmesh.core.errors import DependencyUnavailableError, SettingsError
 from kvmesh.hub.cache import kvmesh_home
 
-DEFAULT_WAIT_S = 600.0      # seconds; a cold build took 196-313 s on 2 busy cores (MAX_JOBS=1)
+DEFAULT_WAIT_S = 600.0      # seconds: above the slowest cold build measured (docs/engine.md, "Attention backends")
 RECORD = "build.json"
 
 
@@ -148,8 +148,8 @@ def load(ext: Extension = KERNELS, wait_s: float | None = None) -> Loaded:
     with _BuildLock(d, wait_bound_s() if wait_s is None else wait_s):
         if (d / RECORD).is_file():           # built by the process we waited for
             return Loaded(_import(ext, d), d, False, 0.0)
-        _say(f"compiling the native CPU kernels ({ext.name}) for these sources, once (a few minutes on 2 cores; "
-             f"`make venv` does it ahead of time), into {d}")
+        _say(f"compiling the native CPU kernels ({ext.name}) for these sources, once (1-2 minutes on 2 cores, "
+             f"longer when they are busy; `make venv` does it ahead of time), into {d}")
         return _compile(ext, d)
 
 

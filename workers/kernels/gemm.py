@@ -1,92 +1,37 @@
 """Native CPU GEMM with bf16 weights: ``kvmesh::pack_bf16_weight`` and ``kvmesh::bf16_linear``.
 
 Why: on CPUs without AVX512-BF16 / AMX (e.g. AMD Zen 3), ATen's bf16 matmul falls back to a
-slow reference path (SmolLM2-135M's decoder projections: 12.6 ms at M=1, 1 s at M=32), while
-fp32 weights cost twice the memory traffic. This kernel keeps the weights in bf16 and widens
+slow reference path, while fp32 weights cost twice the memory traffic (figures:
+docs/engine.md, "Profile"). This kernel keeps the weights in bf16 and widens
 them to fp32 in registers (a 16-bit shift), accumulating in fp32, so decode streams half the
 bytes of fp32. On CPUs with AMX-BF16 (Sapphire Rapids and later) it multiplies bf16
-activations of 4 rows or more with AMX tiles on the same packed panels and beats ATen's
-oneDNN matmul on unpacked weights (SmolLM2 chain, M = 1 / 32 / 1024: 7.5 / 9.4 / 112.6 ms
-against 16.8 / 19.3 / 123.3 ms), so bf16 Linears use it there too. The C++
-(``workers/kernels/csrc/gemm/``) picks AMX, AVX-512 (with ``vdpbf16ps`` for bf16 activations
-where the CPU has AVX512-BF16), AVX2+FMA or a scalar path at run time;
-``KVMESH_KERNEL_ISA=scalar|avx2|avx512|avx512bf16|amx`` forces a lower one. Technique:
+activations of 4 rows or more with AMX tiles on the same packed panels and measured faster
+than ATen's oneDNN matmul on unpacked weights at every M (docs/engine.md, "Attention
+backends"), so bf16 Linears use it there too. The C++ (``workers/kernels/csrc/gemm/``) runs the
+active kernel level's micro-kernels (every level has its own: scalar, AVX2+FMA, AVX-512,
+``vdpbf16ps`` for bf16 activations at avx512bf16, AMX tiles at amx; :func:`workers.kernels.set_isa`,
+the ``kernel_isa`` setting). Technique:
 GotoBLAS / BLIS register and cache blocking (Goto & van de Geijn, TOMS 2008); weight layout:
 the "VNNI-2" bf16 pair layout of oneDNN and SGLang's CPU kernels (also AMX's B-tile layout).
 
 The sources are part of the one kvmesh extension that :mod:`workers.kernels` loads
 (:mod:`workers.kernels.build` builds it); ``KVMESH_NATIVE_KERNELS=0`` disables it
-(:func:`available` is then False).
+(:func:`workers.kernels.available` is then False and the functions here raise RuntimeError).
+:func:`workers.kernels.paths` says which path each op takes at the active level.
 
-Ops (also reachable as ``torch.ops.kvmesh.*`` once :func:`available` returned True; both have
-fake implementations, so ``torch.compile(fullgraph=True)`` treats them as opaque calls)::
+Ops (also reachable as ``torch.ops.kvmesh.*`` once the extension is loaded; all have fake
+implementations, so ``torch.compile(fullgraph=True)`` treats them as opaque calls)::
 
     pack_bf16_weight(Tensor w) -> Tensor
     bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias=None) -> Tensor
-    gemm_isa() -> str
+    int4_linear, int8_linear, gguf_linear, gguf_pack_qweight, gguf_unpack (below)
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}    # "lib": True once loaded, None after a failure
-
-
-def _build() -> bool | None:
-    """Load the kvmesh extension (every source under ``csrc/``, these included, is one library:
-    :mod:`workers.kernels.build`) and register the fakes. None when it is unavailable
-    (the loader logged why: ``KVMESH_NATIVE_KERNELS=0``, not x86-64, build failure)."""
-    from workers import kernels
-    if not kernels.available():
-        return None
-    _register_fakes()
-    return True
-
-
-def _register_fakes() -> None:
-    @torch.library.register_fake("kvmesh::pack_bf16_weight")
-    def _pack_fake(w: torch.Tensor) -> torch.Tensor:
-        n, k = w.shape
-        return w.new_empty(((n + 15) // 16, (k + 31) // 32 * 16, 16, 2), dtype=torch.bfloat16)
-
-    @torch.library.register_fake("kvmesh::int4_linear")
-    def _int4_fake(x: torch.Tensor, panels: torch.Tensor, sz: torch.Tensor, group_size: int, n: int,
-                   input_scale: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake("kvmesh::int8_linear")
-    def _int8_fake(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake("kvmesh::gguf_linear")
-    def _gguf_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, superscales: torch.Tensor | None,
-                   bits: int, group_size: int, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return x.new_empty((x.shape[0], n))
-
-    @torch.library.register_fake("kvmesh::bf16_linear")
-    def _linear_fake(x: torch.Tensor, packed: torch.Tensor, n: int,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-        torch._check(x.dim() == 2, lambda: "bf16_linear: x must be [M, K]")
-        return x.new_empty((x.shape[0], n))
-
-
-def available() -> bool:
-    """True when the extension is loaded (:func:`workers.kernels.available`, which may build it
-    and raises as it does)."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _build()
-        return _state["lib"] is not None
-
-
-def _require() -> None:
-    if _state.get("lib") is None and not available():
-        from workers import kernels
-        raise RuntimeError(f"kvmesh gemm kernels are not available: {kernels.unavailable_reason()}")
+from workers import kernels
 
 
 def pack_bf16_weight(w: torch.Tensor) -> torch.Tensor:
@@ -100,7 +45,7 @@ def pack_bf16_weight(w: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: kernels unavailable, or ``w`` not 2-D floating / empty.
     """
-    _require()
+    kernels.require()
     return torch.ops.kvmesh.pack_bf16_weight(w)
 
 
@@ -117,10 +62,11 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
     Returns:
         ``[..., n]`` in x's dtype.
     Raises:
-        RuntimeError: kernels unavailable; shape/dtype mismatch (message names both); an
-            unknown or unsupported ``KVMESH_KERNEL_ISA``.
+        RuntimeError: kernels unavailable; shape/dtype mismatch (message names both).
+    Path: the active level's micro-kernels, every level has its own (fp32 x at avx512bf16 and
+    amx: avx512's; bf16 x of fewer than 4 rows at amx: avx512bf16's).
     """
-    _require()
+    kernels.require()
     if x.dim() == 2:      # the decode path: no reshapes (each costs ~1 us of Python)
         return torch.ops.kvmesh.bf16_linear.default(x, packed, n, bias)
     lead = x.shape[:-1]
@@ -128,19 +74,10 @@ def bf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
     return y.reshape(*lead, n)
 
 
-def isa() -> str:
-    """The micro-kernel path bf16_linear uses now: ``scalar``, ``avx2``, ``avx512``,
-    ``avx512bf16`` or ``amx`` (the CPU's best, or ``KVMESH_KERNEL_ISA`` if set)."""
-    _require()
-    return torch.ops.kvmesh.gemm_isa()
-
-
-# ---- int4 and int8 weights (csrc/gemm/int4_gemv.cpp, int8_gemv.cpp) ------------------------------
-
 def int4_available() -> bool:
-    """True when :func:`int4_linear` and :func:`int8_linear` run here: the kernels are built and
-    the GEMM's kernel path (:func:`isa`: the CPU's best, or ``KVMESH_KERNEL_ISA``) has AVX512-BF16."""
-    return available() and isa() in ("avx512bf16", "amx")
+    """True when :func:`int4_linear` and :func:`int8_linear` run here: the kernels are loaded
+    and the active level has their path (avx512bf16 and amx; :func:`workers.kernels.paths`)."""
+    return kernels.path("int4_linear") != "none"
 
 
 def pack_int4_panels(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -196,9 +133,10 @@ def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales_and_zeros: torch.T
     Returns:
         bfloat16 ``[M, n]`` (a view of ``[M, N16]`` when n is not a multiple of 16).
     Raises:
-        RuntimeError: kernels unavailable, the CPU lacks AVX512-BF16, or shapes mismatch.
+        RuntimeError: kernels unavailable, the active level is below avx512bf16 (the one level
+            this kernel has; amx runs it too: :func:`int4_available`), or shapes mismatch.
     """
-    _require()
+    kernels.require()
     return torch.ops.kvmesh.int4_linear.default(x, panels, scales_and_zeros, group_size, n, input_scale)
 
 
@@ -231,27 +169,18 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, n: 
     Returns:
         bfloat16 ``[M, n]``.
     Raises:
-        RuntimeError: kernels unavailable, the CPU lacks AVX512-BF16, or shapes mismatch.
+        RuntimeError: kernels unavailable, the active level is below avx512bf16 (the one level
+            this kernel has; amx runs it too: :func:`int4_available`), or shapes mismatch.
     """
-    _require()
+    kernels.require()
     return torch.ops.kvmesh.int8_linear.default(x, panels, scales, n)
 
 
 # ---- GGUF block formats (csrc/gemm/gguf_gemm.cpp) -------------------------------------------------
 
 def gguf_available() -> bool:
-    """True when :func:`gguf_linear` runs here (the kernels are built; every x86-64 CPU has a
-    path: :func:`gguf_path`)."""
-    return available()
-
-
-def gguf_path() -> str:
-    """The path :func:`gguf_linear` takes now: ``amx`` (bfloat16 x of 32 rows or more: the
-    panels dequantized to bfloat16 and AMX-BF16 tiles; other x of 16 rows or more: AMX-INT8
-    tiles; the avx512vnni kernel below), ``avx512vnni``, ``avx2`` or ``scalar`` (the CPU's best under the
-    GEMM's ISA selection, ``KVMESH_KERNEL_ISA``)."""
-    _require()
-    return torch.ops.kvmesh.gguf_gemm_path()
+    """True when :func:`gguf_linear` runs here: the kernels are loaded (every level has a path)."""
+    return kernels.path("gguf_linear") != "none"
 
 
 def gguf_unpack(raw: torch.Tensor, ggml_type: str, k: int):
@@ -268,7 +197,7 @@ def gguf_unpack(raw: torch.Tensor, ggml_type: str, k: int):
     Raises:
         RuntimeError: kernels unavailable, an unsupported type or a byte count that does not fit.
     """
-    _require()
+    kernels.require()
     return torch.ops.kvmesh.gguf_unpack(raw, ggml_type, k)
 
 
@@ -291,7 +220,7 @@ def pack_gguf_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
     if bits not in (4, 6, 8) or k % 8 or q.dtype != torch.uint8:
         raise ValueError(f"pack_gguf_qweight: q must be uint8 [N, K] with K % 8 == 0 and bits 4, 6 or 8; got "
                          f"{q.dtype} {tuple(q.shape)}, bits {bits}")
-    if q.device.type == "cpu" and available():
+    if q.device.type == "cpu" and kernels.available():
         return torch.ops.kvmesh.gguf_pack_qweight(q, bits)         # one pass, threads over panels
     return pack_gguf_qweight_torch(q, bits)
 
@@ -352,8 +281,14 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, su
     Raises:
         RuntimeError: kernels unavailable; shapes or dtypes that do not fit (the message
             names the argument).
+
+    Path (:func:`workers.kernels.paths`, by the active level): ``amx`` (bfloat16 x of 32 rows or
+    more: the panels dequantized to bfloat16 and AMX-BF16 tiles; other x of 16 rows or more:
+    AMX-INT8 tiles; fewer rows: avx512vnni's), ``avx512vnni`` at avx512 and avx512bf16 (and at
+    amx on a CPU without AMX-INT8), ``avx2`` (also at avx512 on a CPU without AVX512-VNNI),
+    ``scalar``.
     """
-    _require()
+    kernels.require()
     if x.dim() == 2:
         return torch.ops.kvmesh.gguf_linear.default(x, qweight, scales, superscales, bits, group_size, n, bias)
     lead = x.shape[:-1]

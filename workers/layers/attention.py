@@ -129,10 +129,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 # Prefill chunks after cached context with at least this many new tokens (float cache) go
-# through SDPA on the gathered context rather than the native kernel, whose many-row path is
-# slower there: one chunk after 1,400 cached tokens, bf16, Sapphire Rapids class Xeon
-# (2 threads, python -m bench.kernels' case): 32 new tokens 0.58 ms native / 0.59 ms SDPA,
-# 64 tokens 0.92 / 0.77, 128 tokens 1.84 / 1.28 (SmolLM2); 0.75 / 0.65 at 32 tokens (Qwen 0.5B).
+# through SDPA on the gathered context rather than the native kernel, whose many-row path
+# measured slower from here up (figures: docs/engine.md, "Attention backends").
 SDPA_MIN_CHUNK_TOKENS = 32
 
 
@@ -215,7 +213,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         qd = q[:bd].view(bd, KVH, G, D)
         if not md.cascade and q.device.type == "cpu" and q.dtype == torch.float32:
             # ATen's CPU flash kernel is slow for a few query rows over a long context in
-            # float32 (8 ms vs 0.2 ms measured at 1.6k keys): plain matmul + softmax
+            # float32 (docs/engine.md, "Paged attention"): plain matmul + softmax
             s = torch.matmul(qd, kc.transpose(-1, -2)).mul_(scale).add_(md.decode_mask)
             out[:bd] = torch.matmul(torch.softmax(s, dim=-1), vc).reshape(bd, H, D)
         elif not md.cascade:

@@ -30,7 +30,7 @@ class LinearMethod:
     layer (:mod:`workers.compiled_decode`) finds the same object in every layer.
 
     Attributes:
-        format: the weight format, one of :data:`workers.layers.quant.WEIGHT_FORMATS`.
+        format: the weight format, one of :data:`kvmesh.core.engine_config.WEIGHT_FORMATS`.
     """
 
     format = "none"
@@ -116,8 +116,8 @@ class NativeQuantized(Quantized):
 
 class Int8Native(NativeQuantized):
     """Weight-only int8 in the native kernel's panels (``int8_panels``, ``int8_panel_scales``;
-    :func:`workers.kernels.gemm.int8_linear`), on CPUs with AVX512-BF16; x goes through bfloat16
-    as with ATen's int8 kernel (:class:`Int8`), which other CPUs use."""
+    :func:`workers.kernels.gemm.int8_linear`), at kernel levels avx512bf16 and amx; x goes through
+    bfloat16 as with ATen's int8 kernel (:class:`Int8`), which the lower levels use."""
 
     format, op_name = "int8", "int8_linear"
 
@@ -139,8 +139,8 @@ class Int4Packed(Quantized):
 
 class Int4Native(NativeQuantized):
     """Weight-only int4 in the native kernel's panels (``int4_panels``, ``int4_panel_sz``;
-    :func:`workers.kernels.gemm.int4_linear`), on CPUs with AVX512-BF16: x goes through bfloat16
-    as with ATen's int4 kernel, which the CPU uses otherwise (:class:`Int4Packed`)."""
+    :func:`workers.kernels.gemm.int4_linear`), at kernel levels avx512bf16 and amx: x goes through
+    bfloat16 as with ATen's int4 kernel, which the lower levels use (:class:`Int4Packed`)."""
 
     format, op_name = "int4", "int4_linear"
 
@@ -317,7 +317,8 @@ class Linear(nn.Module):
         tensor = tensor.to(dst.device)      # a no-op on the CPU; one transfer per tensor otherwise
         if dst.is_contiguous() or dst.device.type != "cpu":
             dst.copy_(tensor)
-        else:   # transposed storage (allocate): 256-row blocks, ~4x faster than one strided copy here
+        else:   # transposed storage (allocate): 256-row blocks, faster than one strided copy
+            # (docs/engine.md, "Memory planning at load")
             for i in range(0, dst.shape[0], 256):
                 dst[i:i + 256].copy_(tensor[i:i + 256])
         self._loaded.add((param, shard))
@@ -406,8 +407,8 @@ class Linear(nn.Module):
 
     def finalize(self, dtype: torch.dtype) -> None:
         """Convert loaded weights to the serving format: dense, ``dtype``, stored transposed
-        (``[in_features, out_features]`` contiguous), which measured ~20% faster than
-        ``F.linear`` on ``[out, in]`` for batch-1 decode on this CPU (bench notes in docs/).
+        (``[in_features, out_features]`` contiguous), which measured faster than ``F.linear`` on
+        ``[out, in]`` for batch-1 decode (docs/engine.md, "What each technique treats").
         After :meth:`allocate` with the same ``dtype`` the weight is already in that layout
         and nothing is copied. A quantized layer (:meth:`set_quantized`) is left as it is."""
         if self.format != "none":
@@ -477,21 +478,15 @@ def bind_fast_paths(model: nn.Module) -> int:
 
 def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """Switch every dense Linear of a bfloat16 model on the CPU to the native bf16 GEMM when
-    the kernels build. Measured for SmolLM2's projection chain (``python -m bench.gemm``):
-
-    - CPUs without native bf16 matmul (no AVX512-BF16 or AMX; ATen then takes a reference
-      path): 12.6 ms at M=1 and 1 s at M=32 on a Zen 3, against 7.3 / 41.6 ms for the kernel;
-    - AMX (``gemm.isa() == "amx"``), a Sapphire Rapids class Xeon: 7.7 / 9.3 / 10.9 / 44.9 ms
-      at M = 1 / 8 / 32 / 256 against 17.0 / 17.5 / 19.9 / 54.3 ms for ATen's oneDNN matmul;
-    - AVX512-BF16 without AMX (``avx512bf16``), an AMD EPYC Zen 4: 9.4-11 / 11.1 / 20.4 / 170 /
-      595 ms at M = 1 / 8 / 32 / 256 / 1024 against 25-31 / 31-102 / 40-77 / 195 / 647 ms for
-      ATen (whose bf16 matmul on that CPU reads weights at 7-8 GB/s at M=1).
-
-    The packed panels are then moved onto 2 MiB pages (:mod:`workers.huge_pages`).
-    ``KVMESH_NATIVE_KERNELS=0`` keeps ATen. Returns how many layers were packed."""
+    the kernels build: it measured faster than ATen's bf16 matmul on every CPU class tried,
+    with or without AVX512-BF16 and AMX (``python -m bench.gemm``; figures: docs/engine.md,
+    "Attention backends"). The packed panels are then moved onto 2 MiB pages
+    (:mod:`workers.huge_pages`). ``KVMESH_NATIVE_KERNELS=0`` keeps ATen. Returns how many layers
+    were packed."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return 0
-    if not gemm.available():
+    from workers import kernels
+    if not kernels.available():
         return 0
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.format == "none" and m.weight is not None]
     for lin in layers:
@@ -507,10 +502,9 @@ def pack_bf16_linears(model: nn.Module, dtype: torch.dtype, device: torch.device
 def gguf_to_huge_pages(model: nn.Module) -> int:
     """Move the GGUF panels and scales of every Linear served by the ``gguf_linear`` kernel
     onto 2 MiB pages (:mod:`workers.huge_pages`), one tensor at a time (the load's peak stays
-    near one copy): a decode step streams all of them. Measured on an AMD EPYC Zen 5 (family 26
-    model 2), Qwen2.5-Coder-1.5B's projection chain at M = 1 on one thread: 22.9 GB/s on 4 KiB
-    pages, 31.0 GB/s on 2 MiB pages (``python -m bench.gguf_gemm``, docs/results-history.md 0z11).
-    No-op where huge pages are unavailable. Returns how many layers moved."""
+    near one copy): a decode step streams all of them, faster from 2 MiB pages (figures:
+    docs/engine.md, "Weights on 2 MiB pages"). No-op where huge pages are unavailable. Returns
+    how many layers moved."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.method is GGUF_NATIVE]
     names = [[n for n in ("gguf_qweight", "gguf_scales", "gguf_superscales") if getattr(lin, n) is not None]
              for lin in layers]

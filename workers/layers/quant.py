@@ -25,14 +25,14 @@ experiment): ``w = (q - 8) * scale + zero`` with ``q`` in [0, 15] and
 ``zero = min + 8 * scale``, ``scale = (max - min) / 15`` of the group. The kernels take
 ``scales_and_zeros: [K/g, N, 2]`` (``[..., 0]`` scale, ``[..., 1]`` zero).
 
-Kernel constraints measured on this CPU (torch 2.13): ``_weight_int8pack_mm`` and
-``_weight_int4pack_mm_for_cpu`` need x and scales of one dtype; with float32 x they are 12-60x
-slower than a dense float32 matmul, with bf16 x 0.5x (decode, 576x1536), so x goes through bf16.
+Kernel constraints (torch 2.13; figures: docs/quantization.md, "Weight formats"):
+``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu`` need x and scales of one dtype, and
+are far slower with float32 x than with bf16 x, so x goes through bf16.
 The CPU int4 packing needs ``N % 16 == 0`` (rows are zero-padded, the output sliced).
 ``_int_mm`` works for every M on CPU; CUDA needs M > 16 and K, N multiples of 8 (x is padded to
 17 rows; other shapes use the same integer math in float32). ``_scaled_mm`` runs on CPU but
-measured 1.6-2x slower than dequantizing e4m3 (both are 20-50x slower than dense: the CPU has no
-fp8 arithmetic), so on CPU fp8 is a memory format only.
+measured slower than dequantizing e4m3 (the CPU has no fp8 arithmetic; same place), so on CPU
+fp8 is a memory format only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("auto", "none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
 FP8_MAX = 448.0               # largest finite float8_e4m3fn
 INT4_CPU_N_ALIGN = 16         # _convert_weight_to_int4pack_for_cpu: N % 16 == 0
 CUDA_INT4_INNER_K_TILES = 8   # gpt-fast's choice; needs K % (8 * 16) == 0

@@ -27,7 +27,7 @@ import torch
 from kvmesh.core.sampling import SamplingParams
 
 # Like vLLM: temperatures below this are treated as greedy (dividing by them overflows).
-_SAMPLING_EPS = 1e-5
+SAMPLING_EPS = 1e-5
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -72,7 +72,7 @@ class SamplingMetadata:
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
               vocab_size: int, device: torch.device) -> "SamplingMetadata":
-        greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        greedy = [p.temperature < SAMPLING_EPS for p in params]
         rand = [p for p, g in zip(params, greedy) if not g]  # flags only look at random rows
         f32 = dict(dtype=torch.float32, device=device)
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from kvmesh.core.engine_config import WEIGHT_FORMATS
 from kvmesh.core.errors import EngineError
 from workers.layers import quant
 from workers.layers.linear import Linear
@@ -152,7 +153,7 @@ def save_quantized(model_dir: str | Path, out_dir: str | Path, weight_format: st
     Raises EngineError for an unknown format or unusable calibration data."""
     from workers.checkpoint import load_dense
     from workers.quant import calibrate
-    if weight_format not in quant.WEIGHT_FORMATS or weight_format == "none":
+    if weight_format not in WEIGHT_FORMATS or weight_format == "none":
         raise EngineError(f"weight_format {weight_format!r} is not a quantized format")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     model = load_dense(model_dir, dtype=torch.float32, device="cpu", max_positions=calibrate.CHUNK_TOKENS)

@@ -5,16 +5,31 @@ https://arxiv.org/abs/2302.01318).
 A small model with the target's tokenizer proposes ``k`` tokens per step; the target verifies
 them in one forward pass (``workers/spec_decode/rejection.py``). The draft keeps its own paged
 KV cache with the same number of blocks and the same block ids as the target's, so a
-request's block table addresses both caches: the engine feeds the draft every position the
-target commits, hence the draft's K/V of a block is valid whenever the target's is.
+request's block table addresses both caches: the engine shows the draft every position the
+target commits, and the draft writes its own K/V of those positions before it proposes from
+them.
 
-One :meth:`DraftProposer.propose` call is
+The draft writes K/V lazily: a request's committed tokens wait (its *lag*) until a step asks
+it for proposals, so a step where no row proposes (speculation capped under load, a request
+that cannot speculate, a prefill chunk) costs the draft nothing. One
+:meth:`DraftProposer.propose` call is
 
-1. one batched forward over every input's new tokens (a mixed batch of prefill chunks and
-   single-token rows, laid out decodes first as in :mod:`workers.layers.attention`), writing
-   their K/V into the draft cache and proposing one token from each row's last position;
+1. one batched forward over the proposing rows' lagging and new tokens (a mixed batch of
+   prefill chunks and single-token rows, laid out decodes first as in
+   :mod:`workers.layers.attention`), writing their K/V into the draft cache and proposing one
+   token from each row's last position;
 2. ``k - 1`` batched single-token decode steps for the rows still proposing, each writing the
    K/V of the previous proposal and proposing the next token.
+
+Blocks whose target K/V the draft has not written are *stale* for the draft (a request that
+ends with a lag leaves its blocks stale). A request seen for the first time past position 0 (a
+prefix-cache hit) whose cached blocks include a stale one catches up from the first stale block
+on, taking those tokens from its prompt (``DraftInput.context``); without them it gets no
+proposals. A lag of prompt chunks
+is caught up whatever its length (the draft's share of the prefill, paid in the step that
+samples the first token), but a lag holding more than :data:`MAX_CATCH_UP` tokens beyond the
+step's own is not: such a request decoded without the draft while the batch was large and
+continues without it.
 
 Greedy rows propose the argmax. Sampling rows propose from ``q``, the draft's distribution
 processed as the target's sampler processes its own (temperature, min-p, top-k, top-p;
@@ -27,13 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.core.config import EngineConfig
+from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.checkpoint import load_config
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
 from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
-from workers.layers.sampler import _SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
+from workers.layers.sampler import SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
 from workers.loader import load_model, resolve_weight_format, use_serving_kernels
 
 
@@ -47,7 +62,10 @@ class DraftInput:
     ``[0, start + len(token_ids) + num_proposals)``, the same ids as the target's.
     ``num_proposals`` = 0 only writes K/V (a prefill chunk that does not sample).
     ``params`` None or greedy (temperature < 1e-5) → argmax proposals; ``generator``: the
-    request's seeded generator (None: the default one).
+    request's seeded generator (None: the default one). ``context``: the request's tokens
+    from position 0 (its prompt), from which the draft writes a cached prefix it has not
+    written when it first sees the request past position 0 (None: such a request gets no
+    proposals).
     """
 
     request_id: str
@@ -57,6 +75,7 @@ class DraftInput:
     num_proposals: int
     params: SamplingParams | None
     generator: torch.Generator | None = None
+    context: list[int] | None = None
 
 
 @dataclass
@@ -69,10 +88,27 @@ class Proposal:
     probs: torch.Tensor | None
 
 
+#: the most tokens of a request's output the draft catches up on in one forward; a request
+#: that decoded further without the draft (speculation capped under load) is left to decode
+#: without it, rather than stall a step on a long draft prefill when the batch shrinks
+MAX_CATCH_UP = 128
+
+
+@dataclass
+class _Lag:
+    """A request's committed tokens whose draft K/V is not written: positions
+    ``[start, start + len(tokens))``; the draft's K/V below ``start`` is valid.
+    ``prompt_only``: no token of the lag came from a step that sampled (only prompt chunks)."""
+
+    start: int
+    tokens: list[int]
+    prompt_only: bool = True
+
+
 @dataclass
 class _Row:
     inp: DraftInput
-    n_write: int        # tokens of inp.token_ids below the context limit
+    n_write: int        # tokens written this call (the lag, caught up in one forward; 0: none)
     k: int              # proposals this row makes
     greedy: bool
     tokens: list[int]
@@ -137,6 +173,9 @@ class DraftProposer:
                                                            self.dtype)
         self.kv_caches = allocate_kv_cache(m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim,
                                            self.dtype, self.device)
+        self._lag: dict[str, _Lag] = {}      # request id -> tokens the draft has not written
+        self._blind: set[str] = set()        # requests whose cached context the draft cannot see
+        self._stale: set[int] = set()        # block ids holding target K/V the draft has not written
 
     # ---- batch preparation ----------------------------------------------------------
     def _prepare(self, chunks: list[tuple[int, list[int], list[int]]]):
@@ -189,40 +228,110 @@ class DraftProposer:
                 rows[i].probs.append(q[j])
         return tokens.tolist()
 
+    def _catch_up(self, live: list[_Row]) -> None:
+        """One forward over every row's new tokens (their K/V into the draft cache) and the
+        first proposal of each row that proposes."""
+        ids, pos, md, last = self._prepare([(r.inp.start, r.inp.token_ids[: r.n_write], r.inp.block_table)
+                                            for r in live])
+        hidden = self.model(ids, pos, md, self.kv_caches)
+        live = [(r, i) for r, i in zip(live, last) if r.k]
+        if live:
+            logits = self.model.compute_logits(hidden[[i for _, i in live]])
+            for (r, _), t in zip(live, self._propose_next(logits, [r for r, _ in live])):
+                r.tokens.append(t)
+
+    def _blocks(self, block_table: list[int], start: int, end: int) -> list[int]:
+        """The block ids of ``block_table`` covering positions ``[start, end)``."""
+        bs = self.block_size
+        return block_table[start // bs: -(-end // bs)] if end > start else []
+
+    def _track(self, inp: DraftInput, written: set[int]) -> _Lag | None:
+        """Add ``inp``'s tokens to its request's lag; None for a request the draft cannot see.
+        ``written``: blocks this call writes (not stale for a request seen for the first time:
+        each layer writes the whole batch's K/V before any row attends)."""
+        rid = inp.request_id
+        if rid in self._blind:
+            return None
+        lag = self._lag.get(rid)
+        cached = self._blocks(inp.block_table, 0, inp.start) if lag is None else []
+        first_stale = next((i for i, b in enumerate(cached) if b in self._stale and b not in written), None)
+        if first_stale is not None:
+            # a cached prefix the draft has not written: from the request's prompt, or never
+            pos = first_stale * self.block_size
+            if inp.context is not None and len(inp.context) >= inp.start:
+                lag = self._lag[rid] = _Lag(pos, list(inp.context[pos: inp.start]))
+        elif lag is None:
+            lag = self._lag[rid] = _Lag(inp.start, [])
+        elif inp.start < lag.start:                        # rewritten from an earlier position
+            lag.start, lag.tokens = inp.start, []
+        elif inp.start <= lag.start + len(lag.tokens):     # replaces the lag's tail (a rejection)
+            del lag.tokens[inp.start - lag.start:]
+        else:                                              # a gap the proposer never saw
+            lag = None
+        if lag is not None and inp.num_proposals and not lag.prompt_only and len(lag.tokens) > MAX_CATCH_UP:
+            lag = None                                     # left behind under load: too far to catch up
+        if lag is None:
+            self._blind.add(rid)
+            self._lag.pop(rid, None)
+            return None
+        lag.tokens += inp.token_ids
+        if inp.params is not None and not inp.num_proposals:
+            lag.prompt_only = False                        # a decode step the draft sat out
+        return lag
+
     @torch.inference_mode()
     def propose(self, inputs: list[DraftInput]) -> dict[str, Proposal]:
-        """Write the K/V of every input's ``token_ids`` and propose up to ``num_proposals``
-        tokens per input (fewer near :attr:`max_model_len`: a proposal at position p needs
-        ``p < max_model_len``). Returns {request_id: Proposal} for every input."""
+        """Record the K/V every input's ``token_ids`` needs; for the inputs asking for proposals,
+        write their lag's K/V and propose up to ``num_proposals`` tokens (fewer near
+        :attr:`max_model_len`: a proposal at position p needs ``p < max_model_len``; none for a
+        request the draft cannot see). Returns {request_id: Proposal} for every input."""
         L = self.max_model_len
-        rows: list[_Row] = []
-        for inp in inputs:
-            end = inp.start + len(inp.token_ids)
-            n_write = max(0, min(len(inp.token_ids), L - inp.start))
-            k = max(0, min(inp.num_proposals, L - end)) if n_write == len(inp.token_ids) and inp.token_ids else 0
+        rows: dict[str, _Row] = {}
+        writes: list[tuple[DraftInput, _Lag]] = []
+        stale: list[tuple[list[int], int, int]] = []      # (block table, start, end) the draft skips
+        written: set[int] = set()
+        # requests already seen first: their writes may cover the cached blocks of a new one
+        for inp in sorted(inputs, key=lambda i: i.request_id not in self._lag):
+            lag = self._track(inp, written)
             sp = inp.params
-            rows.append(_Row(inp, n_write, k, sp is None or sp.temperature < _SAMPLING_EPS, [], []))
+            row = rows[inp.request_id] = _Row(DraftInput(inp.request_id, inp.start, [], inp.block_table, 0, sp,
+                                                         inp.generator),
+                                              0, 0, sp is None or sp.temperature < SAMPLING_EPS, [], [])
+            end = inp.start + len(inp.token_ids)
+            if lag is None or not inp.num_proposals or not lag.tokens or end > L:
+                stale.append((inp.block_table, inp.start, end))
+                continue
+            row.inp = DraftInput(inp.request_id, lag.start, lag.tokens, inp.block_table, inp.num_proposals,
+                                 sp, inp.generator)
+            row.n_write = len(lag.tokens)
+            row.k = max(0, min(inp.num_proposals, L - end))
+            writes.append((row.inp, lag))
+            written.update(self._blocks(inp.block_table, lag.start, end))
+        # nothing written there: those blocks now hold target K/V the draft lacks
+        for bt, start, end in stale:
+            self._stale.update(self._blocks(bt, start, end))
+        rows = [rows[inp.request_id] for inp in inputs]
 
-        # step 0: the new tokens of every row; a proposal from each row's last position
+        # step 0: the lagging and new tokens of every proposing row; a proposal from each row's
+        # last position (record_function labels: the phases bench.profile reports)
         live = [r for r in rows if r.n_write]
         if live:
-            ids, pos, md, last = self._prepare([(r.inp.start, r.inp.token_ids[: r.n_write], r.inp.block_table)
-                                                for r in live])
-            hidden = self.model(ids, pos, md, self.kv_caches)
-            live = [(r, i) for r, i in zip(live, last) if r.k]
-            if live:
-                logits = self.model.compute_logits(hidden[[i for _, i in live]])
-                for (r, _), t in zip(live, self._propose_next(logits, [r for r, _ in live])):
-                    r.tokens.append(t)
+            with torch.profiler.record_function("draft_catch_up"):
+                self._catch_up(live)
+            for inp, lag in writes:
+                end = inp.start + len(inp.token_ids)
+                self._stale.difference_update(self._blocks(inp.block_table, inp.start, end))
+                lag.start, lag.tokens, lag.prompt_only = end, [], False
 
         # steps 1..k-1: feed the previous proposal, propose the next
         for step in range(1, max((r.k for r in rows), default=0)):
-            live = [r for r in rows if r.k > step]
-            ids, pos, md, _ = self._prepare([(r.inp.start + len(r.inp.token_ids) + step - 1, [r.tokens[-1]],
-                                              r.inp.block_table) for r in live])
-            logits = self.model.compute_logits(self.model(ids, pos, md, self.kv_caches))
-            for r, t in zip(live, self._propose_next(logits, live)):
-                r.tokens.append(t)
+            with torch.profiler.record_function("draft_decode"):
+                live = [r for r in rows if r.k > step]
+                ids, pos, md, _ = self._prepare([(r.inp.start + len(r.inp.token_ids) + step - 1, [r.tokens[-1]],
+                                                  r.inp.block_table) for r in live])
+                logits = self.model.compute_logits(self.model(ids, pos, md, self.kv_caches))
+                for r, t in zip(live, self._propose_next(logits, live)):
+                    r.tokens.append(t)
 
         out = {}
         for r in rows:
@@ -234,5 +343,9 @@ class DraftProposer:
         return out
 
     def free_requests(self, request_ids: list[str]) -> None:
-        """Nothing to forget: the draft's K/V lives in the requests' blocks (freed by the
-        block manager) and generators belong to the target's runner."""
+        """Forget the requests' lags (their blocks stay stale for the draft) and blindness; the
+        draft's K/V lives in the requests' blocks (freed by the block manager) and generators
+        belong to the target's runner."""
+        for rid in request_ids:
+            self._lag.pop(rid, None)
+            self._blind.discard(rid)

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "bf16.h"
+
 #define KVMESH_ISA 2
 namespace kvmesh {
 namespace act_avx512 {

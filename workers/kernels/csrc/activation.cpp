@@ -7,15 +7,18 @@
 // computed in float32, then out = bf16(float(s) * float(up)), both rounded to nearest even.
 // exp is a polynomial (the attention kernel's: relative error ~1e-7) rather than ATen's, so an
 // output may differ from the reference by one bfloat16 ulp where the float32 value sits at a
-// rounding boundary. The AVX-512 loop (act_avx512.cpp) is chosen at run time; elsewhere, and
-// for a row's last I mod 16 elements, a scalar loop.
-#include <ATen/ATen.h>
+// rounding boundary. The AVX-512 loop (act_avx512.cpp) runs at the avx512 level and above
+// (isa.h, silu_path); below it, and for a row's last I mod 16 elements, a scalar loop.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
 
-#include "bf16_bits.h"
+#include "bf16.h"
+#include "isa.h"
 
 namespace kvmesh {
 #if defined(__x86_64__)
@@ -25,12 +28,26 @@ namespace {
 
 void silu_mul_scalar(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float x = b2f(g[i]);
-    o[i] = f2b(b2f(f2b(x / (1.f + std::exp(-x)))) * b2f(u[i]));
+    const float x = bf16_f32(g[i]);
+    o[i] = f32_bf16(bf16_f32(f32_bf16(x / (1.f + std::exp(-x)))) * bf16_f32(u[i]));
   }
 }
 
+// The level of the loop run at level `isa`: avx512 at avx512 and above (x86-64), else scalar.
+Isa silu_level(Isa isa) {
+#if defined(__x86_64__)
+  return isa >= Isa::kAvx512 ? Isa::kAvx512 : Isa::kScalar;
+#else
+  (void)isa;
+  return Isa::kScalar;
+#endif
+}
+
 }  // namespace
+
+// The loop silu_and_mul_bf16 runs at level `isa`: "avx512" at avx512 and above, else "scalar"
+// (no avx2 build: avx2 runs scalar).
+const char* silu_path(Isa isa) { return isa_name(silu_level(isa)); }
 
 // x: contiguous bfloat16 [T, 2 I] (gate columns, then up columns). Returns [T, I].
 at::Tensor silu_and_mul_bf16_cpu(const at::Tensor& x) {
@@ -42,12 +59,7 @@ at::Tensor silu_and_mul_bf16_cpu(const at::Tensor& x) {
   at::Tensor out = at::empty({T, I}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-#else
-  const bool avx512 = false;
-#endif
+  const bool avx512 = silu_level(active_isa()) == Isa::kAvx512;
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
 #if defined(__x86_64__)

@@ -2,7 +2,10 @@
 // KV split), the per-ISA kernel call under at::parallel_for, and the log-sum-exp merge of
 // partial results (flash decoding's split-KV merge; FlashInfer's cascade merge of a shared
 // prefix's partial with each member's own partial).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
@@ -127,7 +130,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
 
   const int G = int(H / KVH);
   const int nthreads = at::get_num_threads();
-  const RunFn run = select_kernel(int(D));
+  const RunFn run = select_kernel(active_isa(), int(D));
   const bool flash = (run == run_items_amx || run == run_items_avx512bf16) && qd == BF16 &&
                      (kd == BF16 || kd == I8 || kd == FP8);
   const int rows_per_item = flash ? kFlashRowsPerItem : kOwnRowsPerItem;

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 #include "attn_args.h"
+#include "bf16.h"
 #include "isa_name.h"
 #if KVMESH_ISA >= 3
 #include "dp_tile.h"

@@ -6,8 +6,10 @@
 //   int8: scale = max(amax / 127, 2^-60), q = clamp(round_half_even(x / scale), +-127)
 //   fp8:  scale = exp2(ceil(log2(max(amax / 448, 2^-60)))), q = e4m3(clamp(x / scale, +-448))
 // (same float32 operations in the same order, so the stored bytes and scales are identical;
-// the per-element loops are in requant.h, scalar and AVX2 by the active ISA path).
-#include <ATen/ATen.h>
+// the per-element loops are in requant.h: scalar and avx2; levels above avx2 run the avx2 loops,
+// kv_write_path).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,7 +17,7 @@
 #include <cstring>
 #include <vector>
 
-#include "dispatch.h"
+#include "isa.h"
 
 namespace kvmesh {
 
@@ -25,6 +27,9 @@ float requantize_avx2(int q8, uint8_t* blk, int64_t st, int64_t BS, int64_t D, f
                       const float* const* rows, const int32_t* offs, int64_t n, float* buf);
 
 namespace {
+
+// The level of the requantization loops run at level `isa`: avx2 at avx2 and above (no wider code)
+Isa kv_write_level(Isa isa) { return std::min(isa, Isa::kAvx2); }
 
 // One touched block: K and V, every KV head (see the file comment)
 void requantize_block(int q8, uint8_t* data, float* scales, const float* k, const float* v, const int64_t* toks,
@@ -46,6 +51,9 @@ void requantize_block(int q8, uint8_t* data, float* scales, const float* k, cons
 }
 
 }  // namespace
+
+// The requantization loops (int8 / fp8 caches) at level `isa`: "avx2" or "scalar".
+const char* kv_write_path(Isa isa) { return isa_name(kv_write_level(isa)); }
 
 void reshape_and_cache_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_data,
                            const std::optional<at::Tensor>& scales, const at::Tensor& slot_mapping) {
@@ -105,7 +113,7 @@ void reshape_and_cache_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor&
   const float* kp = kf.data_ptr<float>();
   const float* vp = vf.data_ptr<float>();
   const int q8 = dt == at::kChar ? 0 : 1;
-  const bool avx2 = active_isa() >= ISA_AVX2;
+  const bool avx2 = kv_write_level(active_isa()) == Isa::kAvx2;
   uint8_t* data = static_cast<uint8_t*>(kv_data.data_ptr());
   at::parallel_for(0, int64_t(starts.size()) - 1, 1, [&](int64_t b, int64_t e) {
     std::vector<float> buf(BS * D);

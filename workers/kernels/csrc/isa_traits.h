@@ -4,7 +4,8 @@
 // ISA's own namespace (see attn_kernel.h), so the per-ISA translation units share no symbols.
 // The members the AVX2 and AVX-512 traits share are written once, in isa_x86_ops.h.
 //
-// Element conversions (to float32, exact): bfloat16 = upper half of a float32 (shift left 16);
+// Element conversions (to float32, exact): bfloat16 = upper half of a float32 (shift left 16;
+// bf16.h, which the includer includes first: bf16_f32, f32_bf16, bf16x8_f32, bf16x16_f32);
 // float16 via F16C (scalar: bit manipulation); int8 via sign extension; float8 e4m3fn:
 // bits (x & 0x7f) << 20 placed as a float32 and multiplied by 2^120 (= 2^(127-7)) map normals
 // and subnormals exactly; the sign is OR-ed back in. NaN encodings (0x7f/0xff) are not decoded
@@ -19,12 +20,6 @@
 
 static inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-static inline float bf16_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
-static inline uint16_t f32_bf16(float f) {        // round to nearest even, NaN kept quiet
-  uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 static inline float f16_f32(uint16_t h) {
   uint32_t s = uint32_t(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
   float v;

@@ -2,8 +2,8 @@
 // written once for KVMESH_BITS-bit vectors: included inside each struct Simd, which defines
 // KVMESH_BITS (256 or 512) first. The few steps whose intrinsics differ by more than the width
 // come first, by width: load_u16(p) (W uint16 in an integer vector of half the width),
-// load_u8(p) (W bytes in an __m128i), and exp's round_nearest and zero_below. No include
-// guard: one copy per struct.
+// load_u8(p) (W bytes in an __m128i), cvt_bf16(p) (bf16.h's conversion of W bfloat16), and
+// exp's round_nearest and zero_below. No include guard: one copy per struct.
 #define KVMESH_PASTE5_(a, b, c, d, e) a##b##c##d##e
 #define KVMESH_PASTE5(a, b, c, d, e) KVMESH_PASTE5_(a, b, c, d, e)
 #define KVMESH_MM(op) KVMESH_PASTE5(_mm, KVMESH_BITS, _, op, )                        // _mm256_op
@@ -14,12 +14,14 @@
 #if KVMESH_BITS == 256
   static __m128i load_u16(const void* p) { return _mm_loadu_si128((const __m128i*)p); }
   static __m128i load_u8(const void* p) { return _mm_loadl_epi64((const __m128i*)p); }
+  static V cvt_bf16(const uint16_t* p) { return bf16x8_f32(p); }
   static V round_nearest(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // r where x >= lo, else 0 (NaN x: r)
   static V zero_below(V x, V lo, V r) { return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), r); }
 #else
   static __m256i load_u16(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
   static __m128i load_u8(const void* p) { return _mm_loadu_si128((const __m128i*)p); }
+  static V cvt_bf16(const uint16_t* p) { return bf16x16_f32(p); }
   static V round_nearest(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // r where x >= lo, else 0 (NaN x: 0)
   static V zero_below(V x, V lo, V r) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), r); }
@@ -33,9 +35,6 @@
   static V fma(V a, V b, V c) { return KVMESH_MM(fmadd_ps)(a, b, c); }
   static V max(V a, V b) { return KVMESH_MM(max_ps)(a, b); }
   static V cvt_f32(const float* p) { return KVMESH_MM(loadu_ps)(p); }
-  static V cvt_bf16(const uint16_t* p) {
-    return KVMESH_MM_SI(cast, _ps)(KVMESH_MM(slli_epi32)(KVMESH_MM(cvtepu16_epi32)(load_u16(p)), 16));
-  }
   static V cvt_f16(const uint16_t* p) { return KVMESH_MM(cvtph_ps)(load_u16(p)); }
   static V cvt_i8(const int8_t* p) { return KVMESH_MM(cvtepi32_ps)(KVMESH_MM(cvtepi8_epi32)(load_u8(p))); }
   static V cvt_fp8(const uint8_t* p) {

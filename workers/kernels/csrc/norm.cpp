@@ -8,10 +8,14 @@
 // * float(weight)). The mean is accumulated in float32 in a different order from ATen's, so
 // results may differ from the reference in the last bit of float32 (the engine uses these ops
 // for bfloat16 and float16 models only; float32 keeps the PyTorch reference).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
-#include "bf16_bits.h"
+#include "bf16.h"
+#include "isa.h"
 
 #include <cmath>
 #include <cstdint>
@@ -55,27 +59,45 @@ void run(const T* x, const T* res, T* sum, const float* w, T* out, int64_t rows,
   });
 }
 
-#if defined(__x86_64__)
-#define KV_CLONES __attribute__((target_clones("avx512f", "default")))
-#else
-#define KV_CLONES
-#endif
-
-// The bfloat16 row of run<> in plain integer / float loops that GCC vectorises (compiled for
-// AVX-512F and baseline x86-64, picked at load time): the c10::BFloat16 loops above stayed
-// scalar and cost 33 ms of a 1.5k-token SmolLM2 prefill.
-KV_CLONES void row_bf16(const uint16_t* __restrict x, const uint16_t* __restrict res, uint16_t* __restrict sum,
-                        const float* __restrict w, uint16_t* __restrict o, int64_t H, float eps) {
+// The bfloat16 row of run<> in plain integer / float loops that GCC vectorises, written once and
+// compiled twice: for AVX-512F (row_bf16_avx512) and for baseline x86-64 (row_bf16_scalar); the
+// c10::BFloat16 loops above stayed scalar and cost 33 ms of a 1.5k-token SmolLM2 prefill.
+__attribute__((always_inline)) inline void row_bf16_body(const uint16_t* __restrict x, const uint16_t* __restrict res,
+                                                         uint16_t* __restrict sum, const float* __restrict w,
+                                                         uint16_t* __restrict o, int64_t H, float eps) {
   const uint16_t* src = x;
   if (res != nullptr) {
-    for (int64_t i = 0; i < H; ++i) sum[i] = f2b(b2f(x[i]) + b2f(res[i]));
+    for (int64_t i = 0; i < H; ++i) sum[i] = f32_bf16(bf16_f32(x[i]) + bf16_f32(res[i]));
     src = sum;
   }
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < H; ++i) ss += b2f(src[i]) * b2f(src[i]);
+  for (int64_t i = 0; i < H; ++i) ss += bf16_f32(src[i]) * bf16_f32(src[i]);
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-  for (int64_t i = 0; i < H; ++i) o[i] = f2b(b2f(src[i]) * inv * w[i]);
+  for (int64_t i = 0; i < H; ++i) o[i] = f32_bf16(bf16_f32(src[i]) * inv * w[i]);
+}
+
+using RowFn = void (*)(const uint16_t*, const uint16_t*, uint16_t*, const float*, uint16_t*, int64_t, float);
+
+void row_bf16_scalar(const uint16_t* __restrict x, const uint16_t* __restrict res, uint16_t* __restrict sum,
+                     const float* __restrict w, uint16_t* __restrict o, int64_t H, float eps) {
+  row_bf16_body(x, res, sum, w, o, H, eps);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void row_bf16_avx512(const uint16_t* __restrict x, const uint16_t* __restrict res,
+                                                        uint16_t* __restrict sum, const float* __restrict w,
+                                                        uint16_t* __restrict o, int64_t H, float eps) {
+  row_bf16_body(x, res, sum, w, o, H, eps);
+}
+#endif
+
+RowFn row_bf16_at(Isa isa) {
+#if defined(__x86_64__)
+  if (isa >= Isa::kAvx512) return row_bf16_avx512;
+#endif
+  (void)isa;
+  return row_bf16_scalar;
 }
 
 void dispatch(const at::Tensor& x, const at::Tensor* res, at::Tensor* sum, const at::Tensor& w, at::Tensor& out,
@@ -88,6 +110,7 @@ void dispatch(const at::Tensor& x, const at::Tensor* res, at::Tensor* sum, const
     auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     const float* wp = wf.data_ptr<float>();
     const int64_t H = x.size(1);
+    const RowFn row_bf16 = row_bf16_at(active_isa());
     at::parallel_for(0, x.size(0), 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         row_bf16(xp + r * H, rp ? rp + r * H : nullptr, sp ? sp + r * H : nullptr, wp, op + r * H, H,
@@ -103,6 +126,10 @@ void dispatch(const at::Tensor& x, const at::Tensor* res, at::Tensor* sum, const
 }
 
 }  // namespace
+
+// The bfloat16 row loop rms_norm / add_rms_norm run at level `isa`: "avx512" (AVX-512F) at avx512
+// and above, else "scalar" (no avx2 build: avx2 runs scalar). float32 / float16: one loop for all.
+const char* norm_path(Isa isa) { return row_bf16_at(isa) == row_bf16_scalar ? "scalar" : "avx512"; }
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight, "rms_norm");

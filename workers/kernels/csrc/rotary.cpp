@@ -5,11 +5,14 @@
 // Bit-identical to that expression in bfloat16: each multiply, the subtract and the add are
 // rounded to bfloat16 (nearest even) as ATen's bfloat16 ops round them, and the compiler may
 // not contract a * b - c * d into an FMA (fp-contract=off). The loop is compiled for AVX-512F
-// and for baseline x86-64 (GCC target_clones picks one at load time) so that it vectorises.
-#include <ATen/ATen.h>
+// and for baseline x86-64, so that it vectorises; the active level (isa.h) picks one per call.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
-#include "bf16_bits.h"
+#include "bf16.h"
+#include "isa.h"
 
 #include <cstdint>
 #include <cstring>
@@ -17,23 +20,50 @@
 namespace kvmesh {
 namespace {
 
-#if defined(__x86_64__)
-#define KV_CLONES __attribute__((target_clones("avx512f", "default"), optimize("fp-contract=off")))
-#else
-#define KV_CLONES __attribute__((optimize("fp-contract=off")))
-#endif
+#define KV_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
-// One row of one head: o[i] = x1 c - x2 s, o[i + h] = x2 c + x1 s (each op rounded).
-KV_CLONES void rotate_row(const uint16_t* __restrict x, const uint16_t* __restrict c,
-                          const uint16_t* __restrict s, uint16_t* __restrict o, int64_t h) {
+// One row of one head: o[i] = x1 c - x2 s, o[i + h] = x2 c + x1 s (each op rounded), written once
+// and compiled twice: for AVX-512F (rotate_row_avx512) and baseline x86-64 (rotate_row_scalar).
+KV_NO_CONTRACT __attribute__((always_inline)) inline void rotate_row_body(const uint16_t* __restrict x,
+                                                                          const uint16_t* __restrict c,
+                                                                          const uint16_t* __restrict s,
+                                                                          uint16_t* __restrict o, int64_t h) {
   for (int64_t i = 0; i < h; ++i) {
-    const float x1 = b2f(x[i]), x2 = b2f(x[i + h]), ci = b2f(c[i]), si = b2f(s[i]);
-    o[i] = f2b(b2f(f2b(x1 * ci)) - b2f(f2b(x2 * si)));
-    o[i + h] = f2b(b2f(f2b(x2 * ci)) + b2f(f2b(x1 * si)));
+    const float x1 = bf16_f32(x[i]), x2 = bf16_f32(x[i + h]), ci = bf16_f32(c[i]), si = bf16_f32(s[i]);
+    o[i] = f32_bf16(bf16_f32(f32_bf16(x1 * ci)) - bf16_f32(f32_bf16(x2 * si)));
+    o[i + h] = f32_bf16(bf16_f32(f32_bf16(x2 * ci)) + bf16_f32(f32_bf16(x1 * si)));
   }
 }
 
+using RowFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+
+KV_NO_CONTRACT void rotate_row_scalar(const uint16_t* __restrict x, const uint16_t* __restrict c,
+                                      const uint16_t* __restrict s, uint16_t* __restrict o, int64_t h) {
+  rotate_row_body(x, c, s, o, h);
+}
+
+#if defined(__x86_64__)
+KV_NO_CONTRACT __attribute__((target("avx512f"))) void rotate_row_avx512(const uint16_t* __restrict x,
+                                                                         const uint16_t* __restrict c,
+                                                                         const uint16_t* __restrict s,
+                                                                         uint16_t* __restrict o, int64_t h) {
+  rotate_row_body(x, c, s, o, h);
+}
+#endif
+
+RowFn rotate_row_at(Isa isa) {
+#if defined(__x86_64__)
+  if (isa >= Isa::kAvx512) return rotate_row_avx512;
+#endif
+  (void)isa;
+  return rotate_row_scalar;
+}
+
 }  // namespace
+
+// The row loop rotary_bf16 runs at level `isa`: "avx512" (AVX-512F) at avx512 and above, else
+// "scalar" (no avx2 build: avx2 runs scalar).
+const char* rotary_path(Isa isa) { return rotate_row_at(isa) == rotate_row_scalar ? "scalar" : "avx512"; }
 
 // x: bfloat16 [T, heads, D] with a unit last stride (any row / head strides); cos, sin:
 // bfloat16 with T * D / 2 elements, contiguous ([T, 1, D/2] from RotaryEmbedding.cos_sin).
@@ -54,6 +84,7 @@ at::Tensor rotary_bf16_cpu(const at::Tensor& x, const at::Tensor& cos, const at:
   const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t st0 = x.stride(0), st1 = x.stride(1);
+  const RowFn rotate_row = rotate_row_at(active_isa());
   at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t j = 0; j < Hs; ++j)

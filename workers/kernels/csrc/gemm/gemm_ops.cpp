@@ -9,64 +9,29 @@
 // the MR-row blocks of the micro-kernel. While a task's x slice (MC x K fp32) fits in L2 -- always
 // at decode sizes -- the whole K is one block and each thread streams its contiguous share of
 // the packed weight once (decode is bandwidth-bound).
-// The micro-kernel (micro_*.cpp) is chosen at run time from the CPU's features. On CPUs with
-// AMX-BF16, bf16 activations of at least kAmxMinRows rows go through AMX tiles (micro_amx.cpp):
-// x is then padded to a multiple of 16 rows and row blocks are 16 or 32 rows.
-#include <ATen/ATen.h>
+// The micro-kernel (micro_*.cpp) is the active level's (isa.h), every level has its own: scalar,
+// avx2, avx512 (fp32 activations at avx512 and above), avx512bf16 (vdpbf16ps, bf16 activations),
+// amx (bf16 activations of at least kAmxMinRows rows through AMX tiles, micro_amx.cpp: x is then
+// padded to a multiple of 16 rows and row blocks are 16 or 32 rows; fewer rows: avx512bf16).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#if defined(__x86_64__)
-#endif
-#include <cstdlib>
 #include <string>
 
-#include "../dispatch.h"
+#include "isa.h"
 #include "micro.h"
 
 namespace kvmesh_gemm {
 namespace {
 
-enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
-const char* const kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16", "amx"};
-constexpr int kNumIsas = 5;
-
-Isa detected_isa() {
-  static const Isa isa = [] {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx2 && __builtin_cpu_supports("avx512f"))
-      // GCC's avx512bf16 target implies AVX512BW (it emits vmovdqu16); every such CPU has it.
-      return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-                 ? (kvmesh::cpu_has_amx_bf16() ? Isa::kAmx : Isa::kAvx512Bf16) : Isa::kAvx512;
-    if (avx2) return Isa::kAvx2;
-#endif
-    return Isa::kScalar;
-  }();
-  return isa;
-}
-
-// The CPU's best path, or the lower one named by KVMESH_KERNEL_ISA (read on every call so
-// tests can switch it). Raises if the variable names an unknown or unsupported path.
-Isa selected_isa() {
-  const Isa best = detected_isa();
-  const char* env = std::getenv("KVMESH_KERNEL_ISA");
-  if (env == nullptr || *env == '\0') return best;
-  const std::string want(env);
-  for (int i = 0; i < kNumIsas; ++i) {
-    if (want == kIsaNames[i]) {
-      TORCH_CHECK(i <= static_cast<int>(best), "KVMESH_KERNEL_ISA=", want,
-                  " but this CPU supports at most ", kIsaNames[static_cast<int>(best)]);
-      return static_cast<Isa>(i);
-    }
-  }
-  TORCH_CHECK(false, "KVMESH_KERNEL_ISA must be one of scalar, avx2, avx512, avx512bf16, amx; got '",
-              want, "'");
-}
+using kvmesh::Isa;
 
 const MicroTable& table_for(Isa isa) {
 #if defined(__x86_64__)
@@ -230,6 +195,11 @@ void check_packed(const at::Tensor& packed) {
 
 }  // namespace
 
+// The micro-kernels bf16_linear runs at level `isa` for bfloat16 activations of kAmxMinRows
+// rows or more: every level has its own (fp32 activations take avx512 at avx512bf16 and amx,
+// bf16 activations of fewer rows avx512bf16 at amx).
+const char* gemm_path(Isa isa) { return kvmesh::isa_name(isa); }
+
 // w [N, K] (any floating dtype, CPU) -> bf16 [ceil(N/16), 16 ceil(K/32), 16, 2] (layout: micro.h),
 // rounded to nearest even; padding is zero.
 at::Tensor pack_bf16_weight(const at::Tensor& w) {
@@ -266,7 +236,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
 
-  const Isa isa = selected_isa();
+  const Isa isa = kvmesh::active_isa();
   const bool bf16_in = x.scalar_type() == at::kBFloat16;
   const bool use_dp = isa >= Isa::kAvx512Bf16 && bf16_in;
   const bool use_amx = isa == Isa::kAmx && bf16_in && M >= kAmxMinRows;
@@ -309,16 +279,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return out;
 }
 
-std::string gemm_isa() { return kIsaNames[static_cast<int>(selected_isa())]; }
-
-int selected_isa_level() { return static_cast<int>(selected_isa()); }
-
 }  // namespace kvmesh_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("pack_bf16_weight(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, int N, Tensor? bias=None) -> Tensor");
-  m.def("gemm_isa() -> str", &kvmesh_gemm::gemm_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {

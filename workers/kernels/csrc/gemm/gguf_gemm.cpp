@@ -23,14 +23,17 @@
 // Activations: per row and block of 32 k, dx = amax / 127, xq = round-half-even(x * 127 / amax)
 // (0 for an all-zero block); isum = sum xq q (int32, exact), xsum = sum xq, and
 //   y[n] = sum_g dx * (s isum + z xsum).
-// Paths (chosen per call from the GEMM's ISA selection, KVMESH_KERNEL_ISA lowers it): amx
+// Paths (chosen per call from the active level, isa.h; gguf_path): amx
 // (bfloat16 x of 32 rows or more -- the compute-bound prefill --: the panels dequantized to
 // bfloat16 and AMX-BF16 tiles, no activation quantization; other x of 16 rows or more: AMX-INT8
 // tiles, bitwise the avx512vnni path's outputs; fewer rows: avx512vnni), avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
 // q - 128 with the sign moved onto x, exact, and 128 * xsum added back), scalar. Threads split
 // the panels; rows go in blocks of 64 (their int8 x stays in L2 across a thread's panels), 4
 // rows at a time per panel (each weight load feeds 4 rows).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
@@ -47,7 +50,8 @@
 #include <immintrin.h>
 #endif
 
-#include "dispatch.h"
+#include "bf16.h"
+#include "isa.h"
 #include "micro.h"
 
 namespace kvmesh_gemm {
@@ -379,9 +383,7 @@ static void panel_rows_avx512vnni(const GgufProblem& pb, int64_t p, int64_t m0, 
   return pb.G == 32 ? panel_vnni<8, 32>(pb, p, m0, mr) : panel_vnni<8, 16>(pb, p, m0, mr);
 }
 static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-static inline __m512 load16(const uint16_t* x) {      // 16 bfloat16 -> float32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
-}
+static inline __m512 load16(const uint16_t* x) { return kvmesh::bf16x16_f32(x); }
 
 template <typename T>
 static void quantize_rows_avx512(const T* x, int64_t K, int64_t QB, int8_t* xq, float* dx, int32_t* xs16) {
@@ -842,9 +844,7 @@ static void panel_rows_avx2(const GgufProblem& pb, int64_t p, int64_t m0) {
 }
 
 static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-static inline __m256 load8(const uint16_t* x) {      // 8 bfloat16 -> float32 (exact)
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)x)), 16));
-}
+static inline __m256 load8(const uint16_t* x) { return kvmesh::bf16x8_f32(x); }
 
 // quantize_rows_scalar's results (the same rounding: cvtps2dq rounds half to even under the
 // default MXCSR, as nearbyint)
@@ -900,23 +900,19 @@ static void panel_rows_avx2_any(const GgufProblem& pb, int64_t p, int64_t m0, in
 enum class Path { kScalar, kAvx2, kAvx512Vnni, kAmx };
 const char* const kPathNames[] = {"scalar", "avx2", "avx512vnni", "amx"};
 
-Path selected_path() {
+// The path at level `isa`: amx needs AMX-INT8 too (else avx512vnni), avx512vnni (at avx512 and
+// above) AVX512-VNNI (else avx2).
+Path path_at(kvmesh::Isa isa) {
 #if defined(__x86_64__)
-  const int level = selected_isa_level();     // 0 scalar, 1 avx2, 2 avx512, ...
-  static const bool vnni = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }();
-  static const bool amx = vnni && kvmesh::cpu_has_amx_int8();
-  if (level >= 4 && amx) return Path::kAmx;
-  if (level >= 2 && vnni) return Path::kAvx512Vnni;
-  if (level >= 1) return Path::kAvx2;
+  using kvmesh::Isa;
+  const bool vnni = kvmesh::cpu_has_avx512vnni();
+  if (isa >= Isa::kAmx && vnni && kvmesh::cpu_has_amx_int8()) return Path::kAmx;
+  if (isa >= Isa::kAvx512 && vnni) return Path::kAvx512Vnni;
+  if (isa >= Isa::kAvx2) return Path::kAvx2;
 #endif
+  (void)isa;
   return Path::kScalar;
 }
-
-std::string gguf_gemm_path() { return kPathNames[static_cast<int>(selected_path())]; }
 
 at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                            const std::optional<at::Tensor>& superscales, int64_t bits, int64_t group_size, int64_t n,
@@ -962,7 +958,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   // the activations' blocks: 32 values (flat scheme, as llama.cpp's q8_0), or the k-quant
   // super-block (as its q8_K), so that the vnni path sums a super-block's groups in integers
   const int64_t QB = kq ? SB : 32;
-  Path path = selected_path();
+  Path path = path_at(kvmesh::active_isa());
 #if defined(__x86_64__)
   if (path == Path::kAmx && bf16 && M >= kAmxBf16MinRows) {    // bfloat16 x: dequantized panels, AMX-BF16
     at::Tensor xb = xc;
@@ -1073,13 +1069,16 @@ at::Tensor gguf_pack_qweight(const at::Tensor& q, int64_t bits) {
 }
 
 }  // namespace
+
+// The path gguf_linear takes at level `isa` (file comment): "amx", "avx512vnni", "avx2" or "scalar".
+const char* gguf_path(kvmesh::Isa isa) { return kPathNames[static_cast<int>(path_at(isa))]; }
+
 }  // namespace kvmesh_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("gguf_pack_qweight(Tensor q, int bits) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? superscales, int bits, int group_size, "
         "int N, Tensor? bias=None) -> Tensor");
-  m.def("gguf_gemm_path() -> str", &kvmesh_gemm::gguf_gemm_path);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {

@@ -7,7 +7,10 @@
 // The same numbers as gguf_blocks.unpack_torch (the PyTorch reference the tests compare against),
 // in one pass over the file's bytes per row: the load-time decode, which in PyTorch ops took most
 // of a start-up (a dozen passes over [N, K] temporaries per tensor).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

@@ -1,6 +1,7 @@
 // kvmesh::int4_linear: y = x @ W^T for group-wise asymmetric int4 weights, W = (q - 8) * s + z
-// per group of G consecutive k (the canonical int4 format of workers/layers/quant.py), on CPUs
-// with AVX512-BF16 (vdpbf16ps): decode steps and prefill chunks alike.
+// per group of G consecutive k (the canonical int4 format of workers/layers/quant.py), at the
+// avx512bf16 level and above (isa.h; vdpbf16ps), none below it (int4_path): decode steps and
+// prefill chunks alike.
 //
 // Layout (made by workers/kernels/gemm.py pack_int4_panels): 16-column panels of 8 K bytes; per
 // panel, K/8 groups of 64 bytes = 32 16-bit lanes, lane 2n + j (column n, j in {0, 1}) of k-octet
@@ -16,7 +17,9 @@
 // within a block, 8 at a time per panel (8 K/2 bytes + the scales, 5.8 KB for K = 576, in L1).
 // Decode is bound by reading the weights: 4.5 bits per weight instead of bf16's 16. (Software
 // prefetch 0.5-4 KB ahead measured no gain on a Zen 5: the panels are read in order.)
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -29,6 +32,9 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+#include "isa.h"
+
 namespace kvmesh_gemm {
 namespace {
 
@@ -36,9 +42,7 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512dq")
 
-static inline __m512 bf16x16(const uint16_t* p) {     // 16 bfloat16 -> float32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+using kvmesh::bf16x16_f32;
 
 // rows [m0, m0 + MR) of x (bf16 [M, K]) against panel p: y rows (bf16 [M, N16]) columns 16p..16p+15
 template <int MR>
@@ -79,7 +83,7 @@ static void int4_panel_rows(const uint16_t* x, int64_t K, const float* xsum, int
     }
     // sum x (q - 8) s + z = s * sum x (128 + q) + (z - 136 s) * sum x
     const uint16_t* s = sz + g * 32;
-    const __m512 sv = bf16x16(s), zv = bf16x16(s + 16);
+    const __m512 sv = bf16x16_f32(s), zv = bf16x16_f32(s + 16);
     const __m512 cv = _mm512_fmadd_ps(m136, sv, zv);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
@@ -130,11 +134,11 @@ static void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int G, const u
         const int64_t base = m * K + g * G;
         __m512 acc = _mm512_setzero_ps();
         for (int k = 0; k < G; k += 16) {
-          __m512 v = bf16x16(x + base + k);
+          __m512 v = bf16x16_f32(x + base + k);
           if (scale != nullptr) {
-            const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, bf16x16(scale + g * G + k)));
+            const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, bf16x16_f32(scale + g * G + k)));
             _mm256_storeu_si256((__m256i*)(xs + base + k), r);
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+            v = bf16x16_f32(r);
           }
           acc = _mm512_add_ps(acc, v);
         }
@@ -145,16 +149,6 @@ static void int4_prepare(const uint16_t* x, int64_t M, int64_t K, int G, const u
 
 #pragma GCC pop_options
 
-bool cpu_has_int4_path() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }();
-  return ok;
-}
-#else
-bool cpu_has_int4_path() { return false; }
 #endif
 
 // x bf16 [M, K] (K % G == 0, G % 16 == 0), panels uint8 [N16 / 16, 8 K], sz bf16 [N16 / 16, K / G, 2, 16],
@@ -162,7 +156,8 @@ bool cpu_has_int4_path() { return false; }
 // ATen) -> y bf16 [M, N] (the first N of the N16 columns)
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& sz, int64_t group_size,
                            int64_t n, const std::optional<at::Tensor>& input_scale) {
-  TORCH_CHECK(cpu_has_int4_path(), "int4_linear: this CPU lacks AVX512-BF16");
+  TORCH_CHECK(kvmesh::active_isa() >= kvmesh::Isa::kAvx512Bf16, "int4_linear: the kernel ISA in use (",
+              kvmesh::isa_name(kvmesh::active_isa()), ") is below avx512bf16, the one level this kernel has");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_linear: x must be bfloat16 [M, K]");
   TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous(),
               "int4_linear: panels must be contiguous uint8 [N16 / 16, 8 K]");
@@ -198,6 +193,11 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
 }
 
 }  // namespace
+
+// The level int4_linear runs at level `isa`: "avx512bf16" (its one, also run at amx), or "none"
+// below it (the op raises; the layers then keep ATen's kernel: workers/layers/quant.py).
+const char* int4_path(kvmesh::Isa isa) { return isa >= kvmesh::Isa::kAvx512Bf16 ? "avx512bf16" : "none"; }
+
 }  // namespace kvmesh_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {

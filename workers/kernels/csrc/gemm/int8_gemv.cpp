@@ -1,6 +1,7 @@
 // kvmesh::int8_linear: y = (x @ q^T) * s for weight-only int8 with one scale per output column
-// (the int8 format of workers/layers/quant.py; the lm_head of the int4 and w8a8 formats), on
-// CPUs with AVX-512 (F, BW, DQ) and AVX512-BF16 (the output rounding).
+// (the int8 format of workers/layers/quant.py; the lm_head of the int4 and w8a8 formats), at
+// the avx512bf16 level and above (isa.h: AVX-512 F, BW, DQ, and AVX512-BF16 for the output
+// rounding); none below it (int8_path).
 //
 // Layout (workers/kernels/gemm.py pack_int8_panels): 16-column panels of 16 K bytes, k-major
 // (16 bytes per k: the panel's 16 columns), so that one vpmovsxbd from memory and vcvtdq2ps give
@@ -9,7 +10,9 @@
 // int8 CPU kernel keeps them) multiply the sums at the end. Threads split the panels; rows go in
 // blocks of 128 (their x stays in L2) and 4 at a time per panel. Decode reads 1 byte per
 // weight plus a scale per column (the int4 format's lm_head: 28 MB for SmolLM2).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -20,6 +23,9 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+#include "isa.h"
+
 namespace kvmesh_gemm {
 namespace {
 
@@ -27,10 +33,6 @@ namespace {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-// x[i] (bfloat16) as float32 in every lane
-static inline __m512 bcast_bf16(const uint16_t* x, int64_t i) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_set1_epi32(x[i]), 16));
-}
 
 // rows [0, MR) of x (bfloat16, row stride K) against one panel -> y (bf16, row stride ldy), 16 columns
 template <int MR>
@@ -48,16 +50,15 @@ static void int8_panel_rows(const uint16_t* x, int64_t K, const int8_t* panel, c
     for (int j = 0; j < 4; ++j) {
       const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(panel + (k + j) * 16))));
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) acc[r][j % U] = _mm512_fmadd_ps(bcast_bf16(x, r * K + k + j), w, acc[r][j % U]);
+      for (int r = 0; r < MR; ++r) acc[r][j % U] = _mm512_fmadd_ps(kvmesh::bf16_bcast16_f32(x[r * K + k + j]), w, acc[r][j % U]);
     }
   }
   for (; k < K; ++k) {
     const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(panel + k * 16))));
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_fmadd_ps(bcast_bf16(x, r * K + k), w, acc[r][0]);
+    for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_fmadd_ps(kvmesh::bf16_bcast16_f32(x[r * K + k]), w, acc[r][0]);
   }
-  const __m512 sv =
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)scales)), 16));
+  const __m512 sv = kvmesh::bf16x16_f32(scales);
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) {
     __m512 a = acc[r][0];
@@ -79,22 +80,12 @@ static void int8_rows(const uint16_t* x, int64_t K, const int8_t* panel, const u
   }
 }
 
-bool cpu_has_int8_path() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512bf16");   // vcvtneps2bf16 for the output
-  }();
-  return ok;
-}
-#else
-bool cpu_has_int8_path() { return false; }
 #endif
 
 // x bf16 [M, K], panels int8 [N16 / 16, 16 K], scales bf16 [N16] -> y bf16 [M, N] (first N of N16)
 at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales, int64_t n) {
-  TORCH_CHECK(cpu_has_int8_path(), "int8_linear: this CPU lacks AVX512-BF16");
+  TORCH_CHECK(kvmesh::active_isa() >= kvmesh::Isa::kAvx512Bf16, "int8_linear: the kernel ISA in use (",
+              kvmesh::isa_name(kvmesh::active_isa()), ") is below avx512bf16, the one level this kernel has");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_linear: x must be bfloat16 [M, K]");
   TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kChar && panels.is_contiguous(),
               "int8_linear: panels must be contiguous int8 [N16 / 16, 16 K]");
@@ -124,6 +115,11 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& panels, const 
 }
 
 }  // namespace
+
+// The level int8_linear runs at level `isa`: "avx512bf16" (its one, also run at amx), or "none"
+// below it (the op raises; the layers then keep ATen's kernel: workers/layers/quant.py).
+const char* int8_path(kvmesh::Isa isa) { return isa >= kvmesh::Isa::kAvx512Bf16 ? "avx512bf16" : "none"; }
+
 }  // namespace kvmesh_gemm
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) { m.def("int8_linear(Tensor x, Tensor panels, Tensor scales, int N) -> Tensor"); }

@@ -16,10 +16,6 @@
 
 namespace kvmesh_gemm {
 
-// The GEMM's kernel path as a level (0 scalar, 1 avx2, 2 avx512, 3 avx512bf16, 4 amx): the
-// CPU's best or the lower one KVMESH_KERNEL_ISA names (gemm_ops.cpp); other kernels follow it.
-int selected_isa_level();
-
 constexpr int kPanel = 16;      // output columns per panel
 constexpr int kGroup = 2;       // panels per micro-kernel call (32 columns)
 constexpr int kMaxMR = 8;       // largest row block of any ISA

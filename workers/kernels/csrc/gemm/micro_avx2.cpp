@@ -2,7 +2,7 @@
 //
 // Compiled with the project's baseline flags: only the functions below carry
 // __attribute__((target("avx2,fma"))), so one build runs on any x86-64 and the dispatcher
-// (gemm_ops.cpp) calls them only when __builtin_cpu_supports says so. This file includes no
+// (gemm_ops.cpp) calls them only at the avx2 level or above (isa.h). This file includes no
 // torch header, so no inline library function can be instantiated with AVX2 code and picked
 // by the linker for baseline callers.
 //

@@ -3,17 +3,11 @@
 // compiler may auto-vectorise them with the baseline ISA (SSE2 on x86-64).
 #include <cstring>
 
+#include "bf16.h"
 #include "micro.h"
 
 namespace kvmesh_gemm {
 namespace {
-
-inline float bf16_bits_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 template <int MR, int NP>
 void micro_scalar(const float* x, int64_t ldx, const uint16_t* w, int64_t pstride, int64_t kp,
@@ -25,8 +19,8 @@ void micro_scalar(const float* x, int64_t ldx, const uint16_t* w, int64_t pstrid
       const uint16_t* row = w + p * pstride + t * 2 * kPanel;
       float w0[kPanel], w1[kPanel];
       for (int c = 0; c < kPanel; ++c) {
-        w0[c] = bf16_bits_to_float(row[2 * c]);
-        w1[c] = bf16_bits_to_float(row[2 * c + 1]);
+        w0[c] = kvmesh::bf16_f32(row[2 * c]);
+        w1[c] = kvmesh::bf16_f32(row[2 * c + 1]);
       }
       for (int m = 0; m < MR; ++m) {
         const float a0 = x[m * ldx + 2 * t], a1 = x[m * ldx + 2 * t + 1];
