@@ -85,9 +85,10 @@ class SeqInput:
     ``token_ids`` are the tokens at positions ``[start, start + len(token_ids))``;
     ``block_table`` lists the KV blocks covering positions ``[0, start + len(token_ids))``.
     The sampling fields are set only when ``sample`` (the chunk ends at the last token);
-    ``output_token_ids`` only when a penalty needs the history; ``prompt_token_ids`` in-process
-    always (a reference: a draft model reads a cached prefix it has not written from it), from a
-    Ray stage's step message only when a penalty needs it.
+    ``output_token_ids`` only when a penalty needs the history; ``prompt_token_ids`` always (a
+    reference to the request's list in-process, the copy a Ray stage received once per request:
+    the repetition penalty reads it, and a draft model catches up from it on a prefix-cache hit
+    over blocks it never wrote).
     ``traceparent``: the W3C trace context of the scheduler's span of a traced request (None
     when tracing is off); the workers' spans of the request are its children.
     ``spec_token_ids``: proposals to verify, at positions ``[start + len(token_ids), ...)``

@@ -1,8 +1,8 @@
 """Incremental step messages from :class:`workers.executor.RayPipelineExecutor` to its stages.
 
 A full :class:`workers.model_runner.StepInput` repeats, every step and for every sequence, its
-request id, the whole block-table prefix, its sampling parameters, EOS ids and (for penalties)
-its prompt and output histories. Across a process boundary that is most of the step's
+request id, the whole block-table prefix, its sampling parameters, EOS ids, its prompt and (for
+penalties) its output history. Across a process boundary that is most of the step's
 message: 8 decoding requests at 1.6k tokens of context pickle to ~7 KB without penalties and
 ~70 KB with them (docs/mesh.md, "Step messages"). Here each stage keeps what does not change:
 
@@ -48,10 +48,11 @@ if TYPE_CHECKING:     # the scheduler's step type, only named in annotations (wo
     from scheduler.scheduler import SchedulerOutput
 
 # A request new to the stages: (handle, request_id, sampling params, eos_token_ids,
-# num_output_tokens, prompt_token_ids or None, output_token_ids or None, traceparent or None).
-# The histories are sent only when a penalty needs them (repetition: prompt and output;
-# presence / frequency: output); output ids are non-empty only for a request that already
-# generated tokens (static batching's padding rows).
+# num_output_tokens, prompt_token_ids, output_token_ids or None, traceparent or None).
+# The prompt goes once per request, always (the repetition penalty reads it, and a draft model
+# catches up from it on a prefix-cache hit over blocks it never wrote); the output history only
+# when a penalty needs it (repetition, presence, frequency), non-empty only for a request that
+# already generated tokens (static batching's padding rows).
 NewRequest = tuple
 
 # One scheduled sequence: (handle, start, token_ids, sample, blocks[, spec_token_ids,
@@ -74,10 +75,6 @@ class StepDelta(NamedTuple):
     new: list
     seqs: list
     done: list
-
-
-def _needs_prompt(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0
 
 
 def _needs_output(p: SamplingParams) -> bool:
@@ -122,7 +119,7 @@ class StepEncoder:
                 self._sent[req.request_id] = [h, table]
                 sp = req.sampling_params
                 new.append((h, req.request_id, sp, req.eos_token_ids, req.num_output_tokens,
-                            req.prompt_token_ids if _needs_prompt(sp) else None,
+                            req.prompt_token_ids,
                             list(req.output_token_ids) if _needs_output(sp) else None, req.traceparent))
                 blocks = (0, *table)
             else:
@@ -177,8 +174,8 @@ class _State:
 class StepDecoder:
     """A stage's per-request state, rebuilt into full :class:`SeqInput` objects each step.
 
-    Per request: its id, sampling params, EOS ids, output count and (when a penalty needs them)
-    prompt and output histories, traceparent, and the block ids of its current table. The
+    Per request: its id, sampling params, EOS ids, output count, prompt, output history (when a
+    penalty needs it), traceparent, and the block ids of its current table. The
     histories are current on the last stage only (:meth:`record`).
 
     Raises:
@@ -209,14 +206,13 @@ class StepDecoder:
                                       f"{len(st.blocks)} held")
                 del st.blocks[keep:]
                 st.blocks.extend(blocks[1:])
-            seq = SeqInput(st.request_id, start, toks, st.blocks, sample, traceparent=st.traceparent)
+            seq = SeqInput(st.request_id, start, toks, st.blocks, sample, traceparent=st.traceparent,
+                           prompt_token_ids=st.prompt_token_ids)
             if len(rec) > 5:
                 seq.spec_token_ids, seq.num_proposals = rec[5], rec[6]
             if sample:
                 sp = seq.params = st.params
                 seq.num_output_tokens, seq.eos_token_ids = st.num_output_tokens, st.eos_token_ids
-                if _needs_prompt(sp):
-                    seq.prompt_token_ids = st.prompt_token_ids
                 if st.output_token_ids is not None:
                     seq.output_token_ids = st.output_token_ids
                 sampling.append(st)
