@@ -7,9 +7,10 @@ per-step differences, which cancels most of the machine's drift): the in-process
 pp=1 and a pp=2 :class:`workers.executor.RayPipelineExecutor`.
 
 - bytes per step: ``pickle.dumps`` of what goes to ``stage.execute.remote`` — the incremental
-  :class:`workers.step_delta.StepDelta` of a steady decode step (no block boundary crossed),
+  :class:`workers.step.StepDelta` of a steady decode step (no block boundary crossed),
   of a step where every request gains a block, and of the first step (every request new) —
-  against the full :class:`workers.model_runner.StepInput` that was sent before.
+  against the full :class:`workers.step.StepInput` it decodes to (what was sent before the
+  incremental messages).
 - time per step: ``submit`` to ``result`` in this process, and its legs from the stages' own
   clocks (:meth:`workers.stage.PipelineStage.step_times`, epoch ns on one machine): dispatch
   (submit → stage 0 starts), each stage's compute (its input ready → its output ready), the
@@ -76,27 +77,24 @@ def _advance(reqs, sampled):
 
 def measure(model: str, batch: int, context: int, steps: int, penalties: bool, executors: dict) -> dict:
     from scheduler.block_manager import BlockManager
-    from workers.model_runner import StepInput
-    try:
-        from workers.step_delta import StepEncoder
-    except ImportError:                     # kvmesh before incremental step messages
-        StepEncoder = None
+    from workers.step import StepDecoder, StepEncoder
 
     first = next(iter(executors.values()))
     bs = first.block_size
     bm = BlockManager(min(e.num_blocks for e in executors.values()), bs, False, 0)
     reqs = _requests(batch, context, penalties, 49152, bm)
     full_b, delta_b = {}, {}
-    enc = StepEncoder(bs) if StepEncoder else None
+    enc, dec = StepEncoder(bs), StepDecoder()
     times = {name: [] for name in executors}
     marks = {name: [] for name in executors}  # (submit ns, result ns) of each measured step
     total = steps + 3
     for i in range(total):
         out = _step(reqs, bm)
         kind = "first" if i == 0 else ("new block" if all(r.num_computed_tokens % bs == 0 for r in reqs) else "steady")
-        full_b.setdefault(kind, len(pickle.dumps(StepInput.from_scheduler_output(out, bs))))
-        if enc is not None:
-            delta_b.setdefault(kind, len(pickle.dumps(enc.encode(out))))
+        delta = enc.encode(out)
+        full = dec.apply(delta)
+        full_b.setdefault(kind, len(pickle.dumps(full)))
+        delta_b.setdefault(kind, len(pickle.dumps(delta)))
         sampled = None
         order = list(executors.items())
         order = order[i % len(order):] + order[: i % len(order)]    # rotate who goes first
@@ -108,6 +106,7 @@ def measure(model: str, batch: int, context: int, steps: int, penalties: bool, e
                 times[name].append(dt)
                 marks[name].append((n0, time.time_ns()))
             sampled = sampled or res.sampled
+        dec.record(sampled)
         _advance(reqs, sampled)
     for ex in executors.values():
         ex.free_requests([r.request_id for r in reqs])

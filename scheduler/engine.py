@@ -324,7 +324,7 @@ class LLMEngine:
             self.num_steps += 1
             changed = self.scheduler.update(step.sched, result.sampled, result.logprobs)
             if self.cfg.speculative_method:
-                self._set_proposals(changed, result)
+                self._set_proposals(result)
             outputs, self._finished_out = self._finished_out, []
             outputs += [self._output(r) for r in changed]
             done = [o.request_id for o in outputs if o.finished]
@@ -333,29 +333,15 @@ class LLMEngine:
             self.executor.free_requests(done)
         return outputs
 
-    def _set_proposals(self, changed: list[Request], result) -> None:
-        """The next step's proposals of the requests that just got tokens: prompt lookup over
-        their tokens (``ngram``), the draft's, which came back with this step's output
-        (``draft``), or both (``ngram+draft``: the draft's where it proposed, else the lookup's;
-        a request whose lookup matched asks the draft for nothing in its next step, so the
-        draft runs only where the policy text offers no continuation)."""
-        method = self.cfg.speculative_method
+    def _set_proposals(self, result) -> None:
+        """The next step's proposals, which came back with this step's output (the runner's
+        proposers: prompt lookup, the draft, or both), for the requests that still run and may
+        speculate."""
         self.spec_propose_seconds += result.propose_seconds
         for rid, toks in result.proposals.items():
             r = self.scheduler.requests.get(rid)
             if r is not None and r.status == RequestStatus.RUNNING and r.can_speculate():
                 r.spec_token_ids = list(toks)
-        if method in ("ngram", "ngram+draft"):
-            from workers.spec_decode.ngram import propose_ngram
-            t0 = time.perf_counter()
-            for r in changed:
-                if not r.is_finished and r.can_speculate():
-                    found = propose_ngram(r.all_token_ids, r.spec_k, self.cfg.prompt_lookup_max,
-                                          self.cfg.prompt_lookup_min)
-                    r.lookup_hit = bool(found)
-                    if method == "ngram" or r.request_id not in result.proposals:
-                        r.spec_token_ids = found
-            self.spec_propose_seconds += time.perf_counter() - t0
 
     def take_finished(self) -> list[EngineOutput]:
         """Outputs of requests ended outside a step (aborts) since the last call."""

@@ -103,7 +103,6 @@ class Request:
     # speculative decoding (docs/spec_decode.md)
     spec_token_ids: list[int] = field(default_factory=list)   # proposals for the next step
     spec_k: int = 0                     # adaptive number of proposals (0: speculation off)
-    lookup_hit: bool = False            # ngram+draft: the last prompt lookup matched (the draft sits out)
     num_drafts: int = 0                 # steps that verified at least one proposal
     num_draft_tokens: int = 0           # proposals verified
     num_accepted_tokens: int = 0        # of which accepted
@@ -117,8 +116,7 @@ class Request:
         or before ``min_tokens`` (their per-position distributions depend on the tokens
         before, so a verified run would need them recomputed token by token)."""
         sp = self.sampling_params
-        return (self.spec_k > 0 and sp.repetition_penalty == 1.0 and not sp.presence_penalty
-                and not sp.frequency_penalty and sp.logprobs is None
+        return (self.spec_k > 0 and not sp.has_penalties and sp.logprobs is None
                 and self.num_output_tokens >= sp.min_tokens)
 
     @property

@@ -5,7 +5,8 @@ or through other modules), so no circle between layers; no circle between the si
 a package either.
 
 The second test proves the contract bites: a copy of the tree with one module of the workers
-importing the scheduler fails it, naming that import.
+importing the scheduler fails it, naming that import, also when the import is for type
+checking only (``if TYPE_CHECKING:``): the contract counts those too.
 """
 
 from __future__ import annotations
@@ -38,12 +39,15 @@ def test_layers_point_down():
     assert "0 broken" in r.stdout, r.stdout
 
 
-def test_an_upward_import_breaks_the_contract(tmp_path):
+@pytest.mark.parametrize("probe", ["from scheduler.request import Request  # noqa: F401\n",
+                                   "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                   "    from scheduler.request import Request  # noqa: F401\n"],
+                         ids=["run-time", "type-checking"])
+def test_an_upward_import_breaks_the_contract(tmp_path, probe):
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so", "data"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    (tmp_path / "workers" / "contract_probe.py").write_text('"""An import pointing up."""\n\n'
-                                                            "from scheduler.request import Request  # noqa: F401\n")
+    (tmp_path / "workers" / "contract_probe.py").write_text('"""An import pointing up."""\n\n' + probe)
     r = _lint_imports(tmp_path)
     assert r.returncode != 0, r.stdout
     assert "workers.contract_probe -> scheduler.request" in r.stdout, r.stdout

@@ -12,7 +12,7 @@ import torch
 
 from workers.input_batch import STALE_STEPS, InputBatch, cascade_groups
 from workers.layers.attention import SDPA_MIN_CHUNK_TOKENS
-from workers.model_runner import SeqInput
+from workers.step import SeqInput
 
 BS = 4
 

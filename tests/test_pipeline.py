@@ -1,8 +1,8 @@
 """Pipeline parallelism over Ray: stage actors, micro-batches in flight, parity with the
 in-process engine (real Ray, real SmolLM2 weights, float32), and the incremental step messages
-the stages get (workers/step_delta.py): decoded as a stage decodes them, they rebuild exactly
-the full StepInput of the in-process executor under chunked prefill, preemption, penalties,
-static batching's padding rows and speculative decoding."""
+the stages get (workers/step.py): pickled and decoded as a stage decodes them, they rebuild
+exactly the sequences the scheduler holds under chunked prefill, preemption, penalties, static
+batching's padding rows and speculative decoding."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from kvmesh.core.service_config import SchedulerConfig
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine import LLMEngine
 from workers.executor import Completed, RayPipelineExecutor, create_executor, ensure_ray, split_layers
-from workers.model_runner import StepInput
-from workers.step_delta import StepDecoder, StepEncoder
+from workers.step import NewRequest, SeqDelta, SeqInput, StepDecoder, StepDelta, StepEncoder
 
 KV = 64 * 2**20
 
@@ -167,10 +166,29 @@ def test_a_stage_that_cannot_load_is_an_engine_error(ray_local, smollm2_dir, tmp
 # ---------------------------------------------------------------------------------------------
 # incremental step messages
 
+def _scheduler_view(out, block_size: int) -> list[SeqInput]:
+    """The sequences of scheduler output ``out`` built from the scheduler's own requests: each
+    one's tokens, the block table covering its slots (verified proposals and the draft's
+    lookahead included), its prompt and, when it samples, its sampling state and output."""
+    seqs = []
+    for s in out.seqs:
+        req, end = s.req, s.start + s.num_new_tokens
+        slots = end + len(s.spec_token_ids) + (1 + s.num_proposals if s.num_proposals else 0)
+        seq = SeqInput(req.request_id, s.start, req.tokens(s.start, end), req.block_table[: -(-slots // block_size)],
+                       s.sample, traceparent=req.traceparent, spec_token_ids=list(s.spec_token_ids),
+                       num_proposals=s.num_proposals, prompt_token_ids=req.prompt_token_ids)
+        if s.sample:
+            seq.params, seq.num_output_tokens = req.sampling_params, req.num_output_tokens
+            seq.eos_token_ids, seq.output_token_ids = req.eos_token_ids, req.output_token_ids
+        seqs.append(seq)
+    return seqs
+
+
 class _DeltaChecked:
     """The in-process executor, each of whose steps is also sent as RayPipelineExecutor sends
     it: encoded, pickled and decoded as a stage decodes it (the last stage: it records the
-    sampled tokens). The decoded sequences must equal the full StepInput the model runs."""
+    sampled tokens). The decoded sequences must equal the scheduler's view of the step
+    (:func:`_scheduler_view`); its pickle is the size a full step would have."""
 
     def __init__(self, base, num_blocks: int | None = None):
         self.base, self.kv_cache_bytes = base, base.kv_cache_bytes
@@ -179,10 +197,10 @@ class _DeltaChecked:
         self.sizes: list[tuple[int, int, bool]] = []     # (message bytes, full StepInput bytes, plain decodes)
 
     def submit(self, out):
-        full = StepInput.from_scheduler_output(out, self.base.block_size)
+        full = _scheduler_view(out, self.base.block_size)
         raw = pickle.dumps(self.encoder.encode(out))
         delta = pickle.loads(raw)
-        assert self.decoder.apply(delta).seqs == full.seqs
+        assert self.decoder.apply(delta).seqs == full
         result = self.base.execute(out)
         self.decoder.record(result.sampled)
         self.decoder.free(delta.done)
@@ -286,17 +304,18 @@ def test_pp2_a_step_failing_on_one_stage_fails_the_next_and_keeps_the_link_in_st
     import ray
     from ray.exceptions import RayTaskError
 
-    from workers.step_delta import StepDelta
     prompt = prose_ids[:20]
     want = _offline(local_engine, h, [("link", prompt, h.greedy(2))])["link"]
     s0, s1 = pp2.executor.stages
     hd, sp = 10**6, h.greedy(2)                   # a handle the executor's encoder never gives out
     try:
-        first = StepDelta([(hd, "link-test", sp, (), 0, None, None, None)], [(hd, 0, prompt, True, (0, 0, 1))], [])
+        first = StepDelta([NewRequest(hd, "link-test", sp, (), 0, prompt, [], None)],
+                          [SeqDelta(hd, 0, prompt, True, (0, 0, 1))], [])
         refs = [s.execute.remote(first) for s in (s0, s1)]
         assert ray.get(refs[1]).sampled == {"link-test": want[:1]}
-        decode = StepDelta([], [(hd, 20, want[:1], True, ())], [])
-        refs = [s0.execute.remote(StepDelta([], [(hd + 1, 20, want[:1], True, ())], [])), s1.execute.remote(decode)]
+        decode = StepDelta([], [SeqDelta(hd, 20, want[:1], True, ())], [])
+        refs = [s0.execute.remote(StepDelta([], [SeqDelta(hd + 1, 20, want[:1], True, ())], [])),
+                s1.execute.remote(decode)]
         with pytest.raises(RayTaskError, match=f"stage 0: step for request handle {hd + 1}"):
             ray.get(refs[1])
         refs = [s.execute.remote(decode) for s in (s0, s1)]

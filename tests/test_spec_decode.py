@@ -186,9 +186,10 @@ def test_token_budget_counts_proposals_and_rollback_trims_blocks():
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_turns_off_under_load_and_back_on(method):
-    """speculative_max_batch_tokens = 8: each row verifies (and asks the draft for) at most
-    8 // n - 1 proposals for n running and waiting requests: 7 alone, 3 beside one other, 1 at
-    four, none at five (a waiting request counts)."""
+    """speculative_max_batch_tokens = 8: each row verifies (and asks the runner's proposers for)
+    at most 8 // n - 1 proposals for n running and waiting requests: 7 alone, 3 beside one
+    other, 1 at four, none at five (a waiting request counts). Only a draft model gets
+    lookahead slots (1 + m past the verified proposals) for the proposals it is asked for."""
     bm = BlockManager(256, 4, False, 0)
     s = make_scheduler(bm, max_num_batched_tokens=64, speculative_method=method, num_speculative_tokens=8,
                        speculative_adaptive=False, speculative_max_batch_tokens=8)
@@ -201,6 +202,10 @@ def test_speculation_turns_off_under_load_and_back_on(method):
             r.spec_token_ids = list(range(100, 108))
         out = s.schedule()
         got = {q.req.request_id: (len(q.spec_token_ids), q.num_proposals) for q in out.seqs}
+        for q in out.seqs:
+            m = q.num_proposals
+            slots = q.start + 1 + len(q.spec_token_ids) + (1 + m if m and method == "draft" else 0)
+            assert len(q.req.block_table) == -(-slots // 4), (method, q)
         s.update(out, {q.req.request_id: [7] for q in out.seqs})              # every proposal rejected
         return got
 
@@ -209,7 +214,7 @@ def test_speculation_turns_off_under_load_and_back_on(method):
             s.finish(s.running[-1], FinishReason.ABORT)
         got = step(s.running)
         assert set(got) == {r.request_id for r in s.running}
-        assert all(v == (k, k if method == "draft" else 0) for v in got.values()), (n, got)
+        assert all(v == (k, k) for v in got.values()), (n, got)
     assert reqs[0].num_drafts >= 3
     for i in range(4):
         _decoding(s, f"w{i}", 5)                # waiting requests count: five in all
@@ -592,7 +597,8 @@ async def test_grpc_final_message_carries_acceptance(smollm2_dir, prose_ids, smo
 
 
 # ---------------------------------------------------------------------------------------------
-# pipeline parallelism (Ray): the last stage verifies and runs the draft
+# pipeline parallelism (Ray): the last stage verifies and proposes (the draft, or prompt lookup
+# over the request's prompt and output as its step decoder holds them)
 
 @pytest.fixture(scope="module")
 def ray_local():
@@ -604,12 +610,13 @@ def ray_local():
     ray.shutdown()
 
 
-def test_pp2_draft_greedy_identical_with_micro_batches(h, base, ray_local, smollm2_dir, prose_ids):
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_pp2_speculation_greedy_identical_with_micro_batches(h, base, ray_local, smollm2_dir, prose_ids, method):
     from workers.executor import create_executor
     sc = SchedulerConfig(pp=2, stage_num_cpus=1)
+    draft = dict(draft_model=str(smollm2_dir), draft_num_layers=8) if method == "draft" else {}
     cfg = EngineConfig(model=str(smollm2_dir), dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=512,
-                       num_threads=1, speculative_method="draft", draft_model=str(smollm2_dir),
-                       draft_num_layers=8, max_num_batched_tokens=96)
+                       num_threads=1, speculative_method=method, max_num_batched_tokens=96, **draft)
     eng = LLMEngine(cfg, executor_factory=lambda c, d: create_executor(c, d, sc))
     try:
         requests = _mixed(prose_ids, h)[:3] + [("q3", prose_ids[40:90], h.greedy(20))]
@@ -633,6 +640,8 @@ def test_pp2_draft_greedy_identical_with_micro_batches(h, base, ray_local, smoll
         assert {rid: toks for rid, toks, _ in res} == ref
         finals = {rid: o for rid, _, o in res}
         assert finals["copy"].num_draft_tokens > 0 and finals["penalty"].num_drafts == 0
+        if method == "ngram":                   # the copying request's lookups come true
+            assert finals["copy"].num_accepted_tokens > 0
         assert eng.stats().used == 0
     finally:
         eng.shutdown()

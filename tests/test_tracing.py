@@ -41,7 +41,7 @@ def test_tracing_off_by_default_is_a_no_op(monkeypatch):
         assert telemetry.traceparent(span) is None
         assert telemetry.inject_metadata(span) is None
     # worker side: steps of untraced requests keep nothing
-    from workers.model_runner import SeqInput
+    from workers.step import SeqInput
     spans = telemetry.StageSpans(0, 0, 30)
     spans.record([SeqInput("r", 0, [1, 2, 3], [0], True)], 0, 10)
     assert spans._live == {}

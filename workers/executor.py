@@ -17,16 +17,14 @@ import logging
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from kvmesh.core.errors import DependencyUnavailableError, EngineError, SettingsError
 from kvmesh.core.telemetry import StageSpans, tracing_enabled
-from workers.model_runner import ModelRunner, ModelRunnerOutput, StepInput
-
-if TYPE_CHECKING:     # the scheduler's step type, only named in annotations (workers sit below the scheduler)
-    from scheduler.scheduler import SchedulerOutput
+from workers.model_runner import ModelRunner, ModelRunnerOutput
+from workers.step import ScheduledStep, StepDecoder, StepEncoder
 
 
 class StepHandle(Protocol):
@@ -38,7 +36,7 @@ class Executor(Protocol):
     kv_cache_bytes: int
     max_inflight: int
 
-    def submit(self, out: SchedulerOutput) -> StepHandle: ...
+    def submit(self, out: ScheduledStep) -> StepHandle: ...
 
     def free_requests(self, request_ids: list[str]) -> None: ...
 
@@ -63,7 +61,9 @@ class Completed:
 
 
 class InProcessExecutor:
-    """The whole model in this process; one step at a time."""
+    """The whole model in this process; one step at a time. Each step goes through the step
+    format every executor uses (:mod:`workers.step`): encoded, then decoded into the runner's
+    :class:`~workers.step.StepInput` (handed over as it is: no pickling)."""
 
     max_inflight = 1
 
@@ -72,20 +72,29 @@ class InProcessExecutor:
         self.block_size = cfg.block_size
         self.num_blocks = self.runner.num_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
+        self.encoder, self.decoder = StepEncoder(cfg.block_size), StepDecoder()
         m = self.runner.model
         self.spans = StageSpans(0, m.start_layer, m.end_layer)   # one stage: the whole model
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        step = StepInput.from_scheduler_output(out, self.block_size)
+    def execute(self, out: ScheduledStep) -> ModelRunnerOutput:
+        delta = self.encoder.encode(out)
+        step = self.decoder.apply(delta)
         t0 = time.time_ns()
         result = self.runner.execute(step)
+        self.decoder.record(result.sampled)
         self.spans.record(step.seqs, t0, time.time_ns())
+        if delta.done:
+            self._free(self.decoder.free(delta.done))
         return result
 
-    def submit(self, out: SchedulerOutput) -> Completed:
+    def submit(self, out: ScheduledStep) -> Completed:
         return Completed(self.execute(out))
 
     def free_requests(self, request_ids: list[str]) -> None:
+        self.decoder.free(self.encoder.free(request_ids))
+        self._free(request_ids)
+
+    def _free(self, request_ids: list[str]) -> None:
         self.runner.free_requests(request_ids)
         self.spans.finish(request_ids)
 
@@ -214,7 +223,7 @@ class RayPipelineExecutor:
     different nodes where it can, ``strict-spread`` on different nodes or not at all); each
     actor runs in its bundle, and the group is removed at :meth:`shutdown`.
 
-    ``submit`` sends every stage the step's incremental message (:mod:`workers.step_delta`: a
+    ``submit`` sends every stage the step's incremental message (:mod:`workers.step`: a
     request's prompt-side data and block ids once, then per step its new tokens and new
     blocks) at once; stage k+1 prepares its inputs and takes stage k's hidden states (``[T,
     hidden_size]``) from the TCP link between them (:class:`workers.stage.StageLink`, set up
@@ -253,7 +262,6 @@ class RayPipelineExecutor:
         from workers.kv_cache import budget_bytes, bytes_per_block, kv_dtype
         from workers.checkpoint import load_config
         from workers.stage import PipelineStage
-        from workers.step_delta import StepEncoder
 
         if placement not in PLACEMENT_STRATEGIES:
             raise SettingsError(f"stage placement must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement!r}")
@@ -309,7 +317,7 @@ class RayPipelineExecutor:
         self.kv_cache_bytes = sum(i["kv_cache_bytes"] for i in infos)
         self.layer_bounds = bounds
 
-    def submit(self, out: SchedulerOutput) -> RayHandle:
+    def submit(self, out: ScheduledStep) -> RayHandle:
         """Start one step on the stages; the handle's ``result()`` waits for its output."""
         with self._lock:
             delta = self.encoder.encode(out)

@@ -18,9 +18,9 @@ lengths, and the block tables of the native kernel and of the torch decode path 
 rows gathered with ``index_select``, narrowed to the widest row, each row zeroed past the blocks
 its sequence needs, which is exactly the zero-padded table of the old list-based preparation).
 
-Each ``SeqInput`` carries its whole block table (in-process, from the scheduler; on a Ray
-pipeline stage, rebuilt from the step message's new blocks by :mod:`workers.step_delta`); the
-batch compares it with the stored copy (a C-level list comparison) instead of rebuilding
+Each ``SeqInput`` carries its whole block table (rebuilt from the step message's new blocks by
+:class:`workers.step.StepDecoder`, in-process and on each Ray pipeline stage alike); the batch
+compares it with the stored copy (a C-level list comparison) instead of rebuilding
 tensors from it. Each pipeline stage's runner keeps its own batch; they see the same steps, so
 they hold the same rows.
 """
@@ -28,15 +28,13 @@ they hold the same rows.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from workers.layers.attention import (SDPA_MIN_CHUNK_TOKENS, AttentionMetadata, CascadeGroup, NativeMetadata,
                                       PrefillChunk, block_index, set_decode_tensors)
-
-if TYPE_CHECKING:
-    from workers.model_runner import SeqInput
+from workers.step import SeqInput
 
 CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
 STALE_STEPS = 32         # a row unreferenced this many steps may be reclaimed when no row is free
@@ -128,7 +126,7 @@ class InputBatch:
         self._ids[row] = request_id
         return row
 
-    def update(self, seqs: Sequence["SeqInput"]) -> list[int]:
+    def update(self, seqs: Sequence[SeqInput]) -> list[int]:
         """Bring the rows of ``seqs`` up to date with their block tables; returns their rows
         (in ``seqs`` order). Writes only the block ids beyond a row's stored prefix, or the
         whole table when the stored part differs; all writes go in one indexed store."""
@@ -186,7 +184,7 @@ class InputBatch:
         return t.masked_fill_(torch.arange(width)[None, :] >= need[:, None], 0)
 
     # ---- one step --------------------------------------------------------------------
-    def prepare(self, seqs: Sequence["SeqInput"], *, native: bool, quantized: bool, cascade: bool,
+    def prepare(self, seqs: Sequence[SeqInput], *, native: bool, quantized: bool, cascade: bool,
                 dtype: torch.dtype, prefill_native: bool = False):
         """Tensors of one step over ``seqs`` (any order).
 
@@ -263,7 +261,7 @@ class InputBatch:
         return torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), md, sample_idx, sample_seqs
 
     def _native(self, rows: torch.Tensor, seq_lens: torch.Tensor, counts: list[int], longest: int,
-                decodes: Sequence["SeqInput"] = ()) -> NativeMetadata:
+                decodes: Sequence[SeqInput] = ()) -> NativeMetadata:
         """The native kernel's sequences (the first ``S`` of the step): ``query_start_loc``
         ``[S + 1]``, ``seq_lens`` ``[S]`` and ``block_tables`` ``[S, W]`` (W: the widest
         sequence's blocks, at least 1), all int32. ``decodes`` (the first sequences, when
@@ -293,7 +291,7 @@ class InputBatch:
         nm.prefix_lens = torch.tensor([len(sh) * self.block_size for _, sh in groups], dtype=i32, device=dev)
         return nm
 
-    def _decode_fields(self, md: AttentionMetadata, seqs: list["SeqInput"], rows: torch.Tensor,
+    def _decode_fields(self, md: AttentionMetadata, seqs: list[SeqInput], rows: torch.Tensor,
                        lens: torch.Tensor, cascade: bool, dtype: torch.dtype) -> None:
         """The torch backend's decode fields of ``md`` (``seqs``: the decodes, their ``rows`` and
         ``lens`` ``[Bd]`` int64), with cascade groups when ``cascade``."""

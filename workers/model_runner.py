@@ -1,5 +1,5 @@
-"""Turns a :class:`scheduler.scheduler.SchedulerOutput` into tensors, runs the model over the
-paged KV cache and samples the next tokens.
+"""Turns a step (:class:`workers.step.StepInput`) into tensors, runs the model over the paged KV
+cache and samples the next tokens.
 
 Batch layout (see :mod:`workers.layers.attention`): single-token decodes first, then prefill
 chunks. Only the last position of each sequence that completes its scheduled tokens goes
@@ -8,9 +8,12 @@ through the lm_head and the sampler.
 Speculative decoding (docs/spec_decode.md): a sequence with proposals (``spec_token_ids``)
 runs its last token and the ``k`` proposals as a ``1 + k``-token chunk after its cached
 context (the prefill path), and all ``1 + k`` positions go through the lm_head and the
-verifier (:mod:`workers.spec_decode.rejection`). With a draft model, the last stage then runs
-the draft over every sequence of the step (:mod:`workers.spec_decode.draft`) and returns its
-proposals for the next step.
+verifier (:mod:`workers.spec_decode.rejection`). The last stage then proposes the next step's
+tokens of each sequence that asks (``num_proposals``) with the engine's proposers: prompt
+lookup over the sequence's prompt and output (:mod:`workers.spec_decode.ngram`), the draft
+model (:mod:`workers.spec_decode.draft`, run over every sequence of the step so that it writes
+the K/V it will read), or both (the lookup where it matches, the draft elsewhere), and returns
+the proposals with the step's output.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -29,10 +32,9 @@ from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, k
 from workers.input_batch import InputBatch
 from workers.layers.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, make_generator, processed_probs
 from workers.loader import load_model, use_serving_kernels, weight_bytes
+from workers.spec_decode.ngram import propose_ngram
 from workers.spec_decode.rejection import VerifyRow, verify
-
-if TYPE_CHECKING:     # the scheduler's step type, only named in annotations (workers sit below the scheduler)
-    from scheduler.scheduler import SchedulerOutput
+from workers.step import SeqInput, StepInput
 
 log = logging.getLogger("kvmesh.workers")
 
@@ -71,78 +73,16 @@ def apply_kernel_isa(cfg: EngineConfig, device: torch.device) -> None:
 
 def _plain_greedy(p: SamplingParams) -> bool:
     """Greedy, no penalties, no logprobs: the next token is the logits' argmax."""
-    return (p.temperature < SAMPLING_EPS and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty)
-
-
-@dataclass
-class SeqInput:
-    """One sequence of a step, as the workers see it (no scheduler state). Token ids are
-    Python ints; positions count from 0. In-process it comes from the scheduler
-    (:meth:`StepInput.from_scheduler_output`); a Ray pipeline stage rebuilds it from the
-    incremental step message and its own per-request state (:mod:`workers.step_delta`).
-
-    ``token_ids`` are the tokens at positions ``[start, start + len(token_ids))``;
-    ``block_table`` lists the KV blocks covering positions ``[0, start + len(token_ids))``.
-    The sampling fields are set only when ``sample`` (the chunk ends at the last token);
-    ``output_token_ids`` only when a penalty needs the history; ``prompt_token_ids`` always (a
-    reference to the request's list in-process, the copy a Ray stage received once per request:
-    the repetition penalty reads it, and a draft model catches up from it on a prefix-cache hit
-    over blocks it never wrote).
-    ``traceparent``: the W3C trace context of the scheduler's span of a traced request (None
-    when tracing is off); the workers' spans of the request are its children.
-    ``spec_token_ids``: proposals to verify, at positions ``[start + len(token_ids), ...)``
-    (the block table covers them). ``num_proposals``: proposals the draft makes for the
-    sequence's next step (the block table then also covers ``1 + num_proposals`` lookahead
-    slots).
-    """
-
-    request_id: str
-    start: int
-    token_ids: list[int]
-    block_table: list[int]
-    sample: bool
-    params: SamplingParams | None = None
-    num_output_tokens: int = 0
-    eos_token_ids: tuple[int, ...] = ()
-    prompt_token_ids: list[int] | None = None
-    output_token_ids: list[int] | None = None
-    traceparent: str | None = None
-    spec_token_ids: list[int] = field(default_factory=list)
-    num_proposals: int = 0
-
-
-@dataclass
-class StepInput:
-    """What one model step computes: the scheduled sequences (any order)."""
-
-    seqs: list[SeqInput]
-
-    @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput, block_size: int) -> "StepInput":
-        seqs = []
-        for s in out.seqs:
-            req, end = s.req, s.start + s.num_new_tokens
-            slots = end + len(s.spec_token_ids) + (1 + s.num_proposals if s.num_proposals else 0)
-            seq = SeqInput(req.request_id, s.start, req.tokens(s.start, end),
-                           req.block_table[: -(-slots // block_size)], s.sample, traceparent=req.traceparent,
-                           spec_token_ids=list(s.spec_token_ids), num_proposals=s.num_proposals,
-                           prompt_token_ids=req.prompt_token_ids)
-            if s.sample:
-                sp = seq.params = req.sampling_params
-                seq.num_output_tokens, seq.eos_token_ids = req.num_output_tokens, req.eos_token_ids
-                if sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
-                    seq.output_token_ids = req.output_token_ids
-            seqs.append(seq)
-        return cls(seqs)
+    return p.temperature < SAMPLING_EPS and p.logprobs is None and not p.has_penalties
 
 
 @dataclass
 class ModelRunnerOutput:
     """``sampled``: request id -> its new tokens (accepted proposals, then the target's own
     token; one token without speculation). ``logprobs``: request id -> {token id: logprob}
-    of its one new token (speculating requests never ask). ``proposals``: the draft's
-    proposals for each request's next step; ``propose_seconds``: time the draft took."""
+    of its one new token (speculating requests never ask). ``proposals``: the proposals for
+    each asking request's next step (none where no proposer had any); ``propose_seconds``: time
+    the proposers took."""
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, dict[int, float]] | None
@@ -219,7 +159,10 @@ class ModelRunner:
                                       cfg.block_size, self.device)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self.proposer = None           # the draft model (last stage, speculative_method 'draft')
+        # prompt lookup answers a step's asks for proposals under 'ngram' and 'ngram+draft', and on
+        # any runner without a draft model (the one proposer it has)
+        self.lookup = self.model.is_last and ("ngram" in cfg.speculative_method.split("+") or not cfg.uses_draft)
+        self.proposer = None           # the draft model (last stage, speculative_method 'draft' / 'ngram+draft')
         self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}   # id -> last proposal, its q
         if cfg.uses_draft and self.model.is_last:
             from workers.spec_decode.draft import DraftProposer
@@ -270,7 +213,7 @@ class ModelRunner:
             return hidden
         with torch.profiler.record_function("sample"):
             out = self._sample(hidden, sample_idx, sample_seqs)
-        if self.proposer is not None:
+        if self.proposer is not None or (self.lookup and any(s.num_proposals for s in step.seqs)):
             with torch.profiler.record_function("propose"):
                 self._propose(step, out)
         return out
@@ -333,11 +276,32 @@ class ModelRunner:
         return stored[1][:k]
 
     def _propose(self, step: StepInput, out: ModelRunnerOutput) -> None:
-        """Run the draft over every sequence of the step: it writes K/V for the tokens the
-        target committed (the chunk, the accepted proposals and, for a sequence asking for
-        proposals, the new token) and proposes each sampling sequence's next tokens."""
-        from workers.spec_decode.draft import DraftInput
+        """The next step's proposals of the sequences that ask (``num_proposals``) into
+        ``out.proposals``: prompt lookup over the sequence's prompt, output and new tokens; then
+        the draft (when there is one) over every sequence of the step: it writes K/V for the
+        tokens the target committed (the chunk, the accepted proposals and, for a sequence asking
+        it for proposals, the new token) and proposes where the lookup found nothing."""
         t0 = time.perf_counter()
+        looked_up: set[str] = set()
+        if self.lookup:
+            for s in step.seqs:
+                new = out.sampled.get(s.request_id) if s.num_proposals else None
+                if new:
+                    found = propose_ngram(s.prompt_token_ids + s.output_token_ids + new, s.num_proposals,
+                                          self.cfg.prompt_lookup_max, self.cfg.prompt_lookup_min)
+                    if found:
+                        out.proposals[s.request_id] = found
+                        looked_up.add(s.request_id)
+                        self.draft_probs.pop(s.request_id, None)     # a point mass, not the draft's q
+        if self.proposer is not None:
+            self._propose_draft(step, out, looked_up)
+        out.propose_seconds = time.perf_counter() - t0
+
+    def _propose_draft(self, step: StepInput, out: ModelRunnerOutput, looked_up: set[str]) -> None:
+        """The draft over every sequence of the step; it proposes for the asking sequences not in
+        ``looked_up`` (which then keep their lookup's proposals, and the draft K/V it did not
+        write this step stays for the draft to catch up on)."""
+        from workers.spec_decode.draft import DraftInput
         inputs = []
         for s in step.seqs:
             toks, m, params, gen = list(s.token_ids), 0, None, None
@@ -345,7 +309,7 @@ class ModelRunner:
                 new = out.sampled.get(s.request_id, [])
                 toks += new[:-1]                       # accepted proposals
                 params = s.params
-                if s.num_proposals and new:
+                if s.num_proposals and new and s.request_id not in looked_up:
                     toks.append(new[-1])
                     m = s.num_proposals
                     gen = self._generator(s)
@@ -356,7 +320,6 @@ class ModelRunner:
                 out.proposals[rid] = list(p.token_ids)
                 if p.probs is not None:
                     self.draft_probs[rid] = (list(p.token_ids), p.probs)
-        out.propose_seconds = time.perf_counter() - t0
 
     @staticmethod
     def _suppress_stops(logits: torch.Tensor, seqs: list[SeqInput]) -> None:

@@ -5,8 +5,8 @@ also the final norm, lm_head, sampler and, with ``speculative_method=draft``, th
 ids are the replica's: every stage has the same number of blocks, indexed by the same block
 tables.
 
-Steps arrive as incremental messages (:class:`workers.step_delta.StepDelta`): the stage keeps
-each request's prompt-side data and block table (:class:`workers.step_delta.StepDecoder`) and
+Steps arrive as incremental messages (:class:`workers.step.StepDelta`): the stage keeps
+each request's prompt-side data and block table (:class:`workers.step.StepDecoder`) and
 rebuilds the full sequences the runner takes; the last stage also keeps each request's output
 history (penalties, ``min_tokens``).
 
@@ -37,7 +37,7 @@ from kvmesh.core import telemetry
 from kvmesh.core.errors import DependencyUnavailableError, EngineError
 from kvmesh.core.telemetry import StageSpans
 from workers.model_runner import ModelRunner, ModelRunnerOutput
-from workers.step_delta import StepDecoder, StepDelta
+from workers.step import StepDecoder, StepDelta
 
 log = logging.getLogger(__name__)
 

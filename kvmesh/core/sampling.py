@@ -106,3 +106,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty reads the token history (repetition: prompt and output; presence
+        and frequency: output), so each next token's distribution depends on the tokens before."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)

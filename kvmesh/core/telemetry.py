@@ -16,7 +16,7 @@ Each service gets its own TracerProvider (``kvmesh serve`` runs the gateway and 
 one process, each under its own service name); none is installed as the global provider.
 Context crosses process boundaries as a W3C ``traceparent``: gRPC metadata between gateway and
 scheduler (:func:`inject_metadata`, :func:`extract_metadata`), a field of
-:class:`workers.model_runner.SeqInput` into the Ray stage actors (:class:`StageSpans`).
+:class:`workers.step.SeqInput` into the Ray stage actors (:class:`StageSpans`).
 """
 
 from __future__ import annotations

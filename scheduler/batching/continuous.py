@@ -10,9 +10,11 @@ waiting request is admitted in that step.
 Speculative decoding (docs/spec_decode.md): a decoding request with proposals
 (``Request.spec_token_ids``) runs ``1 + k`` tokens in one step (its last token and ``k``
 proposals, ``k`` at most its adaptive ``spec_k``); the ``k`` proposals count against the token
-budget and get KV slots. With a draft model, a sampling row that asks the draft for ``m``
-proposals also gets ``1 + m`` lookahead slots (vLLM v1's ``num_lookahead_tokens``). After the
-step, :meth:`Scheduler.update` rolls back rejected proposals and lookahead slots.
+budget and get KV slots. A sampling row asks the runner for ``m`` proposals for its next step
+(prompt lookup, the draft, or both: the runner's proposers, ``workers/model_runner.py``); with a
+draft model it also gets ``1 + m`` lookahead slots, where the draft writes the new token's and
+its own proposals' K/V (vLLM v1's ``num_lookahead_tokens``). After the step,
+:meth:`Scheduler.update` rolls back rejected proposals and lookahead slots.
 
 Speculation under load (``speculative_max_batch_tokens`` = B): a verify pass reads the weights
 once for all its rows, so it costs about one decode step only while the step's rows stay few;
@@ -42,7 +44,7 @@ class ContinuousBatching(Scheduler):
             step without decodes (a cold start) still prefills the whole budget (vLLM's
             ``long_prefill_token_threshold`` caps every step; this caps only the shared ones).
         speculative_method: ``""`` (off), ``ngram``, ``draft`` or ``ngram+draft`` (prompt lookup
-            where it matches, the draft asked for the next step only where it did not).
+            where it matches, the draft where it does not).
         num_speculative_tokens: the most proposals verified per request and step (k).
         speculative_adaptive: adapt each request's k to its acceptance (docs/spec_decode.md).
         speculative_max_batch_tokens: the most tokens (rows x (1 + k)) a step may verify; 0: no
@@ -64,6 +66,7 @@ class ContinuousBatching(Scheduler):
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes if enable_chunked_prefill else 0
         self.speculative_method = speculative_method
         self.num_speculative_tokens = num_speculative_tokens if speculative_method else 0
+        self._draft = "draft" in speculative_method.split("+")    # lookahead slots for the draft's K/V
         self.speculative_adaptive = speculative_adaptive
         if speculative_max_batch_tokens < 0:
             raise SettingsError(f"speculative_max_batch_tokens must be >= 0, got {speculative_max_batch_tokens}")
@@ -117,7 +120,7 @@ class ContinuousBatching(Scheduler):
             n = min(left, budget) if left == 1 else min(left, budget, prefill_left)
             sample = req.num_computed_tokens + n == req.num_tokens
             spec, m = self._speculation(req, n, budget, sample)
-            done = bool(spec or m) and self.bm.allocate(req, n + len(spec) + (1 + m if m else 0))
+            done = bool(spec or m) and self.bm.allocate(req, n + len(spec) + self._lookahead(m))
             if not done:
                 spec, m = [], 0                  # no speculation, or short of blocks for it
             while not done and not self.bm.allocate(req, n):
@@ -145,12 +148,19 @@ class ContinuousBatching(Scheduler):
         n = sum(1 for r in self.running if r.request_id not in busy) + len(self.waiting)
         return max(0, min(self.num_speculative_tokens, cap // max(min(n, self.max_num_seqs), 1) - 1))
 
+    def _lookahead(self, m: int) -> int:
+        """KV slots past a row's tokens and proposals for ``m`` proposals of its next step: the
+        new token's and the draft's own (``1 + m``) with a draft model; none for prompt lookup,
+        which writes no K/V."""
+        return 1 + m if m and self._draft else 0
+
     def _speculation(self, req: Request, n: int, budget: int, sample: bool) -> tuple[list[int], int]:
         """What a row of ``n`` real tokens of ``req`` speculates this step: the proposals it
         verifies (a decode with proposals; at most ``spec_k``, this step's cap
         (:meth:`_speculation_cap`), the budget left after its own token, and one less than the
-        tokens it may still emit) and, with a draft model, how many proposals the draft makes for
-        its next step (a row that samples; at most ``spec_k`` and the cap)."""
+        tokens it may still emit) and how many proposals the runner makes for its next step (a
+        row that samples; at most ``spec_k``, the cap, and two less than the tokens it may
+        still emit: this step's token and the next step's own come on top)."""
         k_cap = self._k_cap
         if not (self.num_speculative_tokens and k_cap and sample and req.can_speculate()):
             return [], 0
@@ -159,10 +169,7 @@ class ContinuousBatching(Scheduler):
         if n == 1:
             k = min(len(req.spec_token_ids), req.spec_k, k_cap, budget - 1, left - 1)
             spec = req.spec_token_ids[:max(k, 0)]
-        m = 0
-        if self.speculative_method == "draft" or (self.speculative_method == "ngram+draft" and not req.lookup_hit):
-            m = max(0, min(req.spec_k, k_cap, left - 2))
-        return spec, m
+        return spec, max(0, min(req.spec_k, k_cap, left - 2))
 
     def _admit(self, out: SchedulerOutput, budget: int, prefill_left: int) -> None:
         """Move waiting requests into the batch (FCFS) while budget, the step's prompt tokens
@@ -182,9 +189,9 @@ class ContinuousBatching(Scheduler):
             n = min(remaining, budget, prefill_left)
             if n < remaining and not self.enable_chunked_prefill:
                 break
-            # a prefill that samples may ask the draft for proposals (lookahead slots)
+            # a prefill that samples may ask for proposals (with a draft model: lookahead slots)
             _, m = self._speculation(req, n, budget, sample=n == remaining)   # (no proposals yet)
-            if not (m and self.bm.allocate(req, n + 1 + m, hits, len(loaded))):
+            if not (m and self.bm.allocate(req, n + self._lookahead(m), hits, len(loaded))):
                 m = 0
                 if not self.bm.allocate(req, n, hits, len(loaded)):
                     break

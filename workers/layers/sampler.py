@@ -77,8 +77,7 @@ class SamplingMetadata:
         f32 = dict(dtype=torch.float32, device=device)
         top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         use_rep = any(p.repetition_penalty != 1.0 for p in params)
-        no_penalties = not use_rep and all(
-            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params)
+        no_penalties = not any(p.has_penalties for p in params)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], **f32),
