@@ -29,7 +29,7 @@ generator of :mod:`bench.serve`: ``--num-prompts`` PolicyDesk requests (``load_r
 exactly ``--max-tokens`` output tokens (EOS ignored), after one unmeasured warm-up request per
 replica. Reported per row:
 
-- output tokens/s, TTFT p50/p90, ITL p50 (client side, :func:`bench.serve.summarize`)
+- output tokens/s, TTFT p50/p90, ITL p50 (client side, :func:`bench.serve.metrics.summarize`)
 - peak RSS of the server process (weights, KV pool, activations, gRPC, tokenizer; every
   replica, since executor ``local`` keeps them in that one process): its ``VmHWM``
   (/proc/PID/status) read after the load run and the faithfulness answers, before it stops

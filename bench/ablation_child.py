@@ -80,7 +80,7 @@ def _bytes_per_block(engine: dict) -> int:
     from kvmesh.core.engine_config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.checkpoint import load_config
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
 
     cfg = EngineConfig(**engine)
     m = load_config(resolve_model(cfg.model))
@@ -90,7 +90,9 @@ def _bytes_per_block(engine: dict) -> int:
 
 async def _measure(gateway: str, scheduler: str, spec: dict, replicas: int) -> dict:
     from bench import faithfulness
-    from bench.serve import load_requests, run_benchmark, summarize
+    from bench.serve.load import run_benchmark
+    from bench.serve.metrics import summarize
+    from bench.serve.workload import load_requests
 
     requests = load_requests("policydesk", num_prompts=spec["num_prompts"], seed=spec["seed"],
                              max_tokens=spec["max_tokens"])

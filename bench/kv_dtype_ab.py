@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from kvmesh.core.engine_config import EngineConfig
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     from scheduler.engine import LLMEngine
     from workers import kernels
 

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--scenarios", default="evicted,other-replica")
     add_output_args(p, table=False)
     args = p.parse_args(argv)
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
     chats = conversations(args.chats)

@@ -6,7 +6,7 @@
 
 For every run a new Python process imports kvmesh's loader (from ``--code``, default this
 checkout: pass another checkout to measure its loader on the same machine), resolves the model
-(``kvmesh.hub.resolve_model`` without pulling; ``$KVMESH_HOME`` as usual), and records
+(``kvmesh.hub.pull.resolve_model`` without pulling; ``$KVMESH_HOME`` as usual), and records
 the following. With a quantized ``--weight-format`` a first process builds the quantized
 checkpoint cache (``ensure_quantized``, int4 group 128, calibration on, default data) unmeasured,
 so that the runs measure loading it.
@@ -72,7 +72,7 @@ def measure_once(model: str, dtype: str, device: str, max_positions: int, thread
     import workers
     from workers.checkpoint import safetensors_files
     from workers.loader import load_model, weight_bytes
-    from kvmesh.hub import ensure_dense, resolve_model
+    from kvmesh.hub.pull import ensure_dense, resolve_model
 
     torch.set_num_threads(threads)
     model_dir = ensure_dense(resolve_model(model, pull_if_missing=False))   # a one-time conversion, not measured
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
         if a.prepare:
             from workers.quant.store import ensure_quantized
-            from kvmesh.hub import resolve_model
+            from kvmesh.hub.pull import resolve_model
             ensure_quantized(resolve_model(a.model, pull_if_missing=False), a.weight_format)
             return 0
         print(json.dumps(measure_once(a.model, a.dtype, a.device, a.max_positions, a.threads, a.weight_format)))

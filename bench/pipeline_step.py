@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     from bench.machine import cpu_model
     from kvmesh.core.engine_config import EngineConfig
     from workers.executor import InProcessExecutor, RayPipelineExecutor, ensure_ray
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
 
     torch.set_num_threads(1)
     model_dir = str(resolve_model(args.model))

@@ -41,7 +41,7 @@ CHUNK = 64
 
 def _resolved(cfg: EngineConfig):
     from workers.checkpoint import load_config
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     model_dir = resolve_model(cfg.model)
     m = load_config(model_dir)
     return cfg.replace(max_model_len=cfg.max_model_len or min(m.max_position_embeddings, 8192)), model_dir

@@ -149,7 +149,7 @@ def quality(args, specs: list[tuple[str, str]]) -> str:
     from workers.kv_cache import allocate_kv_cache
     from workers.layers.attention import AttentionMetadata, PrefillChunk
     from workers.loader import load_model
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     model_dir = resolve_model(args.model)
     ids = quality_text_ids(model_dir, args.quality_text)
     n, nb = len(ids), -(-len(ids) // 16)
@@ -214,11 +214,11 @@ def table(rows: list[dict], dense_fp32_bytes: int | None) -> str:
 def _prepare(args, fmt: str) -> int:
     """Build the quantized checkpoint (parent, uncapped) and return its weight bytes on disk
     (dense: 4 bytes x parameters of the checkpoint, plus a tied lm_head's copy)."""
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     model_dir = resolve_model(args.model)
     if fmt == "none":
         from safetensors import safe_open
-        from kvmesh.hub import ensure_dense
+        from kvmesh.hub.pull import ensure_dense
         from workers.checkpoint import load_config, safetensors_files
         ensure_dense(model_dir)
         n = 0

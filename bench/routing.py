@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     from kvmesh.core.engine_config import EngineConfig
     from workers.kv_cache import bytes_per_block, kv_dtype
     from workers.checkpoint import load_config
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
 
     t_start = time.time()
     model_dir = resolve_model(args.model)

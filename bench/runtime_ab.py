@@ -90,7 +90,7 @@ def _offline(model: str, rounds: int) -> dict:
     import tempfile
     from pathlib import Path
 
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     with tempfile.TemporaryDirectory() as tmp:
         _, prompts = write_workload(Path(resolve_model(model)), 48, [16, 32, 64, 128, 256, 64], Path(tmp))
         rows = rc.load_prompts(str(prompts))
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvmesh.core.engine_config import EngineConfig
     from scheduler.engine import LLMEngine
     from workers import kernels
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     engine = LLMEngine(EngineConfig(model=args.model, dtype="bfloat16", max_num_seqs=max(64, args.batch),
                                     num_threads=args.threads))
     runner = engine.executor.runner

@@ -32,7 +32,7 @@ Systems (``--systems``; each in a process of its own except ``inprocess``, one a
 
 Every system serves the same requests (greedy, exactly ``max_tokens`` tokens: EOS ignored), after
 ``--warmups`` requests one at a time that are not recorded, with the load generator of
-``kvmesh bench serve`` (:func:`bench.serve.run_benchmark`, client-side TTFT / TPOT / ITL).
+``kvmesh bench serve`` (:func:`bench.serve.load.run_benchmark`, client-side TTFT / TPOT / ITL).
 Prints one table per load and the ratios kvmesh / vLLM and kvmesh / in-process; ``--out`` keeps
 the JSON.
 
@@ -54,7 +54,9 @@ from pathlib import Path
 from bench import command
 from bench.machine import cpu_model
 from bench.markdown import add_output_args
-from bench.serve import RequestRecord, StreamTimer, load_requests, run_benchmark, summarize
+from bench.serve.load import run_benchmark
+from bench.serve.metrics import RequestRecord, StreamTimer, summarize
+from bench.serve.workload import load_requests
 
 SYSTEMS = ("kvmesh", "kvmesh-thread", "kvmesh-1thread", "inprocess", "vllm", "llamacpp")
 EXTRA_ARGS = {"kvmesh": [], "kvmesh-thread": ["--no-engine-process"], "kvmesh-1thread": ["--num-threads", "1"]}
@@ -136,7 +138,7 @@ def _kvmesh(loads: dict, args, extra: list[str]) -> dict:
 
 def _vllm(loads: dict, args, workdir: Path) -> dict:
     from bench.peers.compare import free_port, http_server, peer_python
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
 
     py = peer_python("vllm")
     if not py.exists():

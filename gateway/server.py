@@ -457,7 +457,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
 
     The port is bound first (health NOT_SERVING, RPCs UNAVAILABLE meanwhile); then the scheduler
     at ``cfg.scheduler_address`` is awaited (GetModelInfo, up to ``cfg.connect_timeout`` seconds),
-    the served model's tokenizer is loaded (``kvmesh.hub.resolve_model`` of the scheduler's
+    the served model's tokenizer is loaded (``kvmesh.hub.pull.resolve_model`` of the scheduler's
     model name: a known name, pulled if missing, or a directory that must exist here too), and
     health follows the scheduler's (module docstring) from its first answer on, which this
     waits for (within ``connect_timeout``). Prometheus metrics on ``cfg.host:metrics_port`` when it is not -1
@@ -474,7 +474,7 @@ async def serve_gateway(cfg: GatewayConfig) -> GatewayServer:
     """
     from gateway.text import load_tokenizer
     from kvmesh.core import tls
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
 
     cfg.check_tls()
     keys = ApiKeys.load(cfg.api_keys_file)

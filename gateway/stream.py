@@ -168,7 +168,7 @@ class RequestPath:
         self.metrics = GatewayMetrics(self)
 
     def set_model(self, info: scheduler_pb2.GetModelInfoResponse, tokenizer) -> None:
-        from kvmesh.hub import canonical_name
+        from kvmesh.hub.manifest import canonical_name
         text = TextFront()
         text.tokenizer = tokenizer
         self.text, self.info = text, info

@@ -86,7 +86,7 @@ class LLMEngine:
 
     def __init__(self, cfg: EngineConfig, *, executor=None, executor_factory=None,
                  kv_event_sink: KVEventSink | None = None, num_blocks: int | None = None):
-        from kvmesh.hub import resolve_model   # a known name is pulled on first use
+        from kvmesh.hub.pull import resolve_model  # a known name is pulled on first use
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
         if cfg.num_threads:

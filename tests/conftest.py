@@ -130,7 +130,7 @@ def _module_memory(request):
 def smollm2_dir():
     """The pulled test model with its dense safetensors (`make pull` converts them at pull time):
     tests read it with transformers (parity) and serve it with --weight-format none."""
-    from kvmesh.hub import ensure_dense
+    from kvmesh.hub.pull import ensure_dense
     return ensure_dense("smollm2-135m-instruct")
 
 

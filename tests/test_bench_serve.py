@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from bench import serve
-from bench.serve import BenchRequest, RequestRecord, StreamTimer
+from bench.serve.backends import kvmesh_request
+from bench.serve.load import arrival_times, run_benchmark
+from bench.serve.metrics import benchmark_duration, parse_goodput, report, RequestRecord, StreamTimer, summarize
+from bench.serve.plots import plot_sweep, plot_ttft
+from bench.serve.workload import BenchRequest, load_requests, load_workload, save_workload
 from kvmesh.core.errors import EngineError
 
 MODEL = "smollm2-135m-instruct"
@@ -61,7 +64,7 @@ RECORDS = [
 
 
 def test_summarize_hand_computed():
-    s = serve.summarize(RECORDS, 2.0, percentiles=(50, 90, 99.9))
+    s = summarize(RECORDS, 2.0, percentiles=(50, 90, 99.9))
     assert (s["completed"], s["failed"], s["duration"]) == (3, 1, 2.0)
     assert (s["total_input_tokens"], s["total_output_tokens"], s["total_cached_tokens"]) == (60, 8, 20)
     assert s["prefix_cache_hit_rate"] == pytest.approx(20 / 60)
@@ -86,26 +89,26 @@ def test_summarize_hand_computed():
 
 def test_goodput_slos():
     # ttft <= 300 and tpot <= 150: a (100, 133) good, b (200, one token = 0) good, c (400) not
-    s = serve.summarize(RECORDS, 2.0, goodput_slos={"ttft": 300, "tpot": 150})
+    s = summarize(RECORDS, 2.0, goodput_slos={"ttft": 300, "tpot": 150})
     assert s["request_goodput"] == pytest.approx(1.0)
     # + e2el <= 450: a (500) fails too
-    s = serve.summarize(RECORDS, 2.0, goodput_slos=serve.parse_goodput(["ttft:300", "tpot:150", "e2el:450"]))
+    s = summarize(RECORDS, 2.0, goodput_slos=parse_goodput(["ttft:300", "tpot:150", "e2el:450"]))
     assert s["request_goodput"] == pytest.approx(0.5)
     # tpot <= 150 alone: a 133 good, b good, c 200 not
-    assert serve.summarize(RECORDS, 2.0, goodput_slos={"tpot": 150})["request_goodput"] == pytest.approx(1.0)
+    assert summarize(RECORDS, 2.0, goodput_slos={"tpot": 150})["request_goodput"] == pytest.approx(1.0)
 
 
 def test_duration_from_records_and_empty_metrics():
-    assert serve.benchmark_duration(RECORDS) == pytest.approx(9.5)     # d: start 0.5 + e2el 9.0
-    s = serve.summarize(RECORDS[3:], None)
+    assert benchmark_duration(RECORDS) == pytest.approx(9.5)     # d: start 0.5 + e2el 9.0
+    s = summarize(RECORDS[3:], None)
     assert s["completed"] == 0 and s["failed"] == 1 and s["mean_ttft_ms"] is None and s["p99_itl_ms"] is None
-    assert "-" in serve.report(s, (50, 99))
+    assert "-" in report(s, (50, 99))
 
 
 @pytest.mark.parametrize("items", [["ttft"], ["ttft:0"], ["latency:10"], ["tpot:x"]])
 def test_parse_goodput_rejects(items):
     with pytest.raises(EngineError, match="goodput"):
-        serve.parse_goodput(items)
+        parse_goodput(items)
 
 
 # ---- arrivals and concurrency ---------------------------------------------------------------------
@@ -114,7 +117,7 @@ def test_parse_goodput_rejects(items):
 def test_arrival_gaps_gamma(burstiness):
     """Gaps of mean 1/rate; coefficient of variation 1/sqrt(burstiness) (1: Poisson). Seeded, 20k gaps:
     the sample statistics are within 3% (their standard errors are below 1%)."""
-    t = serve.arrival_times(20001, 4.0, burstiness, np.random.default_rng(123))
+    t = arrival_times(20001, 4.0, burstiness, np.random.default_rng(123))
     gaps = np.diff(t)
     assert t[0] == 0.0 and np.all(gaps >= 0)
     assert gaps.mean() == pytest.approx(0.25, rel=0.03)
@@ -122,11 +125,11 @@ def test_arrival_gaps_gamma(burstiness):
 
 
 def test_arrivals_inf_and_bad_values():
-    assert np.array_equal(serve.arrival_times(5, float("inf")), np.zeros(5))
+    assert np.array_equal(arrival_times(5, float("inf")), np.zeros(5))
     with pytest.raises(EngineError, match="request_rate"):
-        serve.arrival_times(3, 0.0)
+        arrival_times(3, 0.0)
     with pytest.raises(EngineError, match="burstiness"):
-        serve.arrival_times(3, 1.0, 0.0)
+        arrival_times(3, 1.0, 0.0)
 
 
 class FakeBackend:
@@ -167,19 +170,19 @@ def _single(n: int) -> list[BenchRequest]:
 @pytest.mark.parametrize("limit", [1, 3])
 async def test_max_concurrency_never_exceeded(limit):
     fake = FakeBackend()
-    recs = await serve.run_benchmark(fake, "", _single(12), max_concurrency=limit, progress=False)
+    recs = await run_benchmark(fake, "", _single(12), max_concurrency=limit, progress=False)
     assert fake.max_in_flight == limit                   # reached (all arrive at t=0) and never exceeded
     assert [r.id for r in recs] == [f"q{i}" for i in range(12)] and all(r.success for r in recs)
     unlimited = FakeBackend()
-    await serve.run_benchmark(unlimited, "", _single(12), progress=False)
+    await run_benchmark(unlimited, "", _single(12), progress=False)
     assert unlimited.max_in_flight == 12
 
 
 async def test_requests_are_sent_no_earlier_than_their_arrival():
     fake = FakeBackend(chunks=1)
-    recs = await serve.run_benchmark(fake, "", _single(8), request_rate=200.0, burstiness=0.5, seed=7,
+    recs = await run_benchmark(fake, "", _single(8), request_rate=200.0, burstiness=0.5, seed=7,
                                      progress=False)
-    planned = serve.arrival_times(8, 200.0, 0.5, np.random.default_rng(7))
+    planned = arrival_times(8, 200.0, 0.5, np.random.default_rng(7))
     starts = [r.start_time for r in recs]
     assert all(s >= p - 1e-6 for s, p in zip(starts, planned))
     assert starts == sorted(starts)
@@ -190,7 +193,7 @@ async def test_sessions_send_next_turn_after_the_answer_with_it_in_history():
     reqs = [BenchRequest(id=f"s{i}", messages=[{"role": "system", "content": f"policy {i}"}],
                          turns=["first?", "second?", "third?"], max_tokens=3) for i in range(3)]
     fake = FakeBackend()
-    recs = await serve.run_benchmark(fake, "", reqs, max_concurrency=2, progress=False)
+    recs = await run_benchmark(fake, "", reqs, max_concurrency=2, progress=False)
     assert len(recs) == 9 and all(r.success for r in recs)
     for i in range(3):
         ids = [f"s{i}/{k}" for k in range(3)]
@@ -212,10 +215,10 @@ async def test_sessions_send_next_turn_after_the_answer_with_it_in_history():
 async def test_failed_turn_ends_its_session():
     reqs = [BenchRequest(id="s", messages=[], turns=["a", "b", "c"])]
     fake = FakeBackend(fail={"s/1"})
-    recs = await serve.run_benchmark(fake, "", reqs, progress=False)
+    recs = await run_benchmark(fake, "", reqs, progress=False)
     assert [(r.id, r.success) for r in recs] == [("s/0", True), ("s/1", False), ("s/2", False)]
     assert "s/2" not in fake.seen and recs[2].error == "not sent: turn 1 failed"
-    assert serve.summarize(recs)["failed"] == 2
+    assert summarize(recs)["failed"] == 2
 
 
 # ---- the openai-chat backend against a real HTTP server ------------------------------------------
@@ -266,7 +269,7 @@ async def test_openai_chat_backend_over_http():
     try:
         reqs = [BenchRequest(id="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5),
                 BenchRequest(id="p", prompt="random text", prompt_token_ids=[1, 2, 3], max_tokens=2)]
-        recs = await serve.run_benchmark("openai-chat", url, reqs, ignore_eos=True, progress=False)
+        recs = await run_benchmark("openai-chat", url, reqs, ignore_eos=True, progress=False)
         for r in recs:
             assert r.success, r.error
             assert r.text == "Hello world" and r.finish_reason == "stop"
@@ -279,7 +282,7 @@ async def test_openai_chat_backend_over_http():
         assert m["stream"] is True and m["stream_options"] == {"include_usage": True}
         assert m["ignore_eos"] is True and m["temperature"] == 0.0 and "seed" not in m
         assert p["messages"] == [{"role": "user", "content": "random text"}]
-        bad = await serve.run_benchmark("openai-chat", url, reqs[:1], model="boom", progress=False)
+        bad = await run_benchmark("openai-chat", url, reqs[:1], model="boom", progress=False)
         assert not bad[0].success and "HTTP 500" in bad[0].error and "model exploded" in bad[0].error
     finally:
         await runner.cleanup()
@@ -287,35 +290,35 @@ async def test_openai_chat_backend_over_http():
 
 async def test_unreachable_backends_raise():
     with pytest.raises(EngineError, match="backend"):
-        await serve.run_benchmark("tgi", "x", _single(1), progress=False)
+        await run_benchmark("tgi", "x", _single(1), progress=False)
     with pytest.raises(ConnectionError, match="--model"):
-        await serve.run_benchmark("openai-chat", "http://127.0.0.1:9/v1", _single(1), progress=False)
+        await run_benchmark("openai-chat", "http://127.0.0.1:9/v1", _single(1), progress=False)
 
 
 # ---- data sets and workload files -----------------------------------------------------------------
 
 def test_policydesk_datasets():
-    qs = serve.load_requests("policydesk", num_prompts=None, seed=0, max_tokens=64)
+    qs = load_requests("policydesk", num_prompts=None, seed=0, max_tokens=64)
     assert len(qs) == 96 and len({q.id for q in qs}) == 96
     q = qs[0]
     assert [m["role"] for m in q.messages] == ["system", "user"] and q.max_tokens == 64
     assert q.messages[1]["content"] == q.info["question"] and "reference_answer" in q.info
     assert q.messages[0]["content"].startswith("You are PolicyDesk")
-    again = serve.load_requests("policydesk", num_prompts=100, seed=0, max_tokens=64)
+    again = load_requests("policydesk", num_prompts=100, seed=0, max_tokens=64)
     assert [r.id for r in again[:96]] == [r.id for r in qs] and again[96].id.endswith("#1")
-    other = serve.load_requests("policydesk", num_prompts=96, seed=1, max_tokens=64)
+    other = load_requests("policydesk", num_prompts=96, seed=1, max_tokens=64)
     assert [r.id for r in other] != [r.id for r in qs] and {r.id for r in other} == {r.id for r in qs}
-    chats = serve.load_requests("policydesk-chat", num_prompts=None, seed=0, max_tokens=64)
+    chats = load_requests("policydesk-chat", num_prompts=None, seed=0, max_tokens=64)
     assert len(chats) == 24 and sum(c.num_requests for c in chats) == 116
     c = chats[0]
     assert [m["role"] for m in c.messages] == ["system"] and c.session_id == c.id
     assert c.turns == [t["user"] for t in c.info["turns"]]
     with pytest.raises(EngineError, match="dataset"):
-        serve.load_requests("sharegpt", num_prompts=1, seed=0, max_tokens=1)
+        load_requests("sharegpt", num_prompts=1, seed=0, max_tokens=1)
 
 
 def test_random_dataset_lengths(smollm2_tokenizer):
-    reqs = serve.load_requests("random", num_prompts=50, seed=3, max_tokens=1, random_input_len=40,
+    reqs = load_requests("random", num_prompts=50, seed=3, max_tokens=1, random_input_len=40,
                                random_output_len=10, random_range_ratio=0.5, tokenizer=smollm2_tokenizer)
     special = set(smollm2_tokenizer.all_special_ids)
     ins = [len(r.prompt_token_ids) for r in reqs]
@@ -324,30 +327,30 @@ def test_random_dataset_lengths(smollm2_tokenizer):
     assert min(outs) >= 5 and max(outs) <= 15
     assert not special & {i for r in reqs for i in r.prompt_token_ids}
     assert reqs[0].prompt == smollm2_tokenizer.decode(reqs[0].prompt_token_ids) and reqs[0].messages is None
-    fixed = serve.load_requests("random", num_prompts=4, seed=3, max_tokens=1, random_input_len=16,
+    fixed = load_requests("random", num_prompts=4, seed=3, max_tokens=1, random_input_len=16,
                                 random_output_len=4, tokenizer=smollm2_tokenizer)
     assert {len(r.prompt_token_ids) for r in fixed} == {16} and {r.max_tokens for r in fixed} == {4}
 
 
 def test_workload_round_trip(tmp_path):
-    reqs = serve.load_requests("policydesk", num_prompts=3, seed=0, max_tokens=32)
+    reqs = load_requests("policydesk", num_prompts=3, seed=0, max_tokens=32)
     reqs += [BenchRequest(id="tok", prompt="x y", prompt_token_ids=[5, 6], max_tokens=4)]
     path = tmp_path / "w.jsonl"
-    serve.save_workload(path, reqs)
+    save_workload(path, reqs)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert set(lines[0]) == {"id", "messages", "max_tokens", "info"} and lines[0]["max_tokens"] == 32
     assert lines[3] == {"id": "tok", "prompt": "x y", "prompt_token_ids": [5, 6], "max_tokens": 4}
-    assert serve.load_workload(path) == reqs
-    assert [r.id for r in serve.load_workload(path, 2)] == [r.id for r in reqs[:2]]
+    assert load_workload(path) == reqs
+    assert [r.id for r in load_workload(path, 2)] == [r.id for r in reqs[:2]]
     (tmp_path / "bad.jsonl").write_text('{"id": "x", "max_tokens": 3}\n')
     with pytest.raises(EngineError, match="needs messages"):
-        serve.load_workload(tmp_path / "bad.jsonl")
+        load_workload(tmp_path / "bad.jsonl")
 
 
 def test_plots_write_pngs(tmp_path):
-    serve.plot_ttft({"1 req/s": RECORDS, "inf req/s": RECORDS[:2]}, tmp_path / "ttft.png")
-    rows = [{"request_rate": r, **serve.summarize(RECORDS, d)} for r, d in ((1.0, 4.0), (float("inf"), 2.0))]
-    serve.plot_sweep(rows, tmp_path / "sweep.png")
+    plot_ttft({"1 req/s": RECORDS, "inf req/s": RECORDS[:2]}, tmp_path / "ttft.png")
+    rows = [{"request_rate": r, **summarize(RECORDS, d)} for r, d in ((1.0, 4.0), (float("inf"), 2.0))]
+    plot_sweep(rows, tmp_path / "sweep.png")
     for name in ("ttft.png", "sweep.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -384,7 +387,7 @@ def test_bench_serve_against_a_real_mesh(tmp_path, smollm2_tokenizer, monkeypatc
             BenchRequest(id="sess", messages=[{"role": "system", "content": system}],
                          turns=["When do you open?", "And on Sundays?"], max_tokens=4)]
     wl, out, plots = tmp_path / "w.jsonl", tmp_path / "r.json", tmp_path / "plots"
-    serve.save_workload(wl, work)
+    save_workload(wl, work)
     from kvmesh import cli
     rc = cli.main(["bench", "serve", "--workload", str(wl), "--model", MODEL, "--executor", "local",
                    "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
@@ -426,7 +429,7 @@ def test_bench_serve_openai_chat_against_kvmesh_http(tmp_path, monkeypatch, caps
             BenchRequest(id="sess", messages=[{"role": "system", "content": system}],
                          turns=["When do you open?", "And on Sundays?"], max_tokens=4)]
     wl, out = tmp_path / "w.jsonl", tmp_path / "r.json"
-    serve.save_workload(wl, work)
+    save_workload(wl, work)
     from kvmesh import cli
     rc = cli.main(["bench", "serve", "--backend", "openai-chat", "--workload", str(wl), "--model", MODEL,
                    "--executor", "local", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
@@ -461,7 +464,7 @@ async def test_kvmesh_request_timeout_sets_the_rpc_deadline(timeout, expect):
             return stream()
 
     req = BenchRequest(id="q", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    await serve.kvmesh_request(Stub(), req, {"temperature": 0.0, "ignore_eos": True, "seed": None,
+    await kvmesh_request(Stub(), req, {"temperature": 0.0, "ignore_eos": True, "seed": None,
                                              "timeout": timeout})
     assert sent[0].HasField("timeout") is expect
     if expect:

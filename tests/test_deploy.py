@@ -53,7 +53,7 @@ HEALTH_SCRIPT = DEPLOY / "grpc_health_check.py"
 CONFIGS = (EngineConfig, SchedulerConfig, GatewayConfig)
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 LLM_SERVICE = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
-# KVMESH_* variables that are not config fields: the model cache root (kvmesh.hub.kvmesh_home).
+# KVMESH_* variables that are not config fields: the model cache root (kvmesh.hub.cache.kvmesh_home).
 NON_CONFIG_VARS = {"KVMESH_HOME"}
 REDIS_PORT, OTLP_GRPC_PORT, RAY_CLIENT_DEFAULT_PORT, RAY_GCS_DEFAULT_PORT = 6379, 4317, 10001, 6379
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -375,8 +375,8 @@ def test_kvmesh_variables_are_config_fields():
 def test_kvmesh_home_is_the_images_alone():
     """The scheduler hands the stage actors a model directory under its own KVMESH_HOME, so every
     container must keep the image's."""
-    from kvmesh import hub
-    assert "KVMESH_HOME" in inspect.getsource(hub.kvmesh_home)
+    from kvmesh.hub.cache import kvmesh_home
+    assert "KVMESH_HOME" in inspect.getsource(kvmesh_home)
     assert DF.env.get("KVMESH_HOME", "").startswith("/")
     for c in all_containers():
         assert "KVMESH_HOME" not in c.env, f"{c.where} overrides the image's KVMESH_HOME"
@@ -404,7 +404,7 @@ def test_container_settings_parse(c):
 
 
 def test_served_model_is_the_one_in_the_image():
-    from kvmesh.hub import canonical_name
+    from kvmesh.hub.manifest import canonical_name
     model = DF.args["MODEL"]
     assert model and canonical_name(model) == model, f"Dockerfile ARG MODEL={model!r} is not a known model"
     for name, svc in compose()["services"].items():

@@ -33,7 +33,7 @@ def _registry_tokenizer(name: str):
     """The tokenizer of a pulled model; skip (never pull) when it is not available."""
     from transformers import AutoTokenizer
 
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
 
     try:
         path = resolve_model(name, pull_if_missing=False)

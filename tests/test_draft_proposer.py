@@ -144,7 +144,7 @@ def test_truncated_draft_is_the_first_layers(smollm2_dir, prompts, h):
 
 
 def test_bad_drafts(smollm2_dir, tmp_path):
-    from kvmesh.hub import is_pulled
+    from kvmesh.hub.cache import is_pulled
     cfg_json = json.loads((smollm2_dir / "config.json").read_text())
     cfg_json["vocab_size"] += 64
     (tmp_path / "config.json").write_text(json.dumps(cfg_json))

@@ -120,7 +120,7 @@ def test_duplicate_request_id(llm, check_serving):
 
 def test_unknown_model_name():
     from kvmesh.llm import LLM
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     _raises("unknown model 'no-such-model'", resolve_model, "no-such-model")
     _raises("unknown model 'no-such-model'", LLM, model="no-such-model")
 

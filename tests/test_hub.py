@@ -20,8 +20,9 @@ import zipfile
 import pytest
 
 from kvmesh.core.errors import EngineError
-from kvmesh.hub import (DEFAULT_MODEL, FORMAT_VERSION, KNOWN_MODELS, MARKER, GGUFPart, ModelSpec, canonical_name,
-                        ensure_dense, is_pulled, kvmesh_home, model_dir, pull, pull_cli, resolve_model)
+from kvmesh.hub.cache import FORMAT_VERSION, MARKER, is_pulled, kvmesh_home, model_dir
+from kvmesh.hub.manifest import DEFAULT_MODEL, KNOWN_MODELS, GGUFPart, ModelSpec, canonical_name
+from kvmesh.hub.pull import ensure_dense, pull, pull_cli, resolve_model
 from kvmesh.hub import convert, download
 from kvmesh.hub.manifest import MANIFEST, read_manifest
 

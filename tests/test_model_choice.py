@@ -17,7 +17,7 @@ def test_parse_configs():
     with pytest.raises(ValueError, match="MODEL"):
         MC.parse_configs(["m:fp4"])
     # every known model is in the default list, dense first
-    from kvmesh.hub import KNOWN_MODELS
+    from kvmesh.hub.manifest import KNOWN_MODELS
     assert {m for m, _ in MC.CONFIGS} == set(KNOWN_MODELS)
     assert all(MC.CONFIGS[[m for m, _ in MC.CONFIGS].index(m)][1] == "none" for m, _ in MC.CONFIGS)
 

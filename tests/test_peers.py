@@ -5,7 +5,8 @@ import json
 
 from bench.peers import compare
 from bench.peers.gguf import gguf_path, peers_home
-from kvmesh.hub import KNOWN_MODELS, model_dir
+from kvmesh.hub.cache import model_dir
+from kvmesh.hub.manifest import KNOWN_MODELS
 
 
 def test_workload_files_hold_the_same_requests_as_kvmesh_tokenizes_them(tmp_path):

@@ -176,7 +176,7 @@ def test_int4_short_prompts_sane(qenv, h, prompt_ids, dense, calibration):
 
 
 def _only_cache_dir(prefix: str):
-    from kvmesh.hub import kvmesh_home
+    from kvmesh.hub.cache import kvmesh_home
     dirs = [d for d in (kvmesh_home() / "quantized" / "smollm2-135m-instruct").iterdir() if d.name.startswith(prefix)]
     assert len(dirs) == 1, dirs
     return dirs[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvmesh.core.errors import SettingsError
-from kvmesh.hub import ensure_dense
+from kvmesh.hub.pull import ensure_dense
 from workers.checkpoint import load_config, load_dense
 from workers.layers.linear import bind_fast_paths, pack_bf16_linears, pack_onednn_linears
 from workers.models.llama import LlamaForCausalLM, use_native_ops
@@ -56,7 +56,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
             by :func:`workers.quant.store.ensure_quantized` (built on first use from the whole
             dense model; docs/quantization.md). Not combined with ``num_layers``. Every format
             but ``gguf`` reads the dense checkpoint: a pulled known model gets its dense
-            safetensors converted from its GGUF first, once (:func:`kvmesh.hub.ensure_dense`;
+            safetensors converted from its GGUF first, once (:func:`kvmesh.hub.pull.ensure_dense`;
             for the quantized formats inside ``ensure_quantized``).
         group_size: int4 group size along in_features.
         calibration, calibration_data: AWQ (int4) / SmoothQuant (w8a8-int8) calibration on, and
@@ -66,7 +66,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     Raises:
         SettingsError: unsupported architecture, missing/unexpected tensor, shape mismatch,
             malformed weight file.
-        EngineError: the dense conversion of a pulled model failing (:func:`kvmesh.hub.ensure_dense`).
+        EngineError: the dense conversion of a pulled model failing (:func:`kvmesh.hub.pull.ensure_dense`).
     """
     model_dir = Path(model_dir)
     weight_format = resolve_weight_format(weight_format, model_dir)

@@ -415,7 +415,7 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
 
-    from kvmesh.hub import ensure_dense, resolve_model
+    from kvmesh.hub.pull import ensure_dense, resolve_model
     model_dir = resolve_model(args.model, pull_if_missing=False)
     if {"hf", "vllm"} & set(args.peers):    # they read the directory as a dense Hugging Face checkpoint
         ensure_dense(model_dir, why="the transformers / vLLM peers")

@@ -24,7 +24,8 @@ import tempfile
 
 from kvmesh.core.errors import EngineError
 # The hub's download steps are reused as they are, so the bytes and checks are the pull's own.
-from kvmesh.hub import get_spec, kvmesh_home
+from kvmesh.hub.cache import kvmesh_home
+from kvmesh.hub.manifest import get_spec
 from kvmesh.hub.download import download_wheels, join_parts, verify_gguf
 
 

@@ -34,15 +34,3 @@ Modules: :mod:`~bench.serve.workload` (requests, data sets, workload files),
 :mod:`~bench.serve.load` (arrivals and the run), :mod:`~bench.serve.metrics` (records, summary,
 report), :mod:`~bench.serve.plots`, :mod:`~bench.serve.command` (``kvmesh bench serve``).
 """
-
-from bench.serve.backends import BACKENDS, kvmesh_request, open_backend, openai_chat_request
-from bench.serve.load import arrival_times, run_benchmark
-from bench.serve.metrics import (RequestRecord, StreamTimer, benchmark_duration, parse_goodput, report,
-                                 summarize)
-from bench.serve.plots import plot_sweep, plot_ttft
-from bench.serve.workload import DATASETS, BenchRequest, load_requests, load_workload, save_workload
-
-__all__ = ["BACKENDS", "DATASETS", "BenchRequest", "RequestRecord", "StreamTimer", "arrival_times",
-           "benchmark_duration", "kvmesh_request", "load_requests", "load_workload", "open_backend",
-           "openai_chat_request", "parse_goodput", "plot_sweep", "plot_ttft", "report", "run_benchmark",
-           "save_workload", "summarize"]

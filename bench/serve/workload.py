@@ -155,7 +155,7 @@ def _tokenizer(name_or_tok):
         return name_or_tok
     from transformers import AutoTokenizer
 
-    from kvmesh.hub import resolve_model
+    from kvmesh.hub.pull import resolve_model
     name = str(name_or_tok or "smollm2-135m-instruct")
     path = Path(name) if Path(name).is_dir() else resolve_model(name)
     return AutoTokenizer.from_pretrained(str(path))

@@ -25,7 +25,8 @@ def register(sub) -> None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """``kvmesh models list``: every known model, pulled or not, and where."""
-    from kvmesh.hub import DEFAULT_MODEL, KNOWN_MODELS, is_pulled, kvmesh_home, model_dir
+    from kvmesh.hub.cache import is_pulled, kvmesh_home, model_dir
+    from kvmesh.hub.manifest import DEFAULT_MODEL, KNOWN_MODELS
 
     print(f"models live in {kvmesh_home() / 'models'} (KVMESH_HOME)")
     rows = [("NAME", "STATE", "UPSTREAM", "PATH")]
@@ -40,7 +41,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    """``kvmesh models pull [--dense] NAME...`` (:func:`kvmesh.hub.pull_cli`); a pulled model is a
+    """``kvmesh models pull [--dense] NAME...`` (:func:`kvmesh.hub.pull.pull_cli`); a pulled model is a
     no-op (with ``--dense``, unless its dense weights are missing)."""
-    from kvmesh.hub import pull_cli
+    from kvmesh.hub.pull import pull_cli
     return pull_cli(args.names, progress=not args.quiet, force=args.force, dense=args.dense)

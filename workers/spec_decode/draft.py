@@ -120,7 +120,7 @@ class DraftProposer:
 
     Args:
         cfg: engine settings: ``draft_model`` (known name or checkpoint directory, resolved
-            with :func:`kvmesh.hub.resolve_model`), ``draft_num_layers`` (0 = all),
+            with :func:`kvmesh.hub.pull.resolve_model`), ``draft_num_layers`` (0 = all),
             ``draft_max_model_len`` (0 = the draft's max_position_embeddings), ``model`` (for
             the vocabulary check), ``max_model_len``, ``dtype`` (weights, activations and the
             draft's KV cache; ``kv_cache_dtype`` applies to the target only), ``weight_format``
@@ -139,7 +139,7 @@ class DraftProposer:
     """
 
     def __init__(self, cfg: EngineConfig, num_blocks: int, block_size: int, device: torch.device):
-        from kvmesh.hub import resolve_model
+        from kvmesh.hub.pull import resolve_model
         if not cfg.draft_model:
             raise SettingsError("speculative_method 'draft' needs draft_model (--draft-model)")
         draft_dir = resolve_model(cfg.draft_model)
