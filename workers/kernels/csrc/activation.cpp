@@ -1,7 +1,6 @@
 // kvmesh::silu_and_mul_bf16: the gated MLP's activation, silu(gate) * up, of a stacked bfloat16
 // [T, 2 I] gate/up projection in one pass (vLLM's silu_and_mul), instead of ATen's chunk, silu
-// and mul (two passes over [T, I] with an intermediate tensor): 77 of ~880 ms of a 1.5k-token
-// SmolLM2 prefill on a Xeon with AMX.
+// and mul (two passes over [T, I] with an intermediate tensor) (figures: docs/engine.md, "Kernel constants and the measurements behind them").
 //
 // Numerics follow workers.models.llama.silu_and_mul in bfloat16: s = bf16(g / (1 + exp(-g)))
 // computed in float32, then out = bf16(float(s) * float(up)), both rounded to nearest even.

@@ -244,7 +244,7 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_data, c
   std::atomic<int64_t> next{0};
   // decode-only batches: one thread takes the KVH items of a key range (each cost class holds
   // whole head triples in plan order, so they stay adjacent after the stable sort): one core
-  // reads the range's whole token rows, not a third of each (measured 3-8% on a Zen 5); the
+  // reads the range's whole token rows, not a third of each (figures: docs/engine.md, "Kernel constants and the measurements behind them"); the
   // group goes to the kernel as one range, which the avx512bf16 decode pass runs as one pass
   // over the keys for all its heads (attn_decode.h), the other paths item by item
   bool few_rows = true;

@@ -22,8 +22,9 @@
 // (This replaced the row-dot kernel of Kernel::run for these items: that one reduced every
 // key's products horizontally and read each head's third of the token rows in its own pass.)
 
-constexpr int kDecodePF = 1;      // software prefetch distances in 16-key chunks: into L1
-constexpr int kDecodePF2 = 3;     // and into L2 (best measured on a Zen 5 of L1 1-4, L2 0-8)
+// software prefetch distances in 16-key chunks, into L1 and into L2 (figures: docs/engine.md, "Kernel constants and the measurements behind them")
+constexpr int kDecodePF = 1;
+constexpr int kDecodePF2 = 3;
 
 static inline bool decode_item(const AttnArgs& a, const WorkItem& it) {
   return a.q_dtype == BF16 && (a.kv_dtype == BF16 || a.kv_dtype == I8 || a.kv_dtype == FP8) && it.nrows <= 8 && a.D % 32 == 0 && a.D <= 256 &&

@@ -241,7 +241,7 @@ static void run_flash(const AttnArgs& a, const WorkItem& it) {
   const size_t n4 = up(size_t(Mp) * D) + 3 * up(Mp) + 2 * 1024 + up(size_t(Mp) * D / 2) + up(size_t(ND) * 1024) +
                     up(size_t(NCOL) * 512) + 1024 + up(D / 2 + 1) + kChunk * 4 + (quant ? size_t(kChunk) * D : 0);
   // per-thread scratch kept across items: a fresh allocation of this size is an mmap, whose
-  // munmap stalls the other thread (TLB shootdown); measured 1.4x slower at 2 threads
+  // munmap stalls the other thread (TLB shootdown) (figures: docs/engine.md, "Kernel constants and the measurements behind them")
   struct Scratch {
     float* p = nullptr;
     size_t n = 0;

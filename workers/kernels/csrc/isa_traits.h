@@ -197,8 +197,7 @@ struct Simd {
   static constexpr bool kRowDot = true;
   // s[j] = dot(q, k + j * D) for j < nk (nk a multiple of 8; D a multiple of 8): 8 keys at a
   // time in 16-lane accumulators, each folded to 8 lanes, then the AVX2 path's horizontal-add
-  // tree. (Without it this path transposed K for every chunk and ran decode at ~2/3 of the
-  // AVX2 path's speed on a Sapphire Rapids class Xeon.)
+  // tree, instead of transposing K for every chunk (figures: docs/engine.md, "Kernel constants and the measurements behind them").
   static __m256 fold(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }

@@ -42,15 +42,14 @@ const MicroTable& table_for(Isa isa) {
   return scalar_table();
 }
 
-// Measured on Zen 3 (1 thread, M = 1024, 3072x576 / 9728x896 / 896x4864), GFLOP/s:
-// MC 120, KCP 192: 68 / 67 / 79; MC 120, KCP 256: 74 / 73 / 87; MC 60, KCP 256: 84 / 79 / 88.
+// Blocking of the fp32 path: task rows and k-block depth chosen by measurement
+// (figures: docs/engine.md, "Kernel constants and the measurements behind them").
 constexpr int64_t kMC = 60;            // most rows per task (chunks are made equal)
 constexpr int64_t kKCP = 256;          // k-pairs per k-block when x's slice needs blocking
 constexpr int64_t kXSlice = 256 << 10; // bytes of fp32 x a task may touch without k-blocking
 constexpr int64_t kMinWork = 1 << 16;   // multiply-adds below which a thread is not worth it
 // Fewest rows of bf16 activations that take the AMX tiles (below, vdpbf16ps: a tile row block
-// of 16 would mostly multiply padding). Measured on a Sapphire Rapids class Xeon (2 threads,
-// SmolLM2 projection chain, python -m bench.gemm): see docs/engine.md.
+// of 16 would mostly multiply padding) (figures: docs/engine.md, "Kernel constants and the measurements behind them").
 constexpr int64_t kAmxMinRows = 4;
 
 struct Problem {

@@ -221,8 +221,8 @@ static void quantize_rows_scalar(const float* x, int64_t K, int64_t QB, int8_t* 
 #if defined(__x86_64__)
 // The weights are read kPrefetch bytes ahead of the group being multiplied (prefetcht0, one per
 // 64-byte line of the group): the decode GEMV streams every panel once from memory, and the
-// hardware prefetchers do not cross 4 KiB pages. Measured on the 1.5B's projection chain at
-// M = 1 on a Xeon (docs/results.md, section 0z12): avx512vnni 35.4 -> 32.3 ms, avx2 43.4 -> 35.5 ms.
+// hardware prefetchers do not cross 4 KiB pages (figures: docs/engine.md, "Kernel constants and the measurements behind them";
+// the decode GEMV's gain there).
 constexpr int kPrefetch = 4096;
 template <int BYTES>
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t* p) {
@@ -587,14 +587,14 @@ static void amx_panels(const GgufProblem& pb, int64_t p0, int64_t p1) {
 
 // ---- AMX-BF16 for bfloat16 x: the panels dequantized, TDPBF16PS ----------------------------
 // For bfloat16 activations of kAmxBf16MinRows rows or more, the int8 route above is bound by
-// its per-group work (a C tile through memory and a vector scaling per group of 16-32 k): on
-// the Xeon of docs/results.md section 0z12 it ran the 1.5B's cold prefill ~2x slower than the
-// dense bfloat16 conversion's AMX GEMM. This route dequantizes a pair of panels per row chunk
+// its per-group work (a C tile through memory and a vector scaling per group of 16-32 k), well
+// behind the dense bfloat16 conversion's AMX GEMM on a cold prefill. This route dequantizes a pair of panels per row chunk
 // to bfloat16 (w = s q + z in float32, rounded to nearest even: the values of the dense
 // conversion) in the bf16 GEMM's VNNI-2 layout (micro.h) and multiplies x as it is with the bf16
 // GEMM's AMX block kernel (micro_amx.cpp): no activation quantization, float32 sums; the
 // reference is dequantize-then-matmul (workers/kernels/reference.py gguf_linear_bf16_ref).
-constexpr int64_t kAmxBf16MinRows = 32;   // 2 threads, M = 48: 1.25-1.45x the int8 route on Qwen 0.5B's shapes
+// From 32 rows the bf16 route beats the int8 one (figures: docs/engine.md, "Kernel constants and the measurements behind them").
+constexpr int64_t kAmxBf16MinRows = 32;
 
 // Panel p dequantized: out[t][c][j] = bf16(W[16 p + c][2 t + j]), uint16 [K / 2][16][2].
 template <int BITS>

@@ -15,8 +15,9 @@
 // y += s * acc + (z - 136 s) * sum_k x_k (= sum_k x_k ((q_k - 8) s + z)). Threads split the
 // panels; rows are taken in blocks of 128 (their x stays in L2 across a thread's panels) and,
 // within a block, 8 at a time per panel (8 K/2 bytes + the scales, 5.8 KB for K = 576, in L1).
-// Decode is bound by reading the weights: 4.5 bits per weight instead of bf16's 16. (Software
-// prefetch 0.5-4 KB ahead measured no gain on a Zen 5: the panels are read in order.)
+// Decode is bound by reading the weights: 4.5 bits per weight instead of bf16's 16. No software
+// prefetch: the panels are read in order, which the hardware prefetchers follow
+// (figures: docs/engine.md, "Kernel constants and the measurements behind them").
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

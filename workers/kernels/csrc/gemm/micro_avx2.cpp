@@ -8,9 +8,8 @@
 //
 // Blocking: MR = 5 rows x 1 panel (10 ymm accumulators + 2 weights + 1 broadcast + 1 mask of
 // the 16 registers). BLIS' Haswell SGEMM uses 6x16, but with the widening mask and GCC's
-// allocation 6 rows spill accumulators; measured on Zen 3 (1 thread, SmolLM2 chain, M=256):
-// MR=5 83 GFLOP/s, MR=6 63, MR=4 ~75. For MR <= 2 two panels per call (8 accumulators with
-// the k-split at MR = 1).
+// allocation 6 rows spill accumulators (figures: docs/engine.md, "Kernel constants and the measurements behind them"). For MR <= 2 two
+// panels per call (8 accumulators with the k-split at MR = 1).
 #if defined(__x86_64__)
 #include <immintrin.h>
 

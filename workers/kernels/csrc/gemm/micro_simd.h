@@ -88,8 +88,8 @@ KV_TARGET void micro(const float* __restrict x, int64_t ldx, const uint16_t* __r
 #pragma GCC unroll 64
       for (int j = 0; j < NV; ++j) acc[a][m][j] = Ops::zero();
 
-  // 8 lines (512 B) ahead in each panel, on top of the hardware prefetcher. Measured on Zen 3
-  // (1 thread, SmolLM2 chain at M = 1): 8 lines 12.7 ms, 16 lines 13.2, none 14.1, 32 lines 15.9.
+  // 8 lines (512 B) ahead in each panel, on top of the hardware prefetcher
+  // (figures: docs/engine.md, "Kernel constants and the measurements behind them").
   constexpr int64_t kPrefetch = 8 * 2 * kPanel;
   for (int64_t t = 0; t < kp; ++t) {
     const uint16_t* row = w + t * 2 * kPanel;
