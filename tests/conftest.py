@@ -206,31 +206,39 @@ def make_engine(model, **kw):
 
 
 class WrappedExecutor:
-    """The in-process executor of an existing engine, wrapped: reused by another engine (same
-    model, block size and max_model_len) so that a test can try several scheduler settings
-    without reloading the weights, or put in place of an engine's own. ``num_blocks`` may be
-    smaller than the real pool (block ids stay valid). Blocks keep whatever K/V earlier engines
-    left in them, as a real pool does. ``before_step(n)``, if given, runs before the model runs
-    step ``n`` (1, 2, ... over this wrapper's life): it may sleep (a slow remote executor), abort
-    requests from outside (a client disconnecting while the model runs) or raise (the step
-    fails). ``shutdown`` leaves the base executor running."""
+    """An existing engine's executor (in-process or a Ray pipeline), wrapped: reused by another
+    engine (same model, block size and max_model_len) so that a test can try several scheduler
+    settings without reloading the weights, or put in place of an engine's own. The one wrapper
+    of the tests. ``num_blocks`` may be smaller than the real pool (block ids stay valid).
+    Blocks keep whatever K/V earlier engines left in them, as a real pool does.
+    ``before_step(n)``, if given, runs before the model runs step ``n`` (1, 2, ... over this
+    wrapper's life): it may sleep (a slow remote executor), abort requests from outside (a
+    client disconnecting while the model runs) or raise (the step fails). ``observer``, if
+    given, sees every step and free: ``observer.step(out)`` before the step is submitted,
+    ``observer.stepped(out, result)`` after it ran (the step then completes before
+    ``submit`` returns), ``observer.free(ids)``. ``shutdown`` leaves the base executor running."""
 
-    def __init__(self, base, num_blocks: int | None = None, before_step=None):
-        self.base, self.before_step, self.calls = base, before_step, 0
+    def __init__(self, base, num_blocks: int | None = None, before_step=None, observer=None):
+        self.base, self.before_step, self.observer, self.calls = base, before_step, observer, 0
         self.num_blocks = num_blocks or base.num_blocks
         assert self.num_blocks <= base.num_blocks
         self.kv_cache_bytes = base.kv_cache_bytes
+        self.max_inflight = 1 if observer is not None else base.max_inflight
 
-    def execute(self, out):
+    def submit(self, out):
         self.calls += 1
         if self.before_step is not None:
             self.before_step(self.calls)
-        return self.base.execute(out)
-
-    def submit(self, out):
-        return Completed(self.execute(out))
+        if self.observer is None:
+            return self.base.submit(out)
+        self.observer.step(out)
+        result = self.base.submit(out).result()
+        self.observer.stepped(out, result)
+        return Completed(result)
 
     def free_requests(self, ids):
+        if self.observer is not None:
+            self.observer.free(ids)
         self.base.free_requests(ids)
 
     def shutdown(self):
@@ -371,6 +379,7 @@ def h():
 
 @pytest.fixture(scope="session")
 def wrap_executor():
-    """``wrap_executor(base, num_blocks=None, before_step=None)``: a :class:`WrappedExecutor`
-    around the in-process executor ``base``, for tests that act while a model step runs."""
+    """``wrap_executor(base, num_blocks=None, before_step=None, observer=None)``: a
+    :class:`WrappedExecutor` around the executor ``base``, for tests that act while a model step
+    runs or look at every step."""
     return WrappedExecutor

@@ -20,7 +20,7 @@ from kvmesh.core.sampling import SamplingParams
 from kvmesh.core.service_config import SchedulerConfig
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine import LLMEngine
-from workers.executor import Completed, RayPipelineExecutor, create_executor, ensure_ray, split_layers
+from workers.executor import RayPipelineExecutor, create_executor, ensure_ray, split_layers
 from workers.step import NewRequest, SeqDelta, SeqInput, StepDecoder, StepDelta, StepEncoder
 
 KV = 64 * 2**20
@@ -184,36 +184,33 @@ def _scheduler_view(out, block_size: int) -> list[SeqInput]:
     return seqs
 
 
-class _DeltaChecked:
-    """The in-process executor, each of whose steps is also sent as RayPipelineExecutor sends
+class _StepMessages:
+    """An observer (conftest.WrappedExecutor) that sends each step as RayPipelineExecutor sends
     it: encoded, pickled and decoded as a stage decodes it (the last stage: it records the
     sampled tokens). The decoded sequences must equal the scheduler's view of the step
     (:func:`_scheduler_view`); its pickle is the size a full step would have."""
 
-    def __init__(self, base, num_blocks: int | None = None):
-        self.base, self.kv_cache_bytes = base, base.kv_cache_bytes
-        self.num_blocks = num_blocks or base.num_blocks
-        self.encoder, self.decoder = StepEncoder(base.block_size), StepDecoder()
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.encoder, self.decoder = StepEncoder(block_size), StepDecoder()
         self.sizes: list[tuple[int, int, bool]] = []     # (message bytes, full StepInput bytes, plain decodes)
+        self._done: list[int] = []
 
-    def submit(self, out):
-        full = _scheduler_view(out, self.base.block_size)
+    def step(self, out):
+        full = _scheduler_view(out, self.block_size)
         raw = pickle.dumps(self.encoder.encode(out))
         delta = pickle.loads(raw)
         assert self.decoder.apply(delta).seqs == full
-        result = self.base.execute(out)
-        self.decoder.record(result.sampled)
-        self.decoder.free(delta.done)
+        self._done = delta.done
         plain = all(s.num_scheduled_tokens == 1 and not s.padding for s in out.seqs)   # (padding rows: sent anew)
         self.sizes.append((len(raw), len(pickle.dumps(full)), plain))
-        return Completed(result)
 
-    def free_requests(self, ids):
+    def stepped(self, out, result):
+        self.decoder.record(result.sampled)
+        self.decoder.free(self._done)
+
+    def free(self, ids):
         self.decoder.free(self.encoder.free(ids))
-        self.base.free_requests(ids)
-
-    def shutdown(self):
-        pass
 
 
 def _mix(prose_ids, h):
@@ -236,7 +233,7 @@ def scratch_engine(smollm2_dir):
 
 
 @pytest.mark.parametrize("variant", ["preemption", "static", "ngram"])
-def test_step_messages_rebuild_the_full_step_input(scratch_engine, prose_ids, h, variant):
+def test_step_messages_rebuild_the_full_step_input(scratch_engine, prose_ids, h, wrap_executor, variant):
     reqs = _mix(prose_ids, h)
     if variant == "preemption":      # a 12-block pool and 64-token chunks: preempted and recomputed
         kw, num_blocks = dict(max_num_batched_tokens=64), 12
@@ -247,8 +244,9 @@ def test_step_messages_rebuild_the_full_step_input(scratch_engine, prose_ids, h,
         reqs = [("copy", prose_ids[:80] + prose_ids[:30], h.greedy(24)), ("plain", prose_ids[100:150], h.greedy(12)),
                 ("seeded", prose_ids[:60] + prose_ids[:20], SamplingParams(temperature=0.8, seed=7, max_tokens=16,
                                                                             ignore_eos=True))]
-    ex = _DeltaChecked(scratch_engine.executor, num_blocks)
-    eng = LLMEngine(scratch_engine.cfg.replace(**kw), executor=ex)
+    ex = _StepMessages(scratch_engine.cfg.block_size)
+    eng = LLMEngine(scratch_engine.cfg.replace(**kw), executor=wrap_executor(scratch_engine.executor, num_blocks,
+                                                                             observer=ex))
     out = h.run(eng, reqs)
     if variant == "preemption":
         assert eng.scheduler.num_preemptions > 0
@@ -260,35 +258,18 @@ def test_step_messages_rebuild_the_full_step_input(scratch_engine, prose_ids, h,
     assert decodes and all(m * 4 < f for m, f in decodes)           # decode steps: under a quarter of the bytes
 
 
-class _Pool:
-    """An executor seen with a smaller KV pool (its block ids stay valid): preemption without
-    a second pipeline."""
-
-    def __init__(self, base, num_blocks: int):
-        self.base, self.num_blocks, self.kv_cache_bytes = base, num_blocks, base.kv_cache_bytes
-        self.max_inflight = base.max_inflight
-
-    def submit(self, out):
-        return self.base.submit(out)
-
-    def free_requests(self, ids):
-        self.base.free_requests(ids)
-
-    def shutdown(self):
-        pass
-
-
-async def test_pp2_preemption_and_static_padding_match_and_free_every_request(pp2, local_engine, prose_ids, h):
+async def test_pp2_preemption_and_static_padding_match_and_free_every_request(pp2, local_engine, prose_ids, h,
+                                                                              wrap_executor):
     import ray
     reqs = _mix(prose_ids, h)
     expected = _offline(local_engine, h, reqs)
     try:
-        small = LLMEngine(pp2.cfg.replace(max_num_batched_tokens=64), executor=_Pool(pp2.executor, 12))
+        small = LLMEngine(pp2.cfg.replace(max_num_batched_tokens=64), executor=wrap_executor(pp2.executor, 12))
         got = await _stream_all(small, [(f"p-{rid}", ids, sp) for rid, ids, sp in reqs])
         assert small.scheduler.num_preemptions > 0
         assert {k[2:]: v for k, v in got.items()} == expected
         static = LLMEngine(pp2.cfg.replace(policy="static", max_num_seqs=4),
-                           executor=_Pool(pp2.executor, pp2.executor.num_blocks))
+                           executor=wrap_executor(pp2.executor))
         got = await _stream_all(static, [(f"t-{rid}", ids, sp) for rid, ids, sp in reqs])
         assert {k[2:]: v for k, v in got.items()} == expected
     finally:
