@@ -9,6 +9,9 @@ Workloads (every request greedy, stops at EOS or ``--max-tokens``):
   answers quote the policy, so proposals are often right. Run closed-loop at each
   ``--concurrency`` (1: one request at a time; 8: eight in flight, the next one added as soon as
   one finishes).
+  With ``--warm`` each prompt is run once, untimed, before its workload: the timed requests
+  find their prompts in the prefix cache (the target's and the draft's K/V), as PolicyDesk's
+  users find the policies others asked about.
 - ``poor-guess``: continue a salad of random words (seeded) at concurrency 1: the
   continuation is unpredictable, so most proposals are rejected; shows the wasted work.
 
@@ -29,7 +32,7 @@ every greedy proposal is accepted, which checks the machinery and shows the cost
 large as the target; ``--draft-num-layers N`` keeps its first N layers (a cheaper, worse draft).
 Usage::
 
-    python -m bench.spec_decode [--quick] [--questions 16] [--max-tokens 128] [--reps 3] [--out docs/spec_decode.json]
+    python -m bench.spec_decode [--quick] [--questions 16] [--max-tokens 128] [--reps 3] [--warm] [--out docs/spec_decode.json]
     python -m bench.spec_decode --table docs/spec_decode.json
 """
 
@@ -64,11 +67,20 @@ def poor_guess_prompts(n: int, words: int = 200, seed: int = 0) -> list[str]:
     return ["Continue this text: " + " ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
 
 
-def run_workload(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str) -> dict:
+def run_workload(engine, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str,
+                 warm: bool = False) -> dict:
     """Closed loop: keep ``concurrency`` requests in flight until all ``prompts`` finished.
-    Returns the workload's measurements (see the module docstring)."""
+    Returns the workload's measurements (see the module docstring). The prefix cache starts
+    empty; with ``warm``, each prompt is first run alone, untimed, for 3 tokens (so that a draft
+    model is asked for proposals and writes the prompt's K/V too): the timed requests then find
+    their prompts cached, as PolicyDesk's users do on the policies others asked about."""
     from kvmesh.core.sampling import SamplingParams
-    engine.block_manager.reset_prefix_cache()     # every workload starts cold
+    engine.block_manager.reset_prefix_cache()
+    if warm:
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"{tag}-warm-{i}", ids, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     pending = list(enumerate(prompts))
     inflight: set[str] = set()
@@ -128,8 +140,8 @@ def run_child(args) -> dict:
         eng.step()
     rows = []
     for c in args.concurrency:
-        rows.append({"workload": "policydesk", "concurrency": c,
-                     **run_workload(eng, questions, args.max_tokens, c, f"pd{c}")})
+        rows.append({"workload": "policydesk", "concurrency": c, "warm": args.warm,
+                     **run_workload(eng, questions, args.max_tokens, c, f"pd{c}", warm=args.warm)})
     if args.poor_requests:
         rows.append({"workload": "poor-guess", "concurrency": 1,
                      **run_workload(eng, salad, args.max_tokens, 1, "pg")})
@@ -183,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=3, help="rounds; configurations alternate within a round")
+    ap.add_argument("--warm", action="store_true",
+                    help="run each PolicyDesk prompt once, untimed, before its workload (prompt prefixes warm)")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--fixed-k", action="store_true", help="no adaptive k (--fixed-speculative-tokens)")
     ap.add_argument("--draft-num-layers", type=int, default=-1, help="draft layers kept (-1: the setup's default)")
@@ -213,6 +227,7 @@ def main(argv=None) -> int:
                    "--device", args.device, "--kv-cache-memory", args.kv_cache_memory,
                    "--max-model-len", str(args.max_model_len), "--threads", str(args.threads)]
             cmd += ["--fixed-k"] if args.fixed_k else []
+            cmd += ["--warm"] if args.warm else []
             print(f"round {rnd + 1}/{args.reps}: {cfg} ...", file=sys.stderr, flush=True)
             answer = command.run_child(cmd)
             if answer is None:

@@ -3,7 +3,8 @@ drafting for itself: its greedy proposals are the model's own greedy continuatio
 (transformers' ``generate``; so its K/V, positions and block tables are right), K/V written in
 pieces and overwritten after a rejection gives the same proposals as one shot, the context
 limit is respected, sampling rows return the target sampler's processed distribution, and a
-truncated draft is the checkpoint's first N layers (checked against transformers)."""
+truncated draft is the checkpoint's first N layers (checked against transformers); on the torch
+attention backend and on the native one."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def _cfg(model_dir, **kw) -> EngineConfig:
     return EngineConfig(model=str(model_dir), draft_model=str(model_dir), dtype="float32", **kw)
 
 
-def _proposer(model_dir, **kw) -> DraftProposer:
-    return DraftProposer(_cfg(model_dir, **kw), NUM_BLOCKS, BS, torch.device("cpu"))
+def _proposer(model_dir, backend: str = "torch", **kw) -> DraftProposer:
+    return DraftProposer(_cfg(model_dir, **kw), NUM_BLOCKS, BS, torch.device("cpu"), backend)
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,20 @@ def reference(h, smollm2_dir, prompts):
     return ref, first
 
 
-@pytest.fixture(scope="module")
-def full(smollm2_dir):
-    return _proposer(smollm2_dir)
+def _native_available() -> bool:
+    from workers import kernels
+    return kernels.available()
+
+
+@pytest.fixture(scope="module", params=["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not _native_available(), reason="the native kernels are not built here"))])
+def full(smollm2_dir, request):
+    """The whole model as its own draft, its attention on the torch backend (decode rows over
+    gathered context) or the native one (every row but long chunks over the block tables in place,
+    as the target's runner does)."""
+    p = _proposer(smollm2_dir, request.param)
+    assert p.native == (request.param == "native")
+    return p
 
 
 def test_greedy_proposals_are_the_models_own_continuation(full, prompts, reference):

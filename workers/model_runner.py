@@ -166,7 +166,8 @@ class ModelRunner:
         self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}   # id -> last proposal, its q
         if cfg.uses_draft and self.model.is_last:
             from workers.spec_decode.draft import DraftProposer
-            self.proposer = DraftProposer(cfg, num_blocks, cfg.block_size, self.device)
+            self.proposer = DraftProposer(cfg, num_blocks, cfg.block_size, self.device, self.attention_backend,
+                                          self.prefill_native)
 
     # ---- input preparation -----------------------------------------------------------
     def _prepare(self, step: StepInput):

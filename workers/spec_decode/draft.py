@@ -47,7 +47,8 @@ from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.checkpoint import load_config
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
-from workers.layers.attention import AttentionMetadata, PrefillChunk, block_index, set_decode_tables
+from workers.layers.attention import (SDPA_MIN_CHUNK_TOKENS, AttentionMetadata, NativeMetadata, PrefillChunk,
+                                      block_index, set_decode_tables)
 from workers.layers.sampler import SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
 from workers.loader import load_model, resolve_weight_format, use_serving_kernels
 
@@ -138,7 +139,8 @@ class DraftProposer:
             weight_format, unservable checkpoint, KV allocation fails.
     """
 
-    def __init__(self, cfg: EngineConfig, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, cfg: EngineConfig, num_blocks: int, block_size: int, device: torch.device,
+                 attention_backend: str = "torch", prefill_native: bool = False):
         from kvmesh.hub.pull import resolve_model
         if not cfg.draft_model:
             raise SettingsError("speculative_method 'draft' needs draft_model (--draft-model)")
@@ -173,6 +175,12 @@ class DraftProposer:
                                                            self.dtype)
         self.kv_caches = allocate_kv_cache(m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim,
                                            self.dtype, self.device)
+        # the target's attention backend (ModelRunner: resolve_attention_backend) where the draft's
+        # head size allows it: 'native' attends over the block tables in place, the torch decode
+        # path gathers each row's context first (the draft's forwards then cost more than the
+        # target's decode: docs/spec_decode.md, "Measurements")
+        self.native = attention_backend == "native" and m.head_dim % 8 == 0
+        self.prefill_native = self.native and prefill_native
         self._lag: dict[str, _Lag] = {}      # request id -> tokens the draft has not written
         self._blind: set[str] = set()        # requests whose cached context the draft cannot see
         self._stale: set[int] = set()        # block ids holding target K/V the draft has not written
@@ -181,16 +189,24 @@ class DraftProposer:
     def _prepare(self, chunks: list[tuple[int, list[int], list[int]]]):
         """Tensors for one forward over ``chunks`` = [(start, token_ids, block_table)]: input
         ids ``[T]`` and positions ``[T]`` int64, the AttentionMetadata, and the batch index of
-        each chunk's last token (in ``chunks`` order). Single-token chunks go first (decode
-        path), then the others as prefill chunks."""
+        each chunk's last token (in ``chunks`` order). Layout as the target's
+        (:meth:`workers.input_batch.InputBatch.prepare`): single-token chunks first, then the
+        short chunks after cached context, then the others; on the native backend the kernel
+        takes the leading ones (all of them with ``prefill_native``), the rest go through SDPA."""
         bs, dev = self.block_size, self.device
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][1]) != 1)
+
+        def key(i: int) -> tuple[bool, bool]:
+            start, n = chunks[i][0], len(chunks[i][1])
+            return n != 1, n != 1 and (start == 0 or n >= SDPA_MIN_CHUNK_TOKENS)
+
+        order = sorted(range(len(chunks)), key=key)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         last = [0] * len(chunks)
         dec_tables, dec_lens = [], []
         prefills: list[PrefillChunk] = []
+        native_rows: list[tuple[int, int, list[int]]] = []       # (query rows, keys, block table)
         for i in order:
             start, toks, bt = chunks[i]
             n, q_start = len(toks), len(ids)
@@ -198,6 +214,8 @@ class DraftProposer:
             pos += range(start, start + n)
             slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
             last[i] = len(ids) - 1
+            if self.native and (self.prefill_native or not key(i)[1]):
+                native_rows.append((n, start + n, bt[: -(-(start + n) // bs)]))
             if n == 1:
                 dec_tables.append(bt[: start // bs + 1])
                 dec_lens.append(start + 1)
@@ -206,7 +224,9 @@ class DraftProposer:
                                              block_index(bt[: -(-(start + n) // bs)], dev)))
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                num_decode_tokens=len(dec_lens), prefills=prefills)
-        if dec_lens:
+        if self.native:
+            md.native = _native_metadata(native_rows, dev)
+        elif dec_lens:
             set_decode_tables(md, dec_tables, dec_lens, bs, self.dtype, dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 md, last)
@@ -349,3 +369,18 @@ class DraftProposer:
         for rid in request_ids:
             self._lag.pop(rid, None)
             self._blind.discard(rid)
+
+
+def _native_metadata(rows: list[tuple[int, int, list[int]]], device: torch.device) -> NativeMetadata:
+    """The native kernel's sequences, ``rows`` = [(query rows, keys, block table)] in batch
+    order: ``query_start_loc`` ``[S + 1]``, ``seq_lens`` ``[S]`` and the tables ``[S, W]``
+    zero-padded (W at least 1), all int32."""
+    i32 = torch.int32
+    counts = [n for n, _, _ in rows]
+    qsl = torch.zeros(len(rows) + 1, dtype=i32)
+    if rows:
+        torch.cumsum(torch.tensor(counts, dtype=i32), 0, out=qsl[1:])
+    width = max((len(bt) for _, _, bt in rows), default=1) or 1
+    tables = torch.tensor([bt + [0] * (width - len(bt)) for _, _, bt in rows] or [[0]], dtype=i32)[:len(rows)]
+    return NativeMetadata(sum(counts), qsl.to(device), torch.tensor([k for _, k, _ in rows], dtype=i32).to(device),
+                          tables.to(device))
