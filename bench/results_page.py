@@ -556,12 +556,21 @@ QUESTIONS: tuple[Question, ...] = (
         quantization),
     Question(
         "Speculative decoding",
-        "`bench.spec_decode`: Qwen2.5-Coder-1.5B-Instruct with no speculation, `ngram` prompt lookup and a "
-        "0.5B draft model (k <= 4, adaptive), bf16, greedy, at most 64 tokens; decode tok/s = one request's "
+        "`bench.spec_decode`: Qwen2.5-Coder-1.5B-Instruct with no speculation, `ngram` prompt lookup, a "
+        "0.5B draft model and both (`ngram+draft`; k <= 4, adaptive), bf16, greedy, PolicyDesk questions "
+        "(natural EOS; the 2026-12-05 run with warm prompt prefixes); decode tok/s = one request's "
         "rate after its first token (median), output tok/s = all output tokens over the wall time, speed-up = "
         "output tok/s over no speculation's.",
         ("workload", "target", "speculation", "decode tok/s", "output tok/s", "speed-up", "acceptance"),
-        (Source(("spec_decode.json",), "3", NOV30, date="2026-11-30",
+        (Source(("spec_decode_2026-12-05_zen4_warm_native.json",), "0z18", "family 25 model 17",
+                command="python -m bench.spec_decode --configs none draft ngram+draft --questions 8 "
+                        "--poor-requests 0 --max-tokens 96 --concurrency 1 8 --reps 1 --warm",
+                note="the draft's attention on the kernel"),
+         Source(("spec_decode_2026-12-05_zen4_warm.json",), "0z18", "family 25 model 17",
+                command="python -m bench.spec_decode --configs none ngram draft ngram+draft --questions 8 "
+                        "--poor-requests 0 --max-tokens 96 --concurrency 1 8 --reps 1 --warm",
+                note="before it: the draft's decode through SDPA"),
+         Source(("spec_decode.json",), "3", NOV30, date="2026-11-30",
                 command="python -m bench.spec_decode --questions 8 --max-tokens 64 --reps 1 --concurrency 1 8 "
                         "--poor-requests 2 --out docs/spec_decode.json"),),
         spec_decode),
