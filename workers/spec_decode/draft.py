@@ -91,9 +91,10 @@ class Proposal:
 
 #: the most tokens of a request's output the draft catches up on in one forward; a request
 #: that decoded further without the draft (speculation capped under load) is left to decode
-#: without it: the catch-up forward and the draft's steps in the batch's tail cost more than the
-#: few tokens such a request has left win back (figures: docs/spec_decode.md, "Measurements")
-MAX_CATCH_UP = 16
+#: without it, rather than stall a step on a long draft prefill when the batch shrinks (a smaller
+#: bound also drops the draft from ngram+draft rows whose lookups ran that long: docs/spec_decode.md,
+#: "Measurements")
+MAX_CATCH_UP = 128
 
 
 @dataclass
