@@ -32,8 +32,8 @@ from typing import Sequence
 
 import torch
 
-from workers.layers.attention import (SDPA_MIN_CHUNK_TOKENS, AttentionMetadata, CascadeGroup, NativeMetadata,
-                                      PrefillChunk, block_index, set_decode_tensors)
+from workers.layers.attention import (AttentionMetadata, CascadeGroup, NativeMetadata, PrefillChunk, block_index,
+                                      layout_key, set_decode_tensors)
 from workers.step import SeqInput
 
 CASCADE_MIN_BLOCKS = 4   # shorter shared prefixes are not worth a separate pass
@@ -206,13 +206,9 @@ class InputBatch:
         """
         bs, dev = self.block_size, self.device
 
-        def order(s: SeqInput) -> tuple[bool, bool]:
-            # decodes first (stable; a speculating decode is a chunk of 1 + k tokens), then the
-            # short chunks after cached context, then the SDPA chunks (on the native backend)
-            n = len(s.token_ids) + len(s.spec_token_ids)
-            return n != 1, n != 1 and not quantized and (s.start == 0 or n >= SDPA_MIN_CHUNK_TOKENS)
-
-        keyed = sorted(((order(s), s) for s in seqs), key=lambda ks: ks[0])
+        # (stable; a speculating decode is a chunk of 1 + k tokens)
+        keyed = sorted(((layout_key(len(s.token_ids) + len(s.spec_token_ids), s.start, quantized), s) for s in seqs),
+                       key=lambda ks: ks[0])
         seqs = [s for _, s in keyed]
         rows = self.update(seqs)
         ids: list[int] = []

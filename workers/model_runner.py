@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from kvmesh.core.engine_config import EngineConfig
+from kvmesh.core.engine_config import LOOKUP_METHODS, EngineConfig
 from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, kv_dtype
@@ -161,7 +161,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # prompt lookup answers a step's asks for proposals under 'ngram' and 'ngram+draft', and on
         # any runner without a draft model (the one proposer it has)
-        self.lookup = self.model.is_last and ("ngram" in cfg.speculative_method.split("+") or not cfg.uses_draft)
+        self.lookup = self.model.is_last and (cfg.speculative_method in LOOKUP_METHODS or not cfg.uses_draft)
         self.proposer = None           # the draft model (last stage, speculative_method 'draft' / 'ngram+draft')
         self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}   # id -> last proposal, its q
         if cfg.uses_draft and self.model.is_last:

@@ -26,6 +26,8 @@ KV_CACHE_DTYPES = {**DTYPES, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3":
 
 WEIGHT_FORMATS = ("auto", "none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
 SPECULATIVE_METHODS = ("", "ngram", "draft", "ngram+draft")
+DRAFT_METHODS = ("draft", "ngram+draft")       # the methods that run a draft model
+LOOKUP_METHODS = ("ngram", "ngram+draft")      # the methods that run prompt lookup
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
@@ -255,7 +257,7 @@ class EngineConfig(Settings):
     @property
     def uses_draft(self) -> bool:
         """Whether the speculative method runs a draft model (``draft``, ``ngram+draft``)."""
-        return self.speculative_method in ("draft", "ngram+draft")
+        return self.speculative_method in DRAFT_METHODS
 
     @property
     def kv_offload(self) -> bool:

@@ -28,6 +28,7 @@ asked for nothing, runs no forward), and speculation comes back as the batch shr
 from __future__ import annotations
 
 from scheduler.block_manager import BlockManager
+from kvmesh.core.engine_config import DRAFT_METHODS
 from kvmesh.core.errors import CapacityError, SettingsError
 from scheduler.request import FinishReason, Request
 from scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -66,7 +67,7 @@ class ContinuousBatching(Scheduler):
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes if enable_chunked_prefill else 0
         self.speculative_method = speculative_method
         self.num_speculative_tokens = num_speculative_tokens if speculative_method else 0
-        self._draft = "draft" in speculative_method.split("+")    # lookahead slots for the draft's K/V
+        self._draft = speculative_method in DRAFT_METHODS       # lookahead slots for the draft's K/V
         self.speculative_adaptive = speculative_adaptive
         if speculative_max_batch_tokens < 0:
             raise SettingsError(f"speculative_max_batch_tokens must be >= 0, got {speculative_max_batch_tokens}")

@@ -134,6 +134,14 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 SDPA_MIN_CHUNK_TOKENS = 32
 
 
+def layout_key(num_tokens: int, start: int, quantized: bool = False) -> tuple[bool, bool]:
+    """A sequence's place in a step's batch, sorted ascending: decodes (one token) first, then
+    the chunks after cached context shorter than ``SDPA_MIN_CHUNK_TOKENS`` (all chunks after
+    context with a ``quantized`` cache), then the chunks that go through SDPA on the native
+    backend (no cached context, or long). The second element is True for those SDPA chunks."""
+    return num_tokens != 1, num_tokens != 1 and not quantized and (start == 0 or num_tokens >= SDPA_MIN_CHUNK_TOKENS)
+
+
 def block_index(ids: list[int], device) -> torch.Tensor | slice:
     """Index for a list of block ids: a slice when they are one contiguous ascending run
     (then reading them is a view, not a copy), else an int64 tensor."""

@@ -47,8 +47,8 @@ from kvmesh.core.errors import SettingsError
 from kvmesh.core.sampling import SamplingParams
 from workers.checkpoint import load_config
 from workers.kv_cache import allocate_kv_cache, bytes_per_block
-from workers.layers.attention import (SDPA_MIN_CHUNK_TOKENS, AttentionMetadata, NativeMetadata, PrefillChunk,
-                                      block_index, set_decode_tables)
+from workers.layers.attention import (AttentionMetadata, NativeMetadata, PrefillChunk, block_index, layout_key,
+                                      set_decode_tables)
 from workers.layers.sampler import SAMPLING_EPS, SamplingMetadata, processed_probs, random_sample
 from workers.loader import load_model, resolve_weight_format, use_serving_kernels
 
@@ -197,11 +197,8 @@ class DraftProposer:
         takes the leading ones (all of them with ``prefill_native``), the rest go through SDPA."""
         bs, dev = self.block_size, self.device
 
-        def key(i: int) -> tuple[bool, bool]:
-            start, n = chunks[i][0], len(chunks[i][1])
-            return n != 1, n != 1 and (start == 0 or n >= SDPA_MIN_CHUNK_TOKENS)
-
-        order = sorted(range(len(chunks)), key=key)
+        keys = [layout_key(len(toks), start) for start, toks, _ in chunks]
+        order = sorted(range(len(chunks)), key=keys.__getitem__)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -216,7 +213,7 @@ class DraftProposer:
             pos += range(start, start + n)
             slots += [bt[p // bs] * bs + p % bs for p in range(start, start + n)]
             last[i] = len(ids) - 1
-            if self.native and (self.prefill_native or not key(i)[1]):
+            if self.native and (self.prefill_native or not keys[i][1]):
                 native_rows.append((n, start + n, bt[: -(-(start + n) // bs)]))
             if n == 1:
                 dec_tables.append(bt[: start // bs + 1])
@@ -382,7 +379,7 @@ def _native_metadata(rows: list[tuple[int, int, list[int]]], device: torch.devic
     qsl = torch.zeros(len(rows) + 1, dtype=i32)
     if rows:
         torch.cumsum(torch.tensor(counts, dtype=i32), 0, out=qsl[1:])
-    width = max((len(bt) for _, _, bt in rows), default=1) or 1
-    tables = torch.tensor([bt + [0] * (width - len(bt)) for _, _, bt in rows] or [[0]], dtype=i32)[:len(rows)]
+    width = max([1] + [len(bt) for _, _, bt in rows])
+    tables = torch.tensor([bt + [0] * (width - len(bt)) for _, _, bt in rows], dtype=i32).reshape(len(rows), width)
     return NativeMetadata(sum(counts), qsl.to(device), torch.tensor([k for _, k, _ in rows], dtype=i32).to(device),
                           tables.to(device))
