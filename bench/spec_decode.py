@@ -30,6 +30,9 @@ Two setups: the default drafts Qwen2.5-Coder-1.5B-Instruct with Qwen2.5-Coder-0.
 ``--quick`` uses SmolLM2-135M-Instruct drafting for itself: with all its layers (the default)
 every greedy proposal is accepted, which checks the machinery and shows the cost of a draft as
 large as the target; ``--draft-num-layers N`` keeps its first N layers (a cheaper, worse draft).
+``--draft-vocab-size N [M ...]`` runs each draft configuration with the draft's lm_head cut to
+the first N token ids (``draft_vocab_size``; 0: the whole vocabulary), labelled ``draft@N`` when
+more than one size is given.
 Usage::
 
     python -m bench.spec_decode [--quick] [--questions 16] [--max-tokens 128] [--reps 3] [--warm] [--out docs/spec_decode.json]
@@ -130,6 +133,8 @@ def run_child(args) -> dict:
                                              "speculative_adaptive": not args.fixed_k}
     if "draft" in args.config:
         spec.update(draft_model=draft, draft_num_layers=args.draft_num_layers if args.draft_num_layers >= 0 else layers)
+        if args.draft_vocab_size[0] >= 0:
+            spec.update(draft_vocab_size=args.draft_vocab_size[0])
     llm = LLM(target, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_model_len, **spec)
     eng = llm.engine
@@ -146,15 +151,16 @@ def run_child(args) -> dict:
         rows.append({"workload": "poor-guess", "concurrency": 1,
                      **run_workload(eng, salad, args.max_tokens, 1, "pg")})
     for r in rows:
-        r.update(config=args.config, target=target, draft=draft if "draft" in args.config else None,
+        r.update(config=args.label or args.config, target=target, draft=draft if "draft" in args.config else None,
                  kv_cache_bytes=eng.executor.kv_cache_bytes)
     return {"rows": rows}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
     """Median over rounds of each (workload, concurrency, config); speedup vs ``none``."""
+    order = list(dict.fromkeys(r["config"] for r in runs))      # configurations in the order they ran
     keys = sorted({(r["workload"], r["concurrency"], r["config"]) for r in runs},
-                  key=lambda k: (k[0], k[1], CONFIGS.index(k[2])))
+                  key=lambda k: (k[0], k[1], order.index(k[2])))
     out = []
     for wl, c, cfg in keys:
         rs = [r for r in runs if (r["workload"], r["concurrency"], r["config"]) == (wl, c, cfg)]
@@ -200,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--fixed-k", action="store_true", help="no adaptive k (--fixed-speculative-tokens)")
     ap.add_argument("--draft-num-layers", type=int, default=-1, help="draft layers kept (-1: the setup's default)")
+    ap.add_argument("--draft-vocab-size", type=int, nargs="+", default=[-1],
+                    help="the draft proposes only the first N token ids (draft_vocab_size; 0: all; -1: the "
+                         "engine's default); several sizes run each draft configuration once per size")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-cache-memory", default="2GiB")
@@ -210,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
+    ap.add_argument("--label", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return command.answer(run_child(args))
@@ -218,9 +228,13 @@ def main(argv=None) -> int:
         return 0
     setup = "quick" if args.quick else "qwen"
     runs: list[dict] = []
+    sizes = args.draft_vocab_size
+    variants = [(cfg, v, f"{cfg}@{v}" if len(sizes) > 1 else cfg)
+                for cfg in args.configs for v in (sizes if "draft" in cfg else [-1])]
     for rnd in range(args.reps):
-        for cfg in args.configs:
+        for cfg, vocab, label in variants:
             cmd = [sys.executable, "-m", "bench.spec_decode", "--child", "--config", cfg, "--setup", setup,
+                   "--label", label, "--draft-vocab-size", str(vocab),
                    "--questions", str(args.questions), "--poor-requests", str(args.poor_requests),
                    "--max-tokens", str(args.max_tokens), "--concurrency", *map(str, args.concurrency),
                    "--k", str(args.k), "--draft-num-layers", str(args.draft_num_layers), "--dtype", args.dtype,
@@ -228,7 +242,7 @@ def main(argv=None) -> int:
                    "--max-model-len", str(args.max_model_len), "--threads", str(args.threads)]
             cmd += ["--fixed-k"] if args.fixed_k else []
             cmd += ["--warm"] if args.warm else []
-            print(f"round {rnd + 1}/{args.reps}: {cfg} ...", file=sys.stderr, flush=True)
+            print(f"round {rnd + 1}/{args.reps}: {label} ...", file=sys.stderr, flush=True)
             answer = command.run_child(cmd)
             if answer is None:
                 return 1

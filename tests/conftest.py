@@ -32,7 +32,13 @@ import torch
 from kvmesh.core.sampling import SamplingParams
 from workers.executor import Completed
 
-torch.set_num_threads(int(os.environ.get("KVMESH_TEST_THREADS", "1")))
+TEST_THREADS = int(os.environ.get("KVMESH_TEST_THREADS", "1"))
+torch.set_num_threads(TEST_THREADS)
+# ... and so does every engine the suite starts in another process (the scheduler's engine core
+# process, Ray stages, `kvmesh serve` and bench children): their default, the machine's cores,
+# ran a mesh test 8x slower beside the other test worker (12 s alone, 98 s in `make test-all`).
+# A test of the default thread split passes num_threads=0 itself.
+os.environ.setdefault("KVMESH_NUM_THREADS", str(TEST_THREADS))
 # Parity with transformers is checked in float32; `auto` picks bfloat16 on CPUs with native bf16.
 os.environ.setdefault("KVMESH_DTYPE", "float32")
 # ... and on the dense weights (the parity reference); the gguf format's tests ask for it. The
@@ -41,19 +47,21 @@ os.environ.setdefault("KVMESH_DTYPE", "float32")
 os.environ.setdefault("KVMESH_WEIGHT_FORMAT", "none")
 
 
-def _suite_weight_format_default() -> None:
+def _suite_engine_defaults() -> None:
     from kvmesh.core.engine_config import EngineConfig
     init = EngineConfig.__init__
 
     def __init__(self, *args, **kw):
         if "KVMESH_WEIGHT_FORMAT" in os.environ:         # a test may clear the environment
             kw.setdefault("weight_format", os.environ["KVMESH_WEIGHT_FORMAT"])
+        if "KVMESH_NUM_THREADS" in os.environ:
+            kw.setdefault("num_threads", int(os.environ["KVMESH_NUM_THREADS"]))
         init(self, *args, **kw)
 
     EngineConfig.__init__ = __init__
 
 
-_suite_weight_format_default()
+_suite_engine_defaults()
 
 BLOCK = 16
 

@@ -200,3 +200,60 @@ def test_lazy_writes_stale_blocks_and_catching_up(full, prompts, reference, pros
     full.propose([DraftInput("late", 20, long[20:], tables, 0, greedy)])         # decoded without the draft
     assert full.propose([DraftInput("late", len(long), [7], tables, 2, greedy)])["late"].token_ids == []
     full.free_requests(["blind", "r", "late"])
+
+
+@pytest.mark.parametrize("weight_format", ["none", "gguf"])
+def test_draft_vocabulary_cuts_the_lm_head_to_its_first_rows(smollm2_dir, weight_format):
+    """``draft_vocab_size`` N keeps the lm_head's first N rows, in a weight format whose storage is
+    cut differently (dense columns, GGUF kernel panels): N / V of its bytes, and on any hidden
+    state exactly the whole head's first N logits."""
+    n = 1024
+    whole = _proposer(smollm2_dir, weight_format=weight_format).model.lm_head
+    cut = _proposer(smollm2_dir, weight_format=weight_format, draft_vocab_size=n).model.lm_head
+    assert (cut.out_features, cut.format) == (n, weight_format)
+    assert cut.weight_bytes() == pytest.approx(whole.weight_bytes() * n / whole.out_features, rel=1e-3)
+    x = torch.randn(5, whole.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cut(x), whole(x)[:, :n])
+
+
+@torch.inference_mode()
+def _logits_along(p: DraftProposer, seq: list[int], table: list[int]) -> torch.Tensor:
+    """``[len(seq), V]`` float32: the draft model's logits at every position of ``seq`` (one
+    forward over it as a prefill chunk into ``table``)."""
+    ids, pos, md, _ = p._prepare([(0, seq, table)])
+    return p.model.compute_logits(p.model(ids, pos, md, p.kv_caches))
+
+
+def test_draft_vocabulary_proposes_the_first_token_ids(full, smollm2_dir, prompts):
+    """With ``draft_vocab_size`` N greedy proposals are the argmax over the first N ids of the
+    whole draft's logits, and a sampling row's q is the sampler's processed distribution over
+    those ids, zero past them, V long (the rejection sampler's q)."""
+    n, V = 1024, full.vocab_size
+    cut = _proposer(smollm2_dir, "native" if full.native else "torch", draft_vocab_size=n)
+    assert (cut.head_size, full.head_size, cut.vocab_size) == (n, V, V)
+    p = prompts["a"]
+    got = cut.propose([DraftInput("g", 0, p, [0, 1, 2, 3], K, None)])["g"].token_ids
+    logits = _logits_along(full, p + got, [50, 51, 52, 53])
+    want = logits[len(p) - 1: len(p) - 1 + K, :n].argmax(-1).tolist()
+    assert got == want and max(got) < n
+    assert got != logits[len(p) - 1: len(p) - 1 + K].argmax(-1).tolist()   # some whole-vocabulary choice lies past n
+
+    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=3)
+    s = cut.propose([DraftInput("s", 0, p, [4, 5, 6, 7], 3, sp, make_generator(3, "cpu"))])["s"]
+    assert s.probs.shape == (3, V) and not s.probs[:, n:].any() and max(s.token_ids) < n
+    torch.testing.assert_close(s.probs.sum(-1), torch.ones(3), atol=1e-5, rtol=0)
+    first = logits[len(p) - 1, :n] / 0.8
+    keep = first.topk(20).indices
+    expected = torch.full_like(first, float("-inf")).scatter_(0, keep, first[keep]).softmax(-1)
+    torch.testing.assert_close(s.probs[0, :n], expected, atol=1e-4, rtol=1e-3)
+
+
+def test_bad_draft_vocabulary(smollm2_dir):
+    with pytest.raises(EngineError, match="draft_vocab_size 1000: .*multiple of the GGUF panels' 16 rows"):
+        _proposer(smollm2_dir, weight_format="gguf", draft_vocab_size=1000)
+    with pytest.raises(EngineError, match="draft_vocab_size cannot be combined with weight_format 'int8'"):
+        _proposer(smollm2_dir, weight_format="int8", draft_vocab_size=1024)
+    with pytest.raises(EngineError, match="draft_vocab_size must be >= 0"):
+        _cfg(smollm2_dir, draft_vocab_size=-1)
+    whole = _proposer(smollm2_dir, draft_vocab_size=10**6)          # at least the vocabulary: all of it
+    assert whole.head_size == whole.vocab_size == whole.model.lm_head.out_features

@@ -70,7 +70,7 @@ def test_executor_auto_resolution():
 async def test_default_engine_processes_use_the_cores(smollm2_dir, replicas):
     """Defaults: each replica's loop in its own process, local executor, torch threads = this
     machine's cores over the replicas (measured inside the process: torch.get_num_threads)."""
-    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=replicas), _engine_cfg(smollm2_dir))
+    srv = await serve_scheduler(SchedulerConfig(port=0, replicas=replicas), _engine_cfg(smollm2_dir, num_threads=0))
     try:
         await srv.wait_ready()
         clients = [r.aengine for r in srv.service.replicas]

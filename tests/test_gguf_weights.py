@@ -280,20 +280,24 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
 
 
-def test_draft_in_the_gguf_format_keeps_greedy_tokens(h, smollm2_dir, prose_ids):
+@pytest.mark.parametrize("draft_vocab_size", [0, 1024], ids=["whole-vocab", "first-1024-ids"])
+def test_draft_in_the_gguf_format_keeps_greedy_tokens(h, smollm2_dir, prose_ids, draft_vocab_size):
     """Speculative decoding with the target's own GGUF as the draft (both weight format gguf,
-    the draft truncated to 12 layers): greedy tokens equal to the same engine without
+    the draft truncated to 12 layers; its lm_head whole or cut to the first 1,024 token ids):
+    greedy tokens equal to the same engine without
     speculation (float32, as the other exactness tests of speculation: in bfloat16 a verify
     pass over k + 1 rows takes other attention paths than one-row decode steps), and the
     draft's proposals are used."""
     plain = h.make_engine(smollm2_dir, weight_format="gguf", dtype="float32", max_model_len=256)
     want = h.run(plain, [("a", prose_ids[:60], h.greedy(16))])["a"].output_token_ids
     spec = h.make_engine(smollm2_dir, weight_format="gguf", dtype="float32", max_model_len=256,
-                         speculative_method="draft", draft_model=str(smollm2_dir), draft_num_layers=12)
+                         speculative_method="draft", draft_model=str(smollm2_dir), draft_num_layers=12,
+                         draft_vocab_size=draft_vocab_size)
     try:
         got = h.run(spec, [("a", prose_ids[:60], h.greedy(16))])["a"]
         assert got.output_token_ids == want and got.num_draft_tokens > 0
         draft = spec.executor.runner.proposer.model
         assert len(draft.layers) == 12 and {m.format for m in draft.modules() if hasattr(m, "method")} == {"gguf"}
+        assert draft.lm_head.out_features == (draft_vocab_size or draft.cfg.vocab_size)
     finally:
         spec.shutdown()

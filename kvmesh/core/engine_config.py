@@ -105,6 +105,9 @@ class EngineConfig(Settings):
         draft_num_layers: keep only the draft's first N decoder layers (0 = all).
         draft_max_model_len: the draft's context limit in tokens (0 = its max_position_embeddings);
             longer sequences continue without speculation.
+        draft_vocab_size: the draft's lm_head keeps the first N token ids and proposes only
+            those (0 or at least the vocabulary: all); the ids of a byte-level BPE vocabulary are
+            in merge order, so the first ones are the frequent ones (FR-Spec, Zhao et al. 2025).
         prompt_lookup_max, prompt_lookup_min: ``ngram`` match lengths tried, longest first.
         block_size: tokens per KV block.
         kv_cache_memory: KV budget: bytes if >= 1 (``"2GiB"`` accepted), else a fraction of
@@ -167,6 +170,8 @@ class EngineConfig(Settings):
     draft_num_layers: int = setting(0, "keep the draft's first N decoder layers (0 = all)")
     draft_max_model_len: int = setting(0, "the draft's context limit; longer sequences continue without "
                                        "speculation (0 = the draft's)")
+    draft_vocab_size: int = setting(0, "the draft proposes only the first N token ids (its lm_head cut to "
+                                    "them; 0 = the whole vocabulary)")
     prompt_lookup_max: int = setting(4, "longest ngram matched")
     prompt_lookup_min: int = setting(2, "shortest ngram matched")
     block_size: int = setting(16, "tokens per KV block (a power of two)")
@@ -248,8 +253,8 @@ class EngineConfig(Settings):
             raise SettingsError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.speculative_max_batch_tokens < 0:
             raise SettingsError(f"speculative_max_batch_tokens must be >= 0, got {self.speculative_max_batch_tokens}")
-        if self.draft_num_layers < 0 or self.draft_max_model_len < 0:
-            raise SettingsError("draft_num_layers and draft_max_model_len must be >= 0")
+        if self.draft_num_layers < 0 or self.draft_max_model_len < 0 or self.draft_vocab_size < 0:
+            raise SettingsError("draft_num_layers, draft_max_model_len and draft_vocab_size must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SettingsError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

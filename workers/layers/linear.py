@@ -396,6 +396,37 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(w.t().contiguous().to(device), requires_grad=False)
         self.method = GGUF_DENSE
 
+    def keep_rows(self, n: int) -> None:
+        """Keep only the first ``n`` output rows (``out_features`` becomes ``n``; the rest of
+        the storage is freed): a draft model's lm_head over the first ``n`` token ids
+        (:mod:`workers.spec_decode.draft`). For a layer in its final storage before packing:
+        dense ``[in, out]`` (:meth:`finalize`, also a GGUF weight served dense) or the GGUF
+        kernel's panels (16 rows each).
+
+        Raises:
+            ValueError: ``n`` not in ``[1, out_features]``; a GGUF panel layer and ``n`` not a
+                multiple of 16; a storage this method cannot cut (a quantized format, packed
+                bf16 panels, oneDNN, a layer not finalized), naming it.
+        """
+        if not 1 <= n <= self.out_features:
+            raise ValueError(f"keep_rows: n={n} outside [1, {self.out_features}]")
+        if self.method is GGUF_NATIVE:
+            if n % 16:
+                raise ValueError(f"keep_rows: n={n} is not a multiple of the GGUF panels' 16 rows")
+            for name in self._qnames:
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, t[: n // 16].clone())
+        elif self.method is DENSE or self.method is GGUF_DENSE:
+            if self.weight is None or tuple(self.weight.shape) != (self.in_features, self.out_features):
+                raise ValueError("keep_rows needs a finalized dense layer ([in_features, out_features])")
+            self.weight = nn.Parameter(self.weight.data[:, :n].contiguous(), requires_grad=False)
+        else:
+            raise ValueError(f"keep_rows cannot cut a layer served as {type(self.method).__name__}")
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.data[:n].clone(), requires_grad=False)
+        self.out_features, self.shards, self.fast = n, {"": n}, None
+
     def weight_bytes(self) -> int:
         """Bytes of the stored weight: dense weight or quantized tensors incl. scales/zeros,
         bias and input scale."""

@@ -31,6 +31,12 @@ samples the first token), but a lag holding more than :data:`MAX_CATCH_UP` token
 step's own is not: such a request decoded without the draft while the batch was large and
 continues without it.
 
+With ``draft_vocab_size`` N the draft's lm_head keeps only its first N rows and proposes
+only token ids below N (FR-Spec, Zhao et al. 2025, https://arxiv.org/abs/2502.14856: a
+draft's lm_head over a vocabulary of 150k is a third of a small draft's bytes per step, and
+the first ids of a byte-level BPE vocabulary, in merge order, are the frequent ones). The
+target verifies as before, so greedy output is unchanged; a token past N is never proposed.
+
 Greedy rows propose the argmax. Sampling rows propose from ``q``, the draft's distribution
 processed as the target's sampler processes its own (temperature, min-p, top-k, top-p;
 penalties are not applied to the draft), and return ``q`` for the rejection sampler.
@@ -128,7 +134,8 @@ class DraftProposer:
             the vocabulary check), ``max_model_len``, ``dtype`` (weights, activations and the
             draft's KV cache; ``kv_cache_dtype`` applies to the target only), ``weight_format``
             and its settings (the draft's weights are quantized like the target's; not with
-            ``draft_num_layers``).
+            ``draft_num_layers``), ``draft_vocab_size`` (the lm_head's first N rows: proposals
+            only from token ids below N; weight formats ``none`` and ``gguf``).
         num_blocks, block_size: the target's KV pool geometry (same block ids).
         device: where the draft and its cache live.
     Attributes:
@@ -137,8 +144,8 @@ class DraftProposer:
         kv_cache_bytes: bytes of the draft's KV cache.
     Raises:
         EngineError: no draft_model, draft vocabulary differs from the target's, bad
-            draft_num_layers / draft_max_model_len, draft_num_layers with a quantized
-            weight_format, unservable checkpoint, KV allocation fails.
+            draft_num_layers / draft_max_model_len, draft_num_layers or draft_vocab_size with
+            a quantized weight_format, a draft_vocab_size the lm_head cannot be cut to, unservable checkpoint, KV allocation fails.
     """
 
     def __init__(self, cfg: EngineConfig, num_blocks: int, block_size: int, device: torch.device,
@@ -158,6 +165,9 @@ class DraftProposer:
         if cfg.draft_num_layers and weight_format not in ("none", "gguf"):
             raise SettingsError(f"draft_num_layers cannot be combined with weight_format {cfg.weight_format!r}: "
                                 "a truncated draft is served dense")
+        if cfg.draft_vocab_size and weight_format not in ("none", "gguf"):
+            raise SettingsError(f"draft_vocab_size cannot be combined with weight_format {cfg.weight_format!r}: "
+                                "the lm_head is cut in the dense and gguf formats")
         if cfg.draft_max_model_len > dcfg.max_position_embeddings:
             raise SettingsError(f"draft_max_model_len {cfg.draft_max_model_len} exceeds the draft's "
                                 f"max_position_embeddings {dcfg.max_position_embeddings}")
@@ -170,9 +180,17 @@ class DraftProposer:
                                 num_layers=cfg.draft_num_layers or None, weight_format=weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
                                 calibration_data=cfg.calibration_data)
-        use_serving_kernels(self.model, self.dtype, self.device)   # native GEMM / fused ops, bound Linear arguments
         m = self.model.cfg
         self.vocab_size = m.vocab_size
+        #: proposals come from token ids below this: the lm_head's rows (``draft_vocab_size``)
+        self.head_size = m.vocab_size
+        if 0 < cfg.draft_vocab_size < m.vocab_size:
+            try:
+                self.model.lm_head.keep_rows(cfg.draft_vocab_size)
+            except ValueError as e:
+                raise SettingsError(f"draft_vocab_size {cfg.draft_vocab_size}: {e}") from None
+            self.head_size = cfg.draft_vocab_size
+        use_serving_kernels(self.model, self.dtype, self.device)   # native GEMM / fused ops, bound Linear arguments
         self.kv_cache_bytes = num_blocks * bytes_per_block(m.num_layers, block_size, m.num_kv_heads, m.head_dim,
                                                            self.dtype)
         self.kv_caches = allocate_kv_cache(m.num_layers, num_blocks, block_size, m.num_kv_heads, m.head_dim,
@@ -232,17 +250,21 @@ class DraftProposer:
 
     # ---- proposing ------------------------------------------------------------------
     def _propose_next(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """One token per row from ``logits`` ``[B, V]``: argmax for greedy rows; for sampling
-        rows a draw from the processed distribution q, appended to the row's probs."""
+        """One token per row from ``logits`` ``[B, head_size]`` (token ids ``[0, head_size)``):
+        argmax for greedy rows; for sampling rows a draw from the processed distribution q,
+        appended to the row's probs as ``[V]`` (zero past ``head_size``: q is the distribution the
+        draw came from, which keeps the rejection sampler exact)."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
         samp = [i for i, r in enumerate(rows) if not r.greedy]
         if samp:
             params = [rows[i].inp.params for i in samp]
             md = SamplingMetadata.build(params, [[]] * len(samp), [[]] * len(samp),
-                                        [rows[i].inp.generator for i in samp], self.vocab_size, self.device)
+                                        [rows[i].inp.generator for i in samp], self.head_size, self.device)
             q = processed_probs(logits[samp], md)
             tokens[samp] = random_sample(q, md.generators)
+            if self.head_size < self.vocab_size:
+                q = torch.nn.functional.pad(q, (0, self.vocab_size - self.head_size))
             for j, i in enumerate(samp):
                 rows[i].probs.append(q[j])
         return tokens.tolist()
