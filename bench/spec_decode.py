@@ -31,8 +31,10 @@ Two setups: the default drafts Qwen2.5-Coder-1.5B-Instruct with Qwen2.5-Coder-0.
 every greedy proposal is accepted, which checks the machinery and shows the cost of a draft as
 large as the target; ``--draft-num-layers N`` keeps its first N layers (a cheaper, worse draft).
 ``--draft-vocab-size N [M ...]`` runs each draft configuration with the draft's lm_head cut to
-the first N token ids (``draft_vocab_size``; 0: the whole vocabulary), labelled ``draft@N`` when
-more than one size is given.
+the first N token ids (``draft_vocab_size``; 0: the whole vocabulary) and ``--draft-quantization
+Q [...]`` with its GGUF blocks requantized (``draft_quantization``: ``q4_1``, or ``as-published``);
+given several values, each draft configuration runs once per combination, labelled e.g.
+``draft@32768/q4_1``.
 Usage::
 
     python -m bench.spec_decode [--quick] [--questions 16] [--max-tokens 128] [--reps 3] [--warm] [--out docs/spec_decode.json]
@@ -135,6 +137,8 @@ def run_child(args) -> dict:
         spec.update(draft_model=draft, draft_num_layers=args.draft_num_layers if args.draft_num_layers >= 0 else layers)
         if args.draft_vocab_size[0] >= 0:
             spec.update(draft_vocab_size=args.draft_vocab_size[0])
+        if args.draft_quantization[0] != "default":
+            spec.update(draft_quantization="" if args.draft_quantization[0] == "as-published" else args.draft_quantization[0])
     llm = LLM(target, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.max_model_len, **spec)
     eng = llm.engine
@@ -209,6 +213,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab-size", type=int, nargs="+", default=[-1],
                     help="the draft proposes only the first N token ids (draft_vocab_size; 0: all; -1: the "
                          "engine's default); several sizes run each draft configuration once per size")
+    ap.add_argument("--draft-quantization", nargs="+", default=["default"],
+                    choices=["default", "as-published", "q4_1"],
+                    help="the draft's GGUF blocks requantized (draft_quantization; default: the engine's); several "
+                         "values run each draft configuration once per value")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--kv-cache-memory", default="2GiB")
@@ -228,13 +236,20 @@ def main(argv=None) -> int:
         return 0
     setup = "quick" if args.quick else "qwen"
     runs: list[dict] = []
-    sizes = args.draft_vocab_size
-    variants = [(cfg, v, f"{cfg}@{v}" if len(sizes) > 1 else cfg)
-                for cfg in args.configs for v in (sizes if "draft" in cfg else [-1])]
+    sizes, quants = args.draft_vocab_size, args.draft_quantization
+
+    def label(cfg: str, vocab: int, quant: str) -> str:
+        if "draft" not in cfg:
+            return cfg
+        parts = ([str(vocab)] if len(sizes) > 1 else []) + ([quant] if len(quants) > 1 else [])
+        return f"{cfg}@{'/'.join(parts)}" if parts else cfg
+
+    variants = [(cfg, v, q, label(cfg, v, q)) for cfg in args.configs
+                for v in (sizes if "draft" in cfg else [-1]) for q in (quants if "draft" in cfg else ["default"])]
     for rnd in range(args.reps):
-        for cfg, vocab, label in variants:
+        for cfg, vocab, quant, name in variants:
             cmd = [sys.executable, "-m", "bench.spec_decode", "--child", "--config", cfg, "--setup", setup,
-                   "--label", label, "--draft-vocab-size", str(vocab),
+                   "--label", name, "--draft-vocab-size", str(vocab), "--draft-quantization", quant,
                    "--questions", str(args.questions), "--poor-requests", str(args.poor_requests),
                    "--max-tokens", str(args.max_tokens), "--concurrency", *map(str, args.concurrency),
                    "--k", str(args.k), "--draft-num-layers", str(args.draft_num_layers), "--dtype", args.dtype,
@@ -242,7 +257,7 @@ def main(argv=None) -> int:
                    "--max-model-len", str(args.max_model_len), "--threads", str(args.threads)]
             cmd += ["--fixed-k"] if args.fixed_k else []
             cmd += ["--warm"] if args.warm else []
-            print(f"round {rnd + 1}/{args.reps}: {label} ...", file=sys.stderr, flush=True)
+            print(f"round {rnd + 1}/{args.reps}: {name} ...", file=sys.stderr, flush=True)
             answer = command.run_child(cmd)
             if answer is None:
                 return 1

@@ -248,12 +248,16 @@ def test_draft_vocabulary_proposes_the_first_token_ids(full, smollm2_dir, prompt
     torch.testing.assert_close(s.probs[0, :n], expected, atol=1e-4, rtol=1e-3)
 
 
-def test_bad_draft_vocabulary(smollm2_dir):
+def test_bad_draft_vocabulary_and_quantization(smollm2_dir):
     with pytest.raises(EngineError, match="draft_vocab_size 1000: .*multiple of the GGUF panels' 16 rows"):
         _proposer(smollm2_dir, weight_format="gguf", draft_vocab_size=1000)
     with pytest.raises(EngineError, match="draft_vocab_size cannot be combined with weight_format 'int8'"):
         _proposer(smollm2_dir, weight_format="int8", draft_vocab_size=1024)
     with pytest.raises(EngineError, match="draft_vocab_size must be >= 0"):
         _cfg(smollm2_dir, draft_vocab_size=-1)
+    with pytest.raises(EngineError, match="draft_quantization 'q4_1' requantizes GGUF blocks: it needs weight_format gguf"):
+        _proposer(smollm2_dir, draft_quantization="q4_1")
+    with pytest.raises(EngineError, match="unknown draft_quantization 'q5'"):
+        _cfg(smollm2_dir, draft_quantization="q5")
     whole = _proposer(smollm2_dir, draft_vocab_size=10**6)          # at least the vocabulary: all of it
     assert whole.head_size == whole.vocab_size == whole.model.lm_head.out_features

@@ -107,6 +107,28 @@ def test_stack_refuses_mixed_schemes():
         gguf_blocks.stack([a, b])
 
 
+@pytest.mark.parametrize("ggml_type", ["Q5_0", "Q8_0", "Q6_K"])
+def test_to_q4_1_is_llama_cpps_q4_1_of_the_exact_values(ggml_type):
+    """A wider-lane weight requantized to Q4_1 (a draft model's fewer bytes): 4-bit lanes, flat,
+    groups of 32, every value within half a step (plus the float16 rounding of the group's
+    scale and minimum) of the exact weight, as close on average as the ``gguf`` package's own
+    Q4_1 of the same values; a 4-bit weight is left as it is."""
+    from gguf import GGMLQuantizationType, quants
+    k = 512
+    u = gguf_blocks.unpack(ggml_type, torch.from_numpy(_random_blocks(ggml_type, 40, k, 3)), k)
+    w = u.dequantize()
+    r = gguf_blocks.to_q4_1(u, rows=16)                      # rows in pieces: 16, 16, 8
+    assert (r.bits, r.scheme, r.group, r.shape) == (4, "flat", 32, (40, k)) and int(r.q.max()) <= 15
+    assert torch.equal(r.a.half().float(), r.a) and torch.equal(r.b.half().float(), r.b)
+    err = (r.dequantize() - w).abs().view(40, k // 32, 32)
+    tol = r.a / 2 + (15 * r.a + r.b.abs()) * 2.0 ** -10
+    assert (err <= tol[..., None]).all()
+    theirs = quants.dequantize(quants.quantize(w.numpy(), GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
+    assert err.mean() <= (torch.from_numpy(theirs) - w).abs().mean() * 1.01
+    q4 = gguf_blocks.unpack("Q4_K", torch.from_numpy(_random_blocks("Q4_K", 2, 256, 4)), 256)
+    assert gguf_blocks.to_q4_1(q4) is q4
+
+
 # ---- the pinned SmolLM2 file -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -280,11 +302,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("draft_vocab_size", [0, 1024], ids=["whole-vocab", "first-1024-ids"])
-def test_draft_in_the_gguf_format_keeps_greedy_tokens(h, smollm2_dir, prose_ids, draft_vocab_size):
+@pytest.mark.parametrize("draft_vocab_size, draft_quantization", [(0, ""), (1024, "q4_1")],
+                         ids=["as-published", "q4_1-first-1024-ids"])
+def test_draft_in_the_gguf_format_keeps_greedy_tokens(h, smollm2_dir, prose_ids, draft_vocab_size,
+                                                      draft_quantization):
     """Speculative decoding with the target's own GGUF as the draft (both weight format gguf,
-    the draft truncated to 12 layers; its lm_head whole or cut to the first 1,024 token ids):
-    greedy tokens equal to the same engine without
+    the draft truncated to 12 layers; as published, or requantized to Q4_1 with its lm_head cut
+    to the first 1,024 token ids): greedy tokens equal to the same engine without
     speculation (float32, as the other exactness tests of speculation: in bfloat16 a verify
     pass over k + 1 rows takes other attention paths than one-row decode steps), and the
     draft's proposals are used."""
@@ -292,12 +316,14 @@ def test_draft_in_the_gguf_format_keeps_greedy_tokens(h, smollm2_dir, prose_ids,
     want = h.run(plain, [("a", prose_ids[:60], h.greedy(16))])["a"].output_token_ids
     spec = h.make_engine(smollm2_dir, weight_format="gguf", dtype="float32", max_model_len=256,
                          speculative_method="draft", draft_model=str(smollm2_dir), draft_num_layers=12,
-                         draft_vocab_size=draft_vocab_size)
+                         draft_vocab_size=draft_vocab_size, draft_quantization=draft_quantization)
     try:
         got = h.run(spec, [("a", prose_ids[:60], h.greedy(16))])["a"]
         assert got.output_token_ids == want and got.num_draft_tokens > 0
         draft = spec.executor.runner.proposer.model
         assert len(draft.layers) == 12 and {m.format for m in draft.modules() if hasattr(m, "method")} == {"gguf"}
         assert draft.lm_head.out_features == (draft_vocab_size or draft.cfg.vocab_size)
+        bits = {m.gguf_bits for m in draft.modules() if getattr(m, "format", "") == "gguf"}
+        assert bits == {4} if draft_quantization else len(bits) > 1      # SmolLM2's file: Q5_0 / Q6_K / Q8_0 too
     finally:
         spec.shutdown()

@@ -231,10 +231,12 @@ def _linear_parts(rd: _Reader, cfg: ModelConfig, lin: Linear, names: dict[str, s
 
 
 def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device, max_positions: int,
-              start_layer: int = 0, end_layer: int | None = None, num_layers: int | None = None) -> LlamaForCausalLM:
+              start_layer: int = 0, end_layer: int | None = None, num_layers: int | None = None,
+              requantize: str = "") -> LlamaForCausalLM:
     """Build the model (or a pipeline stage, or its first ``num_layers`` layers) from
     ``<model_dir>/model.gguf`` with config.json from ``model_dir``; arguments as
-    :func:`workers.loader.load_model`. Raises SettingsError: no GGUF file, unreadable file,
+    :func:`workers.loader.load_model`; ``requantize`` ``"q4_1"``: every block-quantized Linear
+    with wider lanes requantized to Q4_1 (:func:`workers.quant.gguf_blocks.to_q4_1`; lossy). Raises SettingsError: no GGUF file, unreadable file,
     missing tensor, unsupported GGML type or shape mismatch; DependencyUnavailableError: another
     process's build of the native kernels outlasted ``KVMESH_KERNEL_BUILD_WAIT``."""
     import dataclasses
@@ -256,7 +258,7 @@ def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
     try:
-        _load_linears(rd, cfg, model, dtype, device)
+        _load_linears(rd, cfg, model, dtype, device, requantize)
         gguf_to_huge_pages(model)                   # decode streams them every step
         model.allocate_weights(dtype, device)       # norms, RoPE; the embedding is replaced below
         _load_rest(rd, cfg, model, dtype, device)
@@ -269,7 +271,7 @@ def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.
     return model.eval()
 
 
-def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype, device) -> None:
+def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype, device, requantize: str) -> None:
     jobs: list[tuple[Linear, dict[str, str], dict[str, str]]] = []      # (layer, weight names, bias names)
     for li, layer in enumerate(model.layers):
         i = model.start_layer + li
@@ -292,6 +294,8 @@ def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype,
                 raise ValueError(f"GGUF lacks the biases of {sorted(wnames.values())}")
             bias = torch.cat([rd.raw(bnames[s])[1].float().reshape(-1) for s in lin.shards])
         if u is not None:
+            if requantize == "q4_1":
+                u = gguf_blocks.to_q4_1(u)
             if u.shape != (lin.out_features, lin.in_features):
                 raise ValueError(f"{sorted(wnames.values())}: shape {list(u.shape)}, model expects "
                                  f"{[lin.out_features, lin.in_features]}")

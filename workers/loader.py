@@ -38,7 +38,7 @@ def resolve_weight_format(weight_format: str, model_dir: str | Path) -> str:
 def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,
                max_positions: int, start_layer: int = 0, end_layer: int | None = None,
                num_layers: int | None = None, weight_format: str = "none", group_size: int = 128,
-               calibration: bool = True, calibration_data: str = "") -> LlamaForCausalLM:
+               calibration: bool = True, calibration_data: str = "", gguf_requantize: str = "") -> LlamaForCausalLM:
     """Build the model (or a pipeline stage of it) and load its weights.
 
     Args:
@@ -61,6 +61,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         group_size: int4 group size along in_features.
         calibration, calibration_data: AWQ (int4) / SmoothQuant (w8a8-int8) calibration on, and
             its text file ("" = the PolicyDesk policies).
+        gguf_requantize: ``gguf`` only: ``"q4_1"`` requantizes the blocks with wider lanes to Q4_1
+            at load (lossy: a speculative draft's fewer bytes per step).
     Memory (dense): peak RSS growth while loading is about the served weight bytes
         (:func:`weight_bytes`) plus the largest checkpoint tensor in its file dtype.
     Raises:
@@ -73,7 +75,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     if weight_format == "gguf":
         from workers.gguf_checkpoint import load_gguf
         return load_gguf(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
-                         end_layer=end_layer, num_layers=num_layers)
+                         end_layer=end_layer, num_layers=num_layers, requantize=gguf_requantize)
     if weight_format != "none":
         if num_layers is not None:
             raise SettingsError("num_layers cannot be combined with a quantized weight_format")

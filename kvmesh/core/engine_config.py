@@ -28,6 +28,7 @@ WEIGHT_FORMATS = ("auto", "none", "gguf", "int8", "int4", "fp8", "w8a8-int8")
 SPECULATIVE_METHODS = ("", "ngram", "draft", "ngram+draft")
 DRAFT_METHODS = ("draft", "ngram+draft")       # the methods that run a draft model
 LOOKUP_METHODS = ("ngram", "ngram+draft")      # the methods that run prompt lookup
+DRAFT_QUANTIZATIONS = ("", "q4_1")              # the draft's weights as published, or requantized
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
@@ -105,6 +106,10 @@ class EngineConfig(Settings):
         draft_num_layers: keep only the draft's first N decoder layers (0 = all).
         draft_max_model_len: the draft's context limit in tokens (0 = its max_position_embeddings);
             longer sequences continue without speculation.
+        draft_quantization: ``q4_1``: the draft's GGUF blocks with wider lanes (Q5_0, Q6_K,
+            Q8_0) requantized to Q4_1 when it loads, so a proposal reads fewer bytes (lossy: the
+            draft's guesses may get worse; the target's verification keeps the output exact);
+            ``""``: as published. Weight format ``gguf`` only.
         draft_vocab_size: the draft's lm_head keeps the first N token ids and proposes only
             those (0 or at least the vocabulary: all); the ids of a byte-level BPE vocabulary are
             in merge order, so the first ones are the frequent ones (FR-Spec, Zhao et al. 2025).
@@ -170,6 +175,9 @@ class EngineConfig(Settings):
     draft_num_layers: int = setting(0, "keep the draft's first N decoder layers (0 = all)")
     draft_max_model_len: int = setting(0, "the draft's context limit; longer sequences continue without "
                                        "speculation (0 = the draft's)")
+    draft_quantization: str = setting("", "q4_1: the draft's GGUF blocks requantized to Q4_1 at load (4-bit lanes: "
+                                      "fewer bytes per proposal, lossy; weight format gguf); empty: as published",
+                                      choices=DRAFT_QUANTIZATIONS)
     draft_vocab_size: int = setting(0, "the draft proposes only the first N token ids (its lm_head cut to "
                                     "them; 0 = the whole vocabulary)")
     prompt_lookup_max: int = setting(4, "longest ngram matched")
@@ -237,6 +245,9 @@ class EngineConfig(Settings):
             raise SettingsError(f"unknown weight_format {self.weight_format!r}; choose one of {WEIGHT_FORMATS}")
         if self.quant_group_size not in (32, 64, 128):
             raise SettingsError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
+        if self.draft_quantization not in DRAFT_QUANTIZATIONS:
+            raise SettingsError(f"unknown draft_quantization {self.draft_quantization!r}; "
+                                f"choose one of {DRAFT_QUANTIZATIONS} ('' = as published)")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise SettingsError(f"unknown speculative_method {self.speculative_method!r}; "
                                 f"choose one of {SPECULATIVE_METHODS} ('' = off)")

@@ -96,6 +96,33 @@ class Unpacked:
         return Unpacked(self.q, bits, group, self.scheme, a, b, self.d, self.dmin)
 
 
+def to_q4_1(u: Unpacked, rows: int = 1 << 14) -> Unpacked:
+    """``u`` requantized to 4-bit lanes in llama.cpp's Q4_1 scheme (ggml-quants.c
+    ``quantize_row_q4_1_ref``): flat, groups of 32, ``w = d q + m`` with ``m`` the group's minimum
+    and ``d = (max - min) / 15``, both rounded to float16 first (the kernel's exact ``s``, ``z``),
+    ``q = round((w - m) / d)`` clamped to 0..15 (0 where ``d`` is 0). Lossy: fewer bytes per
+    weight for a model whose outputs are checked by another (a speculative draft). A 4-bit
+    ``u`` is returned as it is. ``rows``: rows converted at a time (bounds the float32 copy).
+    Raises ValueError: K not a multiple of 32."""
+    if u.bits == 4:
+        return u
+    n, k = u.shape
+    if k % 32:
+        raise ValueError(f"to_q4_1: K={k} is not a multiple of 32")
+    q = torch.empty(n, k, dtype=torch.uint8)
+    d = torch.empty(n, k // 32)
+    m = torch.empty(n, k // 32)
+    for r in range(0, n, rows):
+        w = u.rows(torch.arange(r, min(n, r + rows))).dequantize().view(-1, k // 32, 32)
+        lo = w.amin(-1)
+        dr = ((w.amax(-1) - lo) / 15).half().float()
+        mr = lo.half().float()
+        inv = torch.where(dr > 0, 1 / dr, torch.zeros_like(dr))
+        q[r: r + rows] = ((w - mr[..., None]) * inv[..., None]).round_().clamp_(0, 15).to(torch.uint8).view(-1, k)
+        d[r: r + rows], m[r: r + rows] = dr, mr
+    return Unpacked(q, 4, 32, "flat", d, m)
+
+
 def _f16(raw: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 2] → float32 [...] (little-endian float16)."""
     return raw.contiguous().view(torch.float16)[..., 0].float()

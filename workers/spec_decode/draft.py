@@ -134,7 +134,8 @@ class DraftProposer:
             the vocabulary check), ``max_model_len``, ``dtype`` (weights, activations and the
             draft's KV cache; ``kv_cache_dtype`` applies to the target only), ``weight_format``
             and its settings (the draft's weights are quantized like the target's; not with
-            ``draft_num_layers``), ``draft_vocab_size`` (the lm_head's first N rows: proposals
+            ``draft_num_layers``), ``draft_quantization`` (``q4_1``: its GGUF blocks requantized
+            at load), ``draft_vocab_size`` (the lm_head's first N rows: proposals
             only from token ids below N; weight formats ``none`` and ``gguf``).
         num_blocks, block_size: the target's KV pool geometry (same block ids).
         device: where the draft and its cache live.
@@ -165,6 +166,9 @@ class DraftProposer:
         if cfg.draft_num_layers and weight_format not in ("none", "gguf"):
             raise SettingsError(f"draft_num_layers cannot be combined with weight_format {cfg.weight_format!r}: "
                                 "a truncated draft is served dense")
+        if cfg.draft_quantization and weight_format != "gguf":
+            raise SettingsError(f"draft_quantization {cfg.draft_quantization!r} requantizes GGUF blocks: it needs "
+                                f"weight_format gguf, not {weight_format!r}")
         if cfg.draft_vocab_size and weight_format not in ("none", "gguf"):
             raise SettingsError(f"draft_vocab_size cannot be combined with weight_format {cfg.weight_format!r}: "
                                 "the lm_head is cut in the dense and gguf formats")
@@ -179,7 +183,7 @@ class DraftProposer:
         self.model = load_model(draft_dir, dtype=self.dtype, device=self.device, max_positions=self.max_model_len,
                                 num_layers=cfg.draft_num_layers or None, weight_format=weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
-                                calibration_data=cfg.calibration_data)
+                                calibration_data=cfg.calibration_data, gguf_requantize=cfg.draft_quantization)
         m = self.model.cfg
         self.vocab_size = m.vocab_size
         #: proposals come from token ids below this: the lm_head's rows (``draft_vocab_size``)
