@@ -83,7 +83,7 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, set_level
     gen = torch.Generator().manual_seed(k)
     for level in _levels():
         assert set_level(level) == level and kernels.path("gguf_linear") == PATHS[level]
-        for m in (1, 3, 8, 17, 130):
+        for m in (1, 3, 5, 8, 9, 17, 130):        # 5, 9 = 4 + 5, 17 = 3 x 4 + 5: avx512vnni's block of 5
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
                 x[0, 32:64] = 0                              # an all-zero block

@@ -57,7 +57,7 @@
 namespace kvmesh_gemm {
 namespace {
 
-constexpr int kMR = 4;      // rows per register block
+constexpr int kMR = 4;      // rows per register block (avx512vnni: a block of 5 instead of 4 + 1, below)
 constexpr int64_t kMC = 64;  // rows per cache block
 constexpr int64_t kAmxMinRows = 16;   // the amx path's tiles from 16 rows; fewer take avx512vnni
 
@@ -370,6 +370,7 @@ template <int BITS, int G>
 static void panel_vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
   const bool kq = pb.supers != nullptr;
   switch (mr) {
+    case 5: return kq ? panel_rows_vnni<5, BITS, G, true>(pb, p, m0) : panel_rows_vnni<5, BITS, G, false>(pb, p, m0);
     case 4: return kq ? panel_rows_vnni<4, BITS, G, true>(pb, p, m0) : panel_rows_vnni<4, BITS, G, false>(pb, p, m0);
     case 3: return kq ? panel_rows_vnni<3, BITS, G, true>(pb, p, m0) : panel_rows_vnni<3, BITS, G, false>(pb, p, m0);
     case 2: return kq ? panel_rows_vnni<2, BITS, G, true>(pb, p, m0) : panel_rows_vnni<2, BITS, G, false>(pb, p, m0);
@@ -1022,10 +1023,20 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   if (path == Path::kAvx512Vnni) fn = &panel_rows_avx512vnni;
   else if (path == Path::kAvx2) fn = &panel_rows_avx2_any;
 #endif
+  // Rows in register blocks of kMR; on avx512vnni a cache block's last 5 rows go as one block of 5
+  // (25 accumulators still fit the 32 zmm registers): a speculative verify pass of 1 + 4 tokens
+  // then unpacks each weight chunk once instead of twice (docs/engine.md, "Kernel constants and
+  // the measurements behind them").
+  const int64_t five = path == Path::kAvx512Vnni ? kMR + 1 : 0;
   at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t mb = 0; mb < M; mb += kMC)
+    for (int64_t mb = 0; mb < M; mb += kMC) {
+      const int64_t me = std::min(M, mb + kMC);
       for (int64_t p = p0; p < p1; ++p)
-        for (int64_t m = mb; m < std::min(M, mb + kMC); m += kMR) fn(pb, p, m, (int)std::min<int64_t>(kMR, M - m));
+        for (int64_t m = mb, mr; m < me; m += mr) {
+          mr = me - m == five ? five : std::min<int64_t>(kMR, me - m);
+          fn(pb, p, m, (int)mr);
+        }
+    }
   });
   return n == P * 16 ? y : y.narrow(1, 0, n);
 }
