@@ -99,9 +99,10 @@ class EngineConfig(Settings):
         num_speculative_tokens: proposed tokens per step (k; with adaptive speculation, the most).
         speculative_adaptive: per request, lower k when acceptance is low, raise it when high.
         speculative_max_batch_tokens: the most tokens (rows x (1 + k)) one step verifies: k is
-            cut to this // n - 1 for n running and waiting requests (0 = no cap). A CPU's verify pass is bound by
-            compute past about 8 rows (docs/spec_decode.md), so speculation turns off under load
-            and back on as the batch shrinks; raise it where the GEMM has more compute (a GPU).
+            cut to this // n - 1 for n running and waiting requests (0 = no cap). A CPU's verify pass costs
+            about a decode step up to 5 rows and more past them (docs/spec_decode.md, "Speculation
+            under load"), so speculation turns off from 3 requests and back on as the batch
+            shrinks; raise it where the GEMM has more compute (a GPU).
         draft_model: the draft checkpoint (known name or directory; same tokenizer as ``model``).
         draft_num_layers: keep only the draft's first N decoder layers (0 = all).
         draft_max_model_len: the draft's context limit in tokens (0 = its max_position_embeddings);
@@ -166,7 +167,7 @@ class EngineConfig(Settings):
     num_speculative_tokens: int = setting(4, "proposed tokens per step (the most, when adaptive)", metavar="K")
     speculative_adaptive: bool = setting(True, "always propose K tokens (default: adapt K per request to its "
                                          "acceptance rate)", flag="--fixed-speculative-tokens")
-    speculative_max_batch_tokens: int = setting(8, "the most tokens (rows x (1 + K)) a step verifies: each "
+    speculative_max_batch_tokens: int = setting(5, "the most tokens (rows x (1 + K)) a step verifies: each "
                                                 "row's K is cut to this // n - 1 for n running and waiting "
                                                 "requests, so batches of more than half this decode without "
                                                 "speculation; 0: no cap",
