@@ -558,18 +558,26 @@ QUESTIONS: tuple[Question, ...] = (
         "Speculative decoding",
         "`bench.spec_decode`: Qwen2.5-Coder-1.5B-Instruct with no speculation, `ngram` prompt lookup, a "
         "0.5B draft model and both (`ngram+draft`; k <= 4, adaptive), bf16, greedy, PolicyDesk questions "
-        "(natural EOS; the 2026-12-05 run with warm prompt prefixes); decode tok/s = one request's "
-        "rate after its first token (median), output tok/s = all output tokens over the wall time, speed-up = "
-        "output tok/s over no speculation's.",
+        "(natural EOS; the 2026-12-05 runs with warm prompt prefixes; on the Xeon the draft's lm_head cut "
+        "to its first 32,768 token ids, `--draft-vocab-size`, and its layers as published or requantized to "
+        "Q4_1, `--draft-quantization`); decode tok/s = one request's rate after its first token (median), "
+        "output tok/s = all output tokens over the wall time, speed-up = output tok/s over no speculation's "
+        "(at concurrency 1 the issue's measure is decode tok/s: divide by the `none` row's).",
         ("workload", "target", "speculation", "decode tok/s", "output tok/s", "speed-up", "acceptance"),
-        (Source(("spec_decode_2026-12-05_zen4_warm_native.json",), "0z18", "family 25 model 17",
+        (Source(("spec_decode_2026-12-05_xeon_warm_cap5.json",), "0z19", "family 6 model 167",
+                command="python -m bench.spec_decode --configs none ngram draft ngram+draft --questions 8 "
+                        "--poor-requests 0 --max-tokens 96 --concurrency 1 8 --reps 1 --warm --draft-vocab-size "
+                        "32768 --draft-quantization q4_1",
+                note="the Q4_1 draft, speculation capped at 5 verified tokens per step (the default)"),
+         Source(("spec_decode_2026-12-05_xeon_warm.json",), "0z19", "family 6 model 167",
+                command="python -m bench.spec_decode --configs none ngram draft ngram+draft --questions 8 "
+                        "--poor-requests 0 --max-tokens 96 --concurrency 1 8 --reps 1 --warm --draft-vocab-size "
+                        "32768 --draft-quantization as-published q4_1",
+                note="the draft as published and as Q4_1, the cap at its earlier 8"),
+         Source(("spec_decode_2026-12-05_zen4_warm_native.json",), "0z18", "family 25 model 17",
                 command="python -m bench.spec_decode --configs none draft ngram+draft --questions 8 "
                         "--poor-requests 0 --max-tokens 96 --concurrency 1 8 --reps 1 --warm",
-                note="the draft's attention on the kernel"),
-         Source(("spec_decode_2026-12-05_zen4_warm.json",), "0z18", "family 25 model 17",
-                command="python -m bench.spec_decode --configs none ngram draft ngram+draft --questions 8 "
-                        "--poor-requests 0 --max-tokens 96 --concurrency 1 8 --reps 1 --warm",
-                note="before it: the draft's decode through SDPA"),
+                note="the draft as published with its whole vocabulary, the cap at 8"),
          Source(("spec_decode.json",), "3", NOV30, date="2026-11-30",
                 command="python -m bench.spec_decode --questions 8 --max-tokens 64 --reps 1 --concurrency 1 8 "
                         "--poor-requests 2 --out docs/spec_decode.json"),),
