@@ -239,8 +239,9 @@ def test_step_messages_rebuild_the_full_step_input(scratch_engine, prose_ids, h,
         kw, num_blocks = dict(max_num_batched_tokens=64), 12
     elif variant == "static":        # finished rows stay in the batch (padding) after their free
         kw, num_blocks = dict(policy="static", max_num_seqs=4), None
-    else:                            # proposals verified, rejected ones rolled back (blocks trimmed)
-        kw, num_blocks = dict(speculative_method="ngram", num_speculative_tokens=4), None
+    else:                            # proposals verified, rejected ones rolled back (blocks trimmed); uncapped:
+        # the three requests speculate together (the default cap stops speculation from three on)
+        kw, num_blocks = dict(speculative_method="ngram", num_speculative_tokens=4, speculative_max_batch_tokens=0), None
         reqs = [("copy", prose_ids[:80] + prose_ids[:30], h.greedy(24)), ("plain", prose_ids[100:150], h.greedy(12)),
                 ("seeded", prose_ids[:60] + prose_ids[:20], SamplingParams(temperature=0.8, seed=7, max_tokens=16,
                                                                             ignore_eos=True))]

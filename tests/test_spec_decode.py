@@ -619,7 +619,8 @@ def test_pp2_speculation_greedy_identical_with_micro_batches(h, base, ray_local,
     sc = SchedulerConfig(pp=2, stage_num_cpus=1)
     draft = dict(draft_model=str(smollm2_dir), draft_num_layers=8) if method == "draft" else {}
     cfg = EngineConfig(model=str(smollm2_dir), dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=512,
-                       num_threads=1, speculative_method=method, max_num_batched_tokens=96, **draft)
+                       num_threads=1, speculative_method=method, max_num_batched_tokens=96,
+                       speculative_max_batch_tokens=0, **draft)       # uncapped: all four speculate in every micro-batch
     eng = LLMEngine(cfg, executor_factory=lambda c, d: create_executor(c, d, sc))
     try:
         requests = _mixed(prose_ids, h)[:3] + [("q3", prose_ids[40:90], h.greedy(20))]
