@@ -32,9 +32,10 @@ step's own is not: such a request decoded without the draft while the batch was 
 continues without it.
 
 With ``draft_vocab_size`` N the draft's lm_head keeps only its first N rows and proposes
-only token ids below N (FR-Spec, Zhao et al. 2025, https://arxiv.org/abs/2502.14856: a
-draft's lm_head over a vocabulary of 150k is a third of a small draft's bytes per step, and
-the first ids of a byte-level BPE vocabulary, in merge order, are the frequent ones). The
+only token ids below N (FR-Spec, Zhao et al. 2025, https://arxiv.org/abs/2502.14856: the
+lm_head of Qwen2.5-Coder-0.5B, 151,936 rows, is about a quarter of the bytes of its draft step,
+docs/spec_decode.md; the first ids of a byte-level BPE vocabulary, in merge order, are the
+frequent ones). The
 target verifies as before, so greedy output is unchanged; a token past N is never proposed.
 
 Greedy rows propose the argmax. Sampling rows propose from ``q``, the draft's distribution
@@ -146,7 +147,9 @@ class DraftProposer:
     Raises:
         EngineError: no draft_model, draft vocabulary differs from the target's, bad
             draft_num_layers / draft_max_model_len, draft_num_layers or draft_vocab_size with
-            a quantized weight_format, a draft_vocab_size the lm_head cannot be cut to, unservable checkpoint, KV allocation fails.
+            a quantized weight_format, draft_quantization without weight_format gguf, a
+            draft_vocab_size the lm_head cannot be cut to, unservable checkpoint, KV allocation
+            fails.
     """
 
     def __init__(self, cfg: EngineConfig, num_blocks: int, block_size: int, device: torch.device,
