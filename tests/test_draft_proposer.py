@@ -253,10 +253,15 @@ def test_bad_draft_vocabulary_and_quantization(smollm2_dir):
         _proposer(smollm2_dir, weight_format="gguf", draft_vocab_size=1000)
     with pytest.raises(EngineError, match="draft_vocab_size cannot be combined with weight_format 'int8'"):
         _proposer(smollm2_dir, weight_format="int8", draft_vocab_size=1024)
-    with pytest.raises(EngineError, match="draft_vocab_size must be >= 0"):
+    with pytest.raises(EngineError, match="draft_vocab_size must be >= 0, got -1"):
         _cfg(smollm2_dir, draft_vocab_size=-1)
     with pytest.raises(EngineError, match="draft_quantization 'q4_1' requantizes GGUF blocks: it needs weight_format gguf"):
         _proposer(smollm2_dir, draft_quantization="q4_1")
+    # refused when the settings are read, before the target loads
+    with pytest.raises(EngineError, match="draft_quantization 'q4_1' requantizes GGUF blocks: it needs weight_format gguf"):
+        _cfg(smollm2_dir, speculative_method="draft", draft_quantization="q4_1", weight_format="int8")
+    with pytest.raises(EngineError, match="draft_vocab_size cannot be combined with weight_format 'int8'"):
+        _cfg(smollm2_dir, speculative_method="draft", draft_vocab_size=1024, weight_format="int8")
     with pytest.raises(EngineError, match="unknown draft_quantization 'q5'"):
         _cfg(smollm2_dir, draft_quantization="q5")
     whole = _proposer(smollm2_dir, draft_vocab_size=10**6)          # at least the vocabulary: all of it

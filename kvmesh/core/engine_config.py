@@ -177,7 +177,7 @@ class EngineConfig(Settings):
     draft_max_model_len: int = setting(0, "the draft's context limit; longer sequences continue without "
                                        "speculation (0 = the draft's)")
     draft_quantization: str = setting("", "q4_1: the draft's GGUF blocks requantized to Q4_1 at load (4-bit lanes: "
-                                      "fewer bytes per proposal, lossy; weight format gguf); empty: as published",
+                                      "fewer bytes per proposal, lossy; weight format gguf); default: as published",
                                       choices=DRAFT_QUANTIZATIONS)
     draft_vocab_size: int = setting(0, "the draft proposes only the first N token ids (its lm_head cut to "
                                     "them; 0 = the whole vocabulary)")
@@ -265,8 +265,16 @@ class EngineConfig(Settings):
             raise SettingsError(f"unknown attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.speculative_max_batch_tokens < 0:
             raise SettingsError(f"speculative_max_batch_tokens must be >= 0, got {self.speculative_max_batch_tokens}")
-        if self.draft_num_layers < 0 or self.draft_max_model_len < 0 or self.draft_vocab_size < 0:
-            raise SettingsError("draft_num_layers, draft_max_model_len and draft_vocab_size must be >= 0")
+        for name in ("draft_num_layers", "draft_max_model_len", "draft_vocab_size"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        # before any weight is read (`auto` is resolved per model where the draft loads)
+        if self.uses_draft and self.draft_quantization and self.weight_format not in ("auto", "gguf"):
+            raise SettingsError(f"draft_quantization {self.draft_quantization!r} requantizes GGUF blocks: it needs "
+                                f"weight_format gguf, not {self.weight_format!r}")
+        if self.uses_draft and self.draft_vocab_size and self.weight_format not in ("auto", "none", "gguf"):
+            raise SettingsError(f"draft_vocab_size cannot be combined with weight_format {self.weight_format!r}: "
+                                "the lm_head is cut in the dense and gguf formats")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SettingsError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
