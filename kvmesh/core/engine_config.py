@@ -269,15 +269,21 @@ class EngineConfig(Settings):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         # before any weight is read (`auto` is resolved per model where the draft loads)
-        if self.uses_draft and self.draft_quantization and self.weight_format not in ("auto", "gguf"):
-            raise SettingsError(f"draft_quantization {self.draft_quantization!r} requantizes GGUF blocks: it needs "
-                                f"weight_format gguf, not {self.weight_format!r}")
-        if self.uses_draft and self.draft_vocab_size and self.weight_format not in ("auto", "none", "gguf"):
-            raise SettingsError(f"draft_vocab_size cannot be combined with weight_format {self.weight_format!r}: "
-                                "the lm_head is cut in the dense and gguf formats")
+        if self.uses_draft and self.weight_format != "auto":
+            self.check_draft_weight_format(self.weight_format)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SettingsError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def check_draft_weight_format(self, weight_format: str) -> None:
+        """Raise SettingsError when the draft's ``draft_quantization`` or ``draft_vocab_size``
+        cannot apply to its weights in ``weight_format`` (a resolved format, not ``auto``)."""
+        if self.draft_quantization and weight_format != "gguf":
+            raise SettingsError(f"draft_quantization {self.draft_quantization!r} requantizes GGUF blocks: it needs "
+                                f"weight_format gguf, not {weight_format!r}")
+        if self.draft_vocab_size and weight_format not in ("none", "gguf"):
+            raise SettingsError(f"draft_vocab_size cannot be combined with weight_format {weight_format!r}: "
+                                "the lm_head is cut in the dense and gguf formats")
 
     @property
     def uses_draft(self) -> bool:

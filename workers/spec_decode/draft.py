@@ -169,12 +169,7 @@ class DraftProposer:
         if cfg.draft_num_layers and weight_format not in ("none", "gguf"):
             raise SettingsError(f"draft_num_layers cannot be combined with weight_format {cfg.weight_format!r}: "
                                 "a truncated draft is served dense")
-        if cfg.draft_quantization and weight_format != "gguf":
-            raise SettingsError(f"draft_quantization {cfg.draft_quantization!r} requantizes GGUF blocks: it needs "
-                                f"weight_format gguf, not {weight_format!r}")
-        if cfg.draft_vocab_size and weight_format not in ("none", "gguf"):
-            raise SettingsError(f"draft_vocab_size cannot be combined with weight_format {cfg.weight_format!r}: "
-                                "the lm_head is cut in the dense and gguf formats")
+        cfg.check_draft_weight_format(weight_format)
         if cfg.draft_max_model_len > dcfg.max_position_embeddings:
             raise SettingsError(f"draft_max_model_len {cfg.draft_max_model_len} exceeds the draft's "
                                 f"max_position_embeddings {dcfg.max_position_embeddings}")
