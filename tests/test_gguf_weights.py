@@ -42,6 +42,15 @@ def _random_blocks(ggml_type: str, rows: int, k: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
+def test_columns_cut_on_block_boundaries_dequantize_to_the_same_values(ggml_type):
+    """A tensor-parallel rank's input columns of a row-parallel weight (workers/tensor_parallel.py)."""
+    u = gguf_blocks.unpack(ggml_type, torch.from_numpy(_random_blocks(ggml_type, 5, 1024, seed=3)), 1024)
+    assert torch.equal(u.cols(256, 768).dequantize(), u.dequantize()[:, 256:768])
+    with pytest.raises(ValueError, match="do not fall on the"):
+        u.cols(0, 16 if ggml_type.endswith("_K") else 100)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
 def test_unpack_equals_the_gguf_package_dequantization(ggml_type):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

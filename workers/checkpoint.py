@@ -24,6 +24,7 @@ import torch
 
 from kvmesh.core.errors import EngineError, SettingsError
 from workers.models.llama import LlamaForCausalLM, ModelConfig
+from workers.tensor_parallel import TensorParallel
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
@@ -161,9 +162,11 @@ def check_servable(model_dir: Path, cfg: ModelConfig, max_positions: int) -> Non
 
 
 def load_dense(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device, max_positions: int,
-               start_layer: int = 0, end_layer: int | None = None, num_layers: int | None = None) -> LlamaForCausalLM:
-    """Build the dense model (or a pipeline stage of it) from the checkpoint ``model_dir`` and load
-    its weights; the arguments are :func:`workers.loader.load_model`'s. Peak RSS growth while
+               start_layer: int = 0, end_layer: int | None = None, num_layers: int | None = None,
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """Build the dense model (or a pipeline stage of it, or a tensor-parallel rank's part: ``tp``)
+    from the checkpoint ``model_dir`` and load its weights; the arguments are
+    :func:`workers.loader.load_model`'s. Peak RSS growth while
     loading is about the served weight bytes plus the largest checkpoint tensor in its file
     dtype. Raises SettingsError: unsupported architecture, missing/unexpected tensor, shape
     mismatch, malformed weight file, ``num_layers`` out of range."""
@@ -175,7 +178,7 @@ def load_dense(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         cfg = dataclasses.replace(cfg, num_layers=num_layers)
     check_servable(model_dir, cfg, max_positions)
     with torch.device("meta"):           # no storage: the weights are allocated once, below
-        model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
+        model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer, tp)
     model.allocate_weights(dtype, device)
     try:
         tensors = iter_tensors(safetensors_files(model_dir))

@@ -36,6 +36,7 @@ from kvmesh.hub.cache import GGUF_FILE
 from workers.layers.linear import GGUF_DENSE, Linear, gguf_to_huge_pages
 from workers.models.llama import LlamaForCausalLM, ModelConfig
 from workers.quant import gguf_blocks
+from workers.tensor_parallel import TensorParallel
 
 log = logging.getLogger("kvmesh.loader")
 
@@ -211,7 +212,8 @@ def _qk_rows(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def _linear_parts(rd: _Reader, cfg: ModelConfig, lin: Linear, names: dict[str, str]):
-    """Unpacked parts of ``lin`` in shard order, or None (then dense) with the reason."""
+    """Unpacked parts of ``lin`` in shard order (a tensor-parallel rank's part of each:
+    :meth:`Linear.tp_part`), or None (then dense) with the reason."""
     parts, dense = [], None
     for shard in lin.shards:
         ty, raw, k = rd.raw(names[shard])
@@ -221,6 +223,11 @@ def _linear_parts(rd: _Reader, cfg: ModelConfig, lin: Linear, names: dict[str, s
         u = gguf_blocks.unpack(ty, raw, k)
         if rd.arch == "llama" and shard in ("q", "k"):
             u = u.rows(_qk_rows(cfg.num_heads if shard == "q" else cfg.num_kv_heads, cfg.head_dim))
+        try:
+            u = lin.tp_part(shard, u)
+        except ValueError as e:            # an input range that cuts the file's blocks
+            dense = f"tensor parallelism: {e}"
+            break
         parts.append(u)
     if dense is None:
         try:
@@ -232,8 +239,9 @@ def _linear_parts(rd: _Reader, cfg: ModelConfig, lin: Linear, names: dict[str, s
 
 def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device, max_positions: int,
               start_layer: int = 0, end_layer: int | None = None, num_layers: int | None = None,
-              requantize: str = "") -> LlamaForCausalLM:
-    """Build the model (or a pipeline stage, or its first ``num_layers`` layers) from
+              requantize: str = "", tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """Build the model (or a pipeline stage, or its first ``num_layers`` layers, or a
+    tensor-parallel rank's part: ``tp``) from
     ``<model_dir>/model.gguf`` with config.json from ``model_dir``; arguments as
     :func:`workers.loader.load_model`; ``requantize`` ``"q4_1"``: every block-quantized Linear
     with wider lanes requantized to Q4_1 (:func:`workers.quant.gguf_blocks.to_q4_1`; lossy). Raises SettingsError: no GGUF file, unreadable file,
@@ -256,7 +264,7 @@ def load_gguf(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.
     rd = _Reader(path)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
+        model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer, tp)
     try:
         _load_linears(rd, cfg, model, dtype, device, requantize)
         gguf_to_huge_pages(model)                   # decode streams them every step
@@ -292,7 +300,7 @@ def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype,
         if lin.bias is not None:
             if set(bnames) != set(lin.shards):
                 raise ValueError(f"GGUF lacks the biases of {sorted(wnames.values())}")
-            bias = torch.cat([rd.raw(bnames[s])[1].float().reshape(-1) for s in lin.shards])
+            bias = torch.cat([lin.tp_part(s, rd.raw(bnames[s])[1].float().reshape(-1), 0) for s in lin.shards])
         if u is not None:
             if requantize == "q4_1":
                 u = gguf_blocks.to_q4_1(u)
@@ -303,16 +311,14 @@ def _load_linears(rd: _Reader, cfg: ModelConfig, model: LlamaForCausalLM, dtype,
             continue
         log.info("kvmesh: %s served dense (%s)", sorted(wnames.values()), why_dense)
         lin.allocate(dtype, device)
-        start = 0
         for shard, name in wnames.items():
             ty, raw, k = rd.raw(name)
             w = gguf_blocks.dequantize_rows(ty, raw, k)
             if rd.arch == "llama" and shard in ("q", "k"):
                 w = w[_qk_rows(cfg.num_heads if shard == "q" else cfg.num_kv_heads, cfg.head_dim)]
-            lin.load_shard("weight", shard, w)
+            lin.load_shard("weight", shard, w)          # each takes the rank's part
             if bias is not None:
-                lin.load_shard("bias", shard, bias[start:start + w.shape[0]])
-            start += w.shape[0]
+                lin.load_shard("bias", shard, rd.raw(bnames[shard])[1].float().reshape(-1))
         lin.finalize(dtype)
         lin.method = GGUF_DENSE         # loaded: allocate_weights must not replace it
 

@@ -14,6 +14,7 @@ from workers.checkpoint import load_config, load_dense
 from workers.layers.linear import bind_fast_paths, pack_bf16_linears, pack_onednn_linears
 from workers.models.llama import LlamaForCausalLM, use_native_ops
 from workers.quant.store import ensure_quantized, load_quantized
+from workers.tensor_parallel import TensorParallel
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -38,7 +39,8 @@ def resolve_weight_format(weight_format: str, model_dir: str | Path) -> str:
 def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch.device,
                max_positions: int, start_layer: int = 0, end_layer: int | None = None,
                num_layers: int | None = None, weight_format: str = "none", group_size: int = 128,
-               calibration: bool = True, calibration_data: str = "", gguf_requantize: str = "") -> LlamaForCausalLM:
+               calibration: bool = True, calibration_data: str = "", gguf_requantize: str = "",
+               tp: TensorParallel | None = None) -> LlamaForCausalLM:
     """Build the model (or a pipeline stage of it) and load its weights.
 
     Args:
@@ -63,6 +65,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
             its text file ("" = the PolicyDesk policies).
         gguf_requantize: ``gguf`` only: ``"q4_1"`` requantizes the blocks with wider lanes to Q4_1
             at load (lossy: a speculative draft's fewer bytes per step).
+        tp: a tensor-parallel rank's place (:mod:`workers.tensor_parallel`): the model holds its
+            part of each layer. The ``gguf`` and ``none`` formats only.
     Memory (dense): peak RSS growth while loading is about the served weight bytes
         (:func:`weight_bytes`) plus the largest checkpoint tensor in its file dtype.
     Raises:
@@ -75,7 +79,9 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
     if weight_format == "gguf":
         from workers.gguf_checkpoint import load_gguf
         return load_gguf(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
-                         end_layer=end_layer, num_layers=num_layers, requantize=gguf_requantize)
+                         end_layer=end_layer, num_layers=num_layers, requantize=gguf_requantize, tp=tp)
+    if tp is not None and tp.size > 1 and weight_format != "none":
+        raise SettingsError(f"tensor parallelism serves the gguf and none weight formats, not {weight_format}")
     if weight_format != "none":
         if num_layers is not None:
             raise SettingsError("num_layers cannot be combined with a quantized weight_format")
@@ -85,7 +91,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
                               start_layer=start_layer, end_layer=end_layer)
     ensure_dense(model_dir, why="--weight-format none")
     return load_dense(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
-                      end_layer=end_layer, num_layers=num_layers)
+                      end_layer=end_layer, num_layers=num_layers, tp=tp)
 
 
 def use_serving_kernels(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, onednn: bool = True) -> None:

@@ -35,6 +35,7 @@ from workers.loader import load_model, use_serving_kernels, weight_bytes
 from workers.spec_decode.ngram import propose_ngram
 from workers.spec_decode.rejection import VerifyRow, verify
 from workers.step import SeqInput, StepInput
+from workers.tensor_parallel import TensorParallel
 
 log = logging.getLogger("kvmesh.workers")
 
@@ -101,12 +102,16 @@ class ModelRunner:
             pool is counted in blocks of the whole model, so every stage of a pipeline
             gets the same number of blocks (and the same block ids) from one budget.
         start_layer, end_layer: the decoder layers this runner holds (default: all).
+        tp: this runner's tensor-parallel rank (:mod:`workers.tensor_parallel`; None: the
+            whole of each layer). Each rank holds its heads' part of every KV block (the block
+            ids are the replica's); on the last stage every rank computes its token ids' logits
+            and rank 0 alone samples and runs the proposers (:attr:`samples`).
     Raises:
         EngineError: the checkpoint cannot be served, or the KV budget holds no block.
     """
 
     def __init__(self, cfg: EngineConfig, model_dir: str, num_blocks: int | None = None,
-                 start_layer: int = 0, end_layer: int | None = None):
+                 start_layer: int = 0, end_layer: int | None = None, tp: TensorParallel | None = None):
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         apply_kernel_isa(cfg, self.device)            # before the weights: their packing follows the level
@@ -114,7 +119,7 @@ class ModelRunner:
         self.model = load_model(model_dir, dtype=self.dtype, device=self.device, max_positions=cfg.max_model_len,
                                 start_layer=start_layer, end_layer=end_layer, weight_format=cfg.weight_format,
                                 group_size=cfg.quant_group_size, calibration=cfg.enable_calibration,
-                                calibration_data=cfg.calibration_data)
+                                calibration_data=cfg.calibration_data, tp=tp)
         # native GEMM / fused ops, bound Linear arguments (oneDNN's float32 weights are opaque to torch.compile)
         use_serving_kernels(self.model, self.dtype, self.device, onednn=not cfg.enable_compile)
         self.weight_bytes = weight_bytes(self.model)   # stored weights incl. scales/zeros (bytes)
@@ -130,9 +135,12 @@ class ModelRunner:
                                 f"holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.num_blocks = num_blocks
         stage_layers = len(self.model.layers)
-        self.kv_cache_bytes = num_blocks * per_block * stage_layers // m.num_layers
+        plan = self.model.plan
+        self.kv_cache_bytes = num_blocks * per_block * stage_layers * plan.num_kv_heads // (m.num_layers * m.num_kv_heads)
         self.kv_caches = allocate_kv_cache(len(self.model.layers), num_blocks, cfg.block_size,
-                                           m.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
+                                           plan.num_kv_heads, m.head_dim, self.kv_dtype, self.device)
+        # the runner that samples: the last stage's (its rank 0's under tensor parallelism)
+        self.samples = self.model.is_last and plan.rank == 0
         self.attention_backend = resolve_attention_backend(cfg, self.device, m.head_dim)
         # prefill chunks through the kernel too where it beats SDPA (its flash path on AMX or
         # AVX512-BF16: a bfloat16 cache, or an int8 / float8 one, whose chunks go through the
@@ -149,7 +157,7 @@ class ModelRunner:
         # "Profile", 2026-12-02 on a Zen 5).
         self.native_cascade = self.prefill_native
         self.compiled_decode = None
-        if cfg.enable_compile and self.attention_backend == "native":
+        if cfg.enable_compile and self.attention_backend == "native" and plan.size == 1:
             from workers.compiled_decode import CompiledDecode
             self.compiled_decode = CompiledDecode(self.model, self.kv_caches, cfg.max_num_seqs,
                                                   -(-cfg.max_model_len // cfg.block_size), self.device)
@@ -161,10 +169,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # prompt lookup answers a step's asks for proposals under 'ngram' and 'ngram+draft', and on
         # any runner without a draft model (the one proposer it has)
-        self.lookup = self.model.is_last and (cfg.speculative_method in LOOKUP_METHODS or not cfg.uses_draft)
+        self.lookup = self.samples and (cfg.speculative_method in LOOKUP_METHODS or not cfg.uses_draft)
         self.proposer = None           # the draft model (last stage, speculative_method 'draft' / 'ngram+draft')
         self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}   # id -> last proposal, its q
-        if cfg.uses_draft and self.model.is_last:
+        if cfg.uses_draft and self.samples:
             from workers.spec_decode.draft import DraftProposer
             self.proposer = DraftProposer(cfg, num_blocks, cfg.block_size, self.device, self.attention_backend,
                                           self.prefill_native)
@@ -198,7 +206,8 @@ class ModelRunner:
         a function returning it, called once the step's inputs are prepared (a pipeline stage
         prepares while the previous stage still computes).
         A stage that is not the last returns its hidden states; the last samples one token
-        per sequence whose chunk ends at its last token and returns a ModelRunnerOutput."""
+        per sequence whose chunk ends at its last token and returns a ModelRunnerOutput (an
+        empty one on a tensor-parallel rank other than 0)."""
         with torch.profiler.record_function("prepare"):
             input_ids, positions, md, sample_idx, sample_seqs = self._prepare(step)
         if callable(hidden):
@@ -212,6 +221,10 @@ class ModelRunner:
                 hidden = self.model(x, positions, md, self.kv_caches)
         if not self.model.is_last:
             return hidden
+        if not self.samples:               # a tensor-parallel rank > 0: its logits go to rank 0
+            if sample_idx:
+                self.model.compute_logits(hidden[sample_idx])
+            return ModelRunnerOutput({}, None)
         with torch.profiler.record_function("sample"):
             out = self._sample(hidden, sample_idx, sample_seqs)
         if self.proposer is not None or (self.lookup and any(s.num_proposals for s in step.seqs)):

@@ -250,15 +250,24 @@ class Linear(nn.Module):
         bias: whether the layer has a bias ``[out_features]``.
         shards: names and row counts of checkpoint tensors stacked along dim 0, in order,
             e.g. ``{"q": 576, "k": 192, "v": 192}``; default one shard named ``""``.
+        tp_dim, tp_parts: a tensor-parallel rank's part of each checkpoint tensor
+            (:mod:`workers.tensor_parallel`): ``tp_parts[shard]`` is the ``[start, end)`` range it
+            holds along ``tp_dim`` of the checkpoint's ``[out, in]`` weight, 0 (column-parallel:
+            output rows, and the bias's) or 1 (row-parallel: input columns; no bias). None: whole
+            tensors. The shard sizes (``shards``, ``in_features``) are then the parts' sizes.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 shards: dict[str, int] | None = None) -> None:
+                 shards: dict[str, int] | None = None, tp_dim: int | None = None,
+                 tp_parts: dict[str, tuple[int, int]] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.shards = shards or {"": out_features}
         if sum(self.shards.values()) != out_features:
             raise ValueError(f"shards {self.shards} do not add up to {out_features} rows")
+        if (tp_dim is None) != (tp_parts is None) or (tp_dim == 1 and bias):
+            raise ValueError("tp_dim and tp_parts go together; a row-parallel layer (tp_dim 1) has no bias")
+        self.tp_dim, self.tp_parts = tp_dim, tp_parts
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._loaded: set[tuple[str, str]] = set()
@@ -301,8 +310,27 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype, device=device),
                                      requires_grad=False)
 
+    def tp_part(self, shard: str, tensor, dim: int | None = None):
+        """This rank's part of checkpoint tensor ``shard`` (a weight ``[out, in]`` or a bias
+        ``[out]``; anything with ``rows(idx)`` / ``cols(start, end)`` methods, such as a GGUF
+        weight, works too): the ``tp_parts`` range along ``tp_dim``; the tensor itself without
+        tensor parallelism. ``dim`` overrides ``tp_dim`` (0 for a bias). Raises ValueError for
+        a checkpoint tensor too small for the range."""
+        if self.tp_parts is None:
+            return tensor
+        start, end = self.tp_parts[shard]
+        dim = self.tp_dim if dim is None else dim
+        size = tensor.shape[dim]
+        if end > size:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)}, the tensor-parallel part "
+                             f"[{start}, {end}) of dim {dim}")
+        if isinstance(tensor, torch.Tensor):
+            return tensor.narrow(dim, start, end - start)
+        return tensor.rows(torch.arange(start, end)) if dim == 0 else tensor.cols(start, end)
+
     def load_shard(self, param: str, shard: str, tensor: torch.Tensor) -> None:
-        """Copy a checkpoint tensor into rows of ``weight`` or ``bias``.
+        """Copy a checkpoint tensor (whole: this method takes a tensor-parallel rank's part,
+        :meth:`tp_part`) into rows of ``weight`` or ``bias``.
 
         Raises:
             ValueError: on a shape mismatch (message gives both shapes).
@@ -310,6 +338,7 @@ class Linear(nn.Module):
         target = self.weight if param == "weight" else self.bias
         if target is None:
             raise ValueError(f"layer has no {param}")
+        tensor = self.tp_part(shard, tensor, 0 if param == "bias" else None)
         rows = self._rows(shard)
         dst = target.data[rows]
         if tuple(dst.shape) != tuple(tensor.shape):

@@ -6,7 +6,9 @@ tied to the embeddings. Architecture: pre-norm RMSNorm (Zhang & Sennrich 2019), 
 SwiGLU MLP (Shazeer 2020).
 
 The module can hold a contiguous range of decoder layers (a pipeline stage): the first stage
-owns the embeddings, the last the final norm and lm_head.
+owns the embeddings, the last the final norm and lm_head. Under tensor parallelism it holds one
+rank's part of each layer (:mod:`workers.tensor_parallel`: its heads, its MLP columns, its token
+ids' lm_head rows) and sums the parts after o_proj and down_proj.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from workers.layers.attention import AttentionMetadata, paged_attention
 from workers.layers.linear import Linear
 from workers.layers.rotary import RotaryEmbedding
+from workers.tensor_parallel import ShardPlan, TensorParallel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -130,13 +133,25 @@ def use_native_ops(model: nn.Module, dtype: torch.dtype, device: torch.device) -
     return n
 
 
+def _reduce(tp: TensorParallel | None):
+    """The all-reduce a row-parallel layer's output takes (None: one rank, nothing to sum)."""
+    return tp.all_reduce if tp is not None and tp.size > 1 else None
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    """Grouped-query attention over the paged KV cache: this rank's heads (all of them without
+    tensor parallelism); o_proj's partial outputs summed across the ranks."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, plan: ShardPlan, tp: TensorParallel | None = None):
         super().__init__()
-        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.h, self.kvh, self.d = plan.num_heads, plan.num_kv_heads, cfg.head_dim
+        d, (h0, h1), (k0, k1) = self.d, plan.heads, plan.kv_heads
+        tp_args = lambda dim, parts: {} if plan.size == 1 else {"tp_dim": dim, "tp_parts": parts}
         self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias,
-                               shards={"q": self.h * self.d, "k": self.kvh * self.d, "v": self.kvh * self.d})
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size)
+                               shards={"q": self.h * self.d, "k": self.kvh * self.d, "v": self.kvh * self.d},
+                               **tp_args(0, {"q": (h0 * d, h1 * d), "k": (k0 * d, k1 * d), "v": (k0 * d, k1 * d)}))
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, **tp_args(1, {"": (h0 * d, h1 * d)}))
+        self.reduce = _reduce(tp)
         self.rope = rope
         self.scale = self.d ** -0.5
         self.native_rope = False      # kvmesh::rotary_bf16 (set by use_native_ops)
@@ -151,7 +166,8 @@ class Attention(nn.Module):
         q, k = qk[:, : self.h], qk[:, self.h:]
         v = qkv[:, (self.h + self.kvh) * self.d:].view(T, self.kvh, self.d)
         o = paged_attention(q, k, v, kv_cache, md, self.scale)
-        return self.o_proj(o.reshape(T, self.h * self.d))
+        o = self.o_proj(o.reshape(T, self.h * self.d))
+        return o if self.reduce is None else self.reduce(o)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -161,26 +177,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """SwiGLU over this rank's intermediate columns; down_proj's partial outputs summed across
+    the ranks."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, tp: TensorParallel | None = None):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter,
-                                   shards={"gate": self.inter, "up": self.inter})
-        self.down_proj = Linear(self.inter, cfg.hidden_size)
+        self.inter = plan.intermediate_size
+        part = plan.intermediate
+        split = plan.size > 1
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, shards={"gate": self.inter, "up": self.inter},
+                                   **({"tp_dim": 0, "tp_parts": {"gate": part, "up": part}} if split else {}))
+        self.down_proj = Linear(self.inter, cfg.hidden_size, **({"tp_dim": 1, "tp_parts": {"": part}} if split else {}))
+        self.reduce = _reduce(tp)
         self.native_act = False       # kvmesh::silu_and_mul_bf16 (set by use_native_ops)
 
     def forward(self, x):
         h = self.gate_up_proj(x)
-        return self.down_proj(torch.ops.kvmesh.silu_and_mul_bf16(h) if self.native_act else silu_and_mul(h))
+        y = self.down_proj(torch.ops.kvmesh.silu_and_mul_bf16(h) if self.native_act else silu_and_mul(h))
+        return y if self.reduce is None else self.reduce(y)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, plan: ShardPlan, tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
+        self.self_attn = Attention(cfg, rope, plan, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, plan, tp)
 
     def forward(self, x, residual, cos_sin, md, kv_cache):
         """``(x, residual) -> (x, residual)``: the pre-norm block with its skip connections
@@ -198,12 +221,20 @@ class LlamaForCausalLM(nn.Module):
     ``forward(x, positions, md, kv_caches)``: on the first stage ``x`` is input ids ``[T]``
     int64, otherwise hidden states ``[T, hidden]``; returns hidden states ``[T, hidden]`` (after
     the final norm on the last stage). ``kv_caches[i]`` is the
-    :class:`workers.kv_cache.KVCache` of the stage's i-th layer. ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32.
+    :class:`workers.kv_cache.KVCache` of the stage's i-th layer (this rank's KV heads under
+    tensor parallelism). ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32 (every
+    rank's token ids, gathered).
+
+    ``tp``: this rank's :class:`workers.tensor_parallel.TensorParallel` (None: the whole of each
+    layer). Raises SettingsError for head counts its size does not divide.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, start_layer: int = 0, end_layer: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int, start_layer: int = 0, end_layer: int | None = None,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        self.plan = plan = tp.plan if tp is not None else ShardPlan.of(cfg)
         self.start_layer = start_layer
         self.end_layer = cfg.num_layers if end_layer is None else end_layer
         self.is_first = start_layer == 0
@@ -217,10 +248,11 @@ class LlamaForCausalLM(nn.Module):
                                           _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
                              if self.is_first else None)
         self.embed_tokens and self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(self.start_layer, self.end_layer))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, plan, tp) for _ in range(self.start_layer, self.end_layer))
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, plan.vocab_size,
+                                  **({"tp_dim": 0, "tp_parts": {"": plan.vocab}} if plan.size > 1 else {}))
 
     def forward(self, x, positions, md: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = self.embed_tokens(x) if self.is_first else x
@@ -235,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h) if self.is_last else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.plan.size == 1 else self.tp.gather_logits(logits)
 
     # ---- weight loading -------------------------------------------------------------
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -86,6 +86,18 @@ class Unpacked:
         return Unpacked(self.q[idx], self.bits, self.group, self.scheme, self.a[idx], self.b[idx],
                         pick(self.d), pick(self.dmin))
 
+    def cols(self, start: int, end: int) -> "Unpacked":
+        """The columns ``[start, end)`` (a tensor-parallel rank's input range). Raises
+        ValueError when a bound does not fall on a block boundary (a group; a k-quant's
+        256-value super-block)."""
+        block = QK_K if self.scheme == "k" else self.group
+        if start % block or end % block:
+            raise ValueError(f"columns [{start}, {end}) do not fall on the {block}-value blocks of this weight")
+        g0, g1 = start // self.group, end // self.group
+        cut = (lambda t: None if t is None else t[:, start // QK_K: end // QK_K])
+        return Unpacked(self.q[:, start:end], self.bits, self.group, self.scheme, self.a[:, g0:g1], self.b[:, g0:g1],
+                        cut(self.d), cut(self.dmin))
+
     def regroup(self, bits: int, group: int) -> "Unpacked":
         """The same weight with lanes of ``bits`` (>= ``self.bits``) and groups of ``group``
         (dividing ``self.group``): exact."""
