@@ -93,19 +93,35 @@ def _request_output(request_id: str, prompt: str | None, prompt_ids: list[int], 
                          output.metrics)
 
 
+def _engine(model: str, tensor_parallel_size: int, kwargs: dict) -> LLMEngine:
+    """The engine of an ``LLM`` / ``AsyncLLM``: the model in this process, or with
+    ``tensor_parallel_size`` > 1 its ranks as Ray actors of a local Ray instance
+    (:class:`workers.executor.RayPipelineExecutor`)."""
+    cfg = EngineConfig.from_env(model=model, **kwargs)
+    if tensor_parallel_size == 1:
+        return LLMEngine(cfg)
+    from kvmesh.core.service_config import SchedulerConfig
+    from workers.executor import create_executor
+    sc = SchedulerConfig(tensor_parallel_size=tensor_parallel_size)
+    return LLMEngine(cfg, executor_factory=lambda c, d: create_executor(c, d, sc))
+
+
 class LLM(TextFront):
     """Offline batched generation.
 
     Args:
         model: a known model name (pulled on first use) or a checkpoint directory.
+        tensor_parallel_size: ranks each holding 1/N of every layer (Ray actors on this
+            machine's local Ray; :mod:`workers.tensor_parallel`); 1 = the model in this process.
         **kwargs: any :class:`kvmesh.core.engine_config.EngineConfig` field (``dtype``, ``policy``,
             ``enable_prefix_caching``, ``kv_cache_memory``, ``max_num_seqs`` ...).
     Raises:
-        EngineError: unknown model or unservable settings.
+        EngineError: unknown model or unservable settings (head counts ``tensor_parallel_size``
+            does not divide, named).
     """
 
-    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_env(model=model, **kwargs))
+    def __init__(self, model: str = "smollm2-135m-instruct", tensor_parallel_size: int = 1, **kwargs):
+        self.engine = _engine(model, tensor_parallel_size, kwargs)
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._counter = 0
 
@@ -174,8 +190,8 @@ class AsyncLLM(TextFront):
     """Streaming generation on a background engine loop. Construct inside an event loop
     (``await AsyncLLM.create(...)``-free: the constructor just needs a running loop)."""
 
-    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
-        self.engine = AsyncEngine(LLMEngine(EngineConfig.from_env(model=model, **kwargs)))
+    def __init__(self, model: str = "smollm2-135m-instruct", tensor_parallel_size: int = 1, **kwargs):
+        self.engine = AsyncEngine(_engine(model, tensor_parallel_size, kwargs))
         self.tokenizer = load_tokenizer(self.engine.engine.model_dir)
 
     async def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None

@@ -138,6 +138,9 @@ class LLMEngine:
             raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) needs prefix caching")
         if not hasattr(executor, "save_blocks"):
             raise SettingsError(f"KV offload: executor {type(executor).__name__} cannot save or load KV blocks")
+        if getattr(executor, "tp", 1) > 1:
+            raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) does not support tensor "
+                                "parallelism yet: use --tensor-parallel-size 1")
         from kvstore.tier_format import BlockLayout
         from kvstore.tiers import KVTiers
         from workers.kv_cache import is_quantized, kv_dtype

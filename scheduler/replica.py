@@ -123,7 +123,7 @@ async def start_engine_processes(sc: SchedulerConfig, ec: EngineConfig) -> tuple
         from workers.executor import ensure_ray, ray_address_of_this_process
         cpus = sc.cpus_per_stage()
         await asyncio.to_thread(ensure_ray, sc.ray_address,
-                                max(os.cpu_count() or 1, sc.replicas * sc.pp * cpus))
+                                max(os.cpu_count() or 1, sc.replicas * sc.pp * sc.tensor_parallel_size * cpus))
         sc = sc.replace(ray_address=sc.ray_address or ray_address_of_this_process(), stage_num_cpus=cpus)
     clients = [EngineCoreClient(ec, sc, i, collect_events=sc.routing == "prefix") for i in range(sc.replicas)]
     started = await asyncio.gather(*(c.start() for c in clients), return_exceptions=True)

@@ -136,3 +136,22 @@ def test_pp2_strict_spread_puts_a_stage_on_each_node_and_matches_the_engine(clus
         eng.shutdown()
     assert placement_group_table()[pg_id]["state"] == "REMOVED"
     print(f"pp=2 strict-spread over 2 nodes: up in {t_up:.1f} s")
+
+
+def test_tp3_across_two_nodes_sums_over_gloo_and_matches_the_engine(cluster, smollm2_dir, prose_ids, h):
+    """Three tensor-parallel ranks of half a CPU each, spread over the two nodes: their group
+    spans nodes, so they sum through gloo over TCP instead of shared memory."""
+    import ray
+    cfg = EngineConfig(model=str(smollm2_dir), dtype="float32", kv_cache_memory=KV, max_model_len=512,
+                       num_threads=1)
+    requests = [(f"r{i}", prose_ids[5 * i: 30 + 17 * i], h.greedy(6)) for i in range(3)]
+    expected = _outputs(LLMEngine(cfg), h, requests)
+    eng = LLMEngine(cfg, executor_factory=lambda c, d: RayPipelineExecutor(c, d, 1, stage_num_cpus=0.5,
+                                                                            placement="spread", tp=3))
+    try:
+        infos = ray.get([s.info.remote() for s in eng.executor.stages])
+        assert len({i["node_id"] for i in infos}) == 2
+        assert [(i["tp_rank"], i["tp_comm"]) for i in infos] == [(0, "gloo"), (1, "gloo"), (2, "gloo")]
+        assert _outputs(eng, h, requests) == expected
+    finally:
+        eng.shutdown()

@@ -8,7 +8,8 @@ process calls while idle.
 
 - :class:`InProcessExecutor`: the whole model in the engine's own process (tests, offline
   ``LLM``); a step completes inside ``submit``.
-- :class:`RayPipelineExecutor`: one Ray actor per pipeline stage (:mod:`workers.stage`).
+- :class:`RayPipelineExecutor`: one Ray actor per pipeline stage and tensor-parallel rank
+  (:mod:`workers.stage`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvmesh.core.errors import DependencyUnavailableError, EngineError, Settings
 from kvmesh.core.telemetry import StageSpans, tracing_enabled
 from workers.model_runner import ModelRunner, ModelRunnerOutput
 from workers.step import ScheduledStep, StepDecoder, StepEncoder
+from workers.tensor_parallel import check_divisible
 
 
 class StepHandle(Protocol):
@@ -216,12 +218,18 @@ PLACEMENT_STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict-spread": "ST
 
 
 class RayPipelineExecutor:
-    """A replica's model as ``pp`` Ray actors, one per pipeline stage.
+    """A replica's model as ``pp x tp`` Ray actors: ``pp`` pipeline stages of ``tp``
+    tensor-parallel ranks each (:mod:`workers.tensor_parallel`; ``stages`` lists them stage by
+    stage, rank by rank).
 
-    The stages are placed by a Ray placement group of one ``{"CPU": stage_num_cpus}`` bundle
-    per stage (``placement``: ``pack`` puts them on as few nodes as fit, ``spread`` on
+    The actors are placed by a Ray placement group of one ``{"CPU": stage_num_cpus}`` bundle
+    per actor (``placement``: ``pack`` puts them on as few nodes as fit, ``spread`` on
     different nodes where it can, ``strict-spread`` on different nodes or not at all); each
-    actor runs in its bundle, and the group is removed at :meth:`shutdown`.
+    actor runs in its bundle, and the group is removed at :meth:`shutdown`. A stage's ranks
+    form their group once loaded (:meth:`workers.stage.PipelineStage.connect_tp`): through
+    shared memory when they landed on one node, else gloo over TCP. Rank r of stage k sends its
+    hidden states to rank r of stage k+1 (every rank holds the whole hidden state after the
+    layer's all-reduce); rank 0 of the last stage samples, and its result is the step's.
 
     ``submit`` sends every stage the step's incremental message (:mod:`workers.step`: a
     request's prompt-side data and block ids once, then per step its new tokens and new
@@ -238,13 +246,15 @@ class RayPipelineExecutor:
         model_dir: checkpoint directory (the same path on every node).
         pp: stages.
         layer_split: decoder layers per stage (None: even split).
+        tp: tensor-parallel ranks per stage.
         stage_num_cpus: CPUs each stage reserves (> 0); its torch threads unless
             ``cfg.num_threads`` is set.
         replica: the replica's index (messages, spans).
         placement: ``pack``, ``spread`` or ``strict-spread`` (:data:`PLACEMENT_STRATEGIES`).
         placement_timeout: seconds to wait for the placement group.
     Raises:
-        EngineError: a bad layer split or placement, the stages cannot be placed within
+        EngineError: a bad layer split or placement, head counts ``tp`` does not divide (the
+            message names them), the stages cannot be placed within
             ``placement_timeout`` (the message names the bundles asked for and what the
             cluster has free), a stage fails to load the model, or consecutive stages cannot
             connect (their nodes must reach each other on any TCP port, as Ray's workers do).
@@ -252,7 +262,7 @@ class RayPipelineExecutor:
 
     def __init__(self, cfg, model_dir: str, pp: int, layer_split: list[int] | None = None,
                  stage_num_cpus: float = 1.0, replica: int = 0, placement: str = "pack",
-                 placement_timeout: float = 60.0):
+                 placement_timeout: float = 60.0, tp: int = 1):
         import threading
 
         import ray
@@ -269,6 +279,7 @@ class RayPipelineExecutor:
             raise SettingsError(f"stage_num_cpus must be > 0, got {stage_num_cpus}")
         m = load_config(model_dir)
         bounds = split_layers(m.num_layers, pp, layer_split)
+        check_divisible(m.num_heads, m.num_kv_heads, tp)
         per_block = bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim,
                                     kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
         self.num_blocks = budget_bytes(cfg.kv_cache_memory, torch.device(cfg.device)) // per_block
@@ -276,17 +287,19 @@ class RayPipelineExecutor:
             raise SettingsError(f"KV cache budget holds no block of {per_block} bytes; raise --kv-cache-memory")
         self.block_size = cfg.block_size
         self.max_inflight = pp
+        self.tp = tp
         self.stages = []
         self.encoder = StepEncoder(cfg.block_size)
         self._lock = threading.Lock()       # encoder state and the stage calls, in one order
-        bundles = [{"CPU": float(stage_num_cpus)} for _ in bounds]
+        bundles = [{"CPU": float(stage_num_cpus)} for _ in range(pp * tp)]
         strategy = PLACEMENT_STRATEGIES[placement]
         self.placement_group = placement_group(bundles, strategy=strategy)
         if not self.placement_group.wait(timeout_seconds=placement_timeout):
             free = {k: v for k, v in sorted(ray.available_resources().items()) if not k.startswith("node:")}
             nodes = sum(n["Alive"] for n in ray.nodes())
             self.shutdown()
-            raise DependencyUnavailableError(f"replica {replica}: Ray could not place {pp} pipeline stages within "
+            what = f"{pp} pipeline stages" + (f" x {tp} tensor-parallel ranks" if tp > 1 else "")
+            raise DependencyUnavailableError(f"replica {replica}: Ray could not place {what} within "
                                              f"{placement_timeout:g} s: asked for bundles {bundles} with strategy {strategy} "
                                              f"(--stage-placement {placement}, --stage-num-cpus); the cluster has {free} "
                                              f"free on {nodes} alive node(s)")
@@ -294,9 +307,9 @@ class RayPipelineExecutor:
         actor = ray.remote(PipelineStage)
         self.stages = [actor.options(num_cpus=stage_num_cpus, max_concurrency=1,
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                         self.placement_group, placement_group_bundle_index=i))
-                       .remote(cfg, model_dir, start, end, self.num_blocks, i, replica)
-                       for i, (start, end) in enumerate(bounds)]
+                                         self.placement_group, placement_group_bundle_index=i * tp + r))
+                       .remote(cfg, model_dir, start, end, self.num_blocks, i, replica, r, tp)
+                       for i, (start, end) in enumerate(bounds) for r in range(tp)]
         try:
             infos = ray.get([s.info.remote() for s in self.stages])
         except ray.exceptions.RayError as e:
@@ -305,24 +318,44 @@ class RayPipelineExecutor:
             raise DependencyUnavailableError(f"replica {replica}: a pipeline stage failed to start: "
                                              f"{lines[-1] if lines else e!r}") from None
         try:
-            for prev, nxt in zip(self.stages, self.stages[1:]):     # hidden states: stage k -> k+1 over TCP
+            # hidden states: stage k -> k+1 over TCP, rank r to rank r
+            for prev, nxt in zip(self.stages, self.stages[tp:]):
                 host, port, token = ray.get(nxt.listen.remote())
                 ray.get([prev.connect_next.remote(host, port, token), nxt.accept_prev.remote()])
+            if tp > 1:
+                self._connect_tp(infos, replica)
+                infos = ray.get([s.info.remote() for s in self.stages])
         except ray.exceptions.RayError as e:
             self.shutdown()
             lines = str(e).strip().splitlines()
-            raise DependencyUnavailableError(f"replica {replica}: pipeline stages could not connect: "
-                                             f"{lines[-1] if lines else e!r}") from None
+            raise DependencyUnavailableError(f"replica {replica}: pipeline stages or tensor-parallel ranks could not "
+                                             f"connect: {lines[-1] if lines else e!r}") from None
         self.stage_info = infos
         self.kv_cache_bytes = sum(i["kv_cache_bytes"] for i in infos)
         self.layer_bounds = bounds
 
+    def _connect_tp(self, infos: list[dict], replica: int) -> None:
+        """Form each stage's tensor-parallel group: shared memory where its ranks share a node,
+        gloo (rank 0's address) otherwise."""
+        import uuid
+
+        import ray
+        tp = self.tp
+        for i in range(0, len(self.stages), tp):
+            ranks, nodes = self.stages[i:i + tp], {info["node_id"] for info in infos[i:i + tp]}
+            if len(nodes) == 1:
+                kind, address = "shm", f"kvmesh-tp-{replica}-{i // tp}-{uuid.uuid4().hex[:12]}"
+            else:
+                kind, address = "gloo", f"tcp://{infos[i]['ip']}:{ray.get(ranks[0].free_port.remote())}"
+            ray.get([r.connect_tp.remote(kind, address) for r in ranks])
+
     def submit(self, out: ScheduledStep) -> RayHandle:
-        """Start one step on the stages; the handle's ``result()`` waits for its output."""
+        """Start one step on the stages; the handle's ``result()`` waits for its output (rank 0
+        of the last stage's)."""
         with self._lock:
             delta = self.encoder.encode(out)
             refs = [stage.execute.remote(delta) for stage in self.stages]
-        return RayHandle(refs[-1], len(refs) - 1)
+        return RayHandle(refs[-self.tp], len(refs) // self.tp - 1)
 
     @property
     def kv_layer_ranges(self) -> list[tuple[int, int]]:
@@ -331,8 +364,10 @@ class RayPipelineExecutor:
     def save_blocks(self, block_ids: list[int]) -> list[list[bytes]]:
         """Bodies of blocks ``block_ids``: ``[block][stage]``, each stage its own layers. Runs
         after the steps already submitted (each stage runs its calls in order) and waits.
-        Raises EngineError when a stage fails."""
+        Raises EngineError when a stage fails, or under tensor parallelism (not supported)."""
         import ray
+        if self.tp > 1:
+            raise SettingsError("KV tiers (saving KV blocks) do not support tensor parallelism yet")
         with self._lock:
             refs = [s.save_blocks.remote(block_ids) for s in self.stages]
         try:
@@ -414,10 +449,10 @@ def create_executor(cfg, model_dir: str, sched_cfg, replica: int = 0) -> Executo
     if sched_cfg.resolved_executor() == "local":
         return InProcessExecutor(cfg, model_dir)
     cpus = sched_cfg.cpus_per_stage()
-    need = sched_cfg.replicas * sched_cfg.pp * cpus
+    need = sched_cfg.replicas * sched_cfg.pp * sched_cfg.tensor_parallel_size * cpus
     ensure_ray(sched_cfg.ray_address, num_cpus=max(os.cpu_count() or 1, need))
     return RayPipelineExecutor(cfg, model_dir, sched_cfg.pp, sched_cfg.layer_split(), cpus, replica,
-                               placement=sched_cfg.stage_placement)
+                               placement=sched_cfg.stage_placement, tp=sched_cfg.tensor_parallel_size)
 
 
 def ray_address_of_this_process() -> str:

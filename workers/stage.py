@@ -1,7 +1,12 @@
 """One pipeline stage of a replica, run as a Ray actor by :class:`workers.executor.RayPipelineExecutor`.
 
 A stage holds a contiguous range of decoder layers (the first also the embeddings, the last
-also the final norm, lm_head, sampler and, with ``speculative_method=draft``, the draft model) and the paged KV cache of those layers only. Block
+also the final norm, lm_head, sampler and, with ``speculative_method=draft``, the draft model) and the paged KV cache of those layers only.
+Under tensor parallelism a stage is ``tp`` actors, its ranks (:mod:`workers.tensor_parallel`):
+each holds its part of the stage's layers and KV cache, runs every step, and sums with the
+other ranks through a communicator (:mod:`workers.communicator`: shared memory on one node,
+gloo across nodes) set up by :meth:`PipelineStage.connect_tp`; rank r's hidden states go to rank
+r of the next stage; on the last stage rank 0 samples. Block
 ids are the replica's: every stage has the same number of blocks, indexed by the same block
 tables.
 
@@ -116,12 +121,13 @@ class PipelineStage:
         num_blocks: KV pool size, in blocks, shared by all stages.
         index: stage number (0 = first).
         replica: the replica's index (span attributes).
+        tp_rank, tp_size: this actor's tensor-parallel rank and its stage's ranks.
     Raises:
         EngineError: the checkpoint cannot be loaded (surfaces as a RayTaskError on the caller).
     """
 
     def __init__(self, cfg, model_dir: str, start_layer: int, end_layer: int, num_blocks: int, index: int,
-                 replica: int = 0):
+                 replica: int = 0, tp_rank: int = 0, tp_size: int = 1):
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         if (nice := os.getpriority(os.PRIO_PROCESS, 0)) > 0:
@@ -129,7 +135,12 @@ class PipelineStage:
                         "normal priority takes its CPU first; start the Ray nodes with RAY_worker_niceness=0",
                         index, nice)
         self.index = index
-        self.runner = ModelRunner(cfg, model_dir, num_blocks, start_layer, end_layer)
+        self.tp = None
+        if tp_size > 1:
+            from workers.checkpoint import load_config
+            from workers.tensor_parallel import ShardPlan, TensorParallel
+            self.tp = TensorParallel(ShardPlan.of(load_config(model_dir), tp_rank, tp_size))
+        self.runner = ModelRunner(cfg, model_dir, num_blocks, start_layer, end_layer, self.tp)
         self.requests = StepDecoder(index)
         self.prev: StageLink | None = None      # from the stage before (hidden states in)
         self.next: StageLink | None = None      # to the stage after (hidden states out)
@@ -143,17 +154,41 @@ class PipelineStage:
 
     def info(self) -> dict:
         """The stage as it runs: ``index``, ``start_layer`` / ``end_layer``, ``num_blocks``,
-        ``kv_cache_bytes``, ``num_threads`` (torch's intra-op threads in this process),
-        ``node_id`` (the Ray node it runs on, hex), ``pid`` (its process), ``nice`` (its
-        scheduling niceness) and ``num_requests`` (requests whose state it holds: sent and not
-        yet freed)."""
+        ``kv_cache_bytes``, ``weight_bytes`` (its stored weights), ``num_threads`` (torch's intra-op threads in this process),
+        ``node_id`` (the Ray node it runs on, hex), ``ip`` (its address), ``pid`` (its
+        process), ``nice`` (its scheduling niceness), ``num_requests`` (requests whose state it
+        holds: sent and not yet freed), ``tp_rank`` / ``tp_size`` and ``tp_comm`` (the
+        communicator's kind, "" before :meth:`connect_tp` or without tensor parallelism)."""
         import ray
         m = self.runner.model
         return {"index": self.index, "start_layer": m.start_layer, "end_layer": m.end_layer,
                 "num_blocks": self.runner.num_blocks, "kv_cache_bytes": self.runner.kv_cache_bytes,
+                "weight_bytes": self.runner.weight_bytes,
                 "num_threads": torch.get_num_threads(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
-                "num_requests": len(self.requests.states)}
+                "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                "num_requests": len(self.requests.states),
+                "tp_rank": self.tp.rank if self.tp else 0, "tp_size": self.tp.size if self.tp else 1,
+                "tp_comm": getattr(self.tp and self.tp.comm, "kind", "")}
+
+    # ---- the tensor-parallel group (set up by the executor once every rank is loaded)
+    def free_port(self) -> int:
+        """A TCP port free on this node now (rank 0's, for a gloo group's rendezvous)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def tp_stats(self) -> dict:
+        """``comm_ns`` and ``comm_calls`` of this rank's communicator calls so far
+        (:class:`workers.tensor_parallel.TensorParallel`); zeros without tensor parallelism."""
+        return {"comm_ns": self.tp.comm_ns if self.tp else 0, "comm_calls": self.tp.comm_calls if self.tp else 0}
+
+    def connect_tp(self, kind: str, address: str) -> None:
+        """Join this stage's tensor-parallel group: ``kind`` ``shm`` (``address``: the shared
+        segment's name; every rank on this node) or ``gloo`` (``address``: ``tcp://host:port`` of
+        rank 0). Every rank of the stage must be called at once (they wait for each other).
+        Raises EngineError when the group cannot form."""
+        from workers.communicator import create_communicator
+        self.tp.connect(create_communicator(kind, self.tp.rank, self.tp.size, address))
 
     # ---- the link to the next stage (set up by the executor: listen, connect_next, accept_prev)
     def listen(self) -> tuple[str, int, bytes]:

@@ -25,6 +25,7 @@ must divide by ``size`` (:func:`check_divisible`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,8 @@ def check_divisible(num_heads: int, num_kv_heads: int, size: int) -> None:
 @dataclass(frozen=True)
 class ShardPlan:
     """The slices of a model a rank holds (all ``[start, end)``): attention heads, KV heads, MLP
-    intermediate columns and token ids (lm_head rows). ``rank`` 0 and ``size`` 1: everything."""
+    intermediate columns and token ids (lm_head rows); ``vocab_widths``: every rank's count of
+    token ids (the logits gather's). ``rank`` 0 and ``size`` 1: everything."""
 
     rank: int
     size: int
@@ -70,6 +72,7 @@ class ShardPlan:
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
+    vocab_widths: tuple[int, ...]
 
     @classmethod
     def of(cls, cfg, rank: int = 0, size: int = 1) -> "ShardPlan":
@@ -79,9 +82,9 @@ class ShardPlan:
         if not 0 <= rank < size:
             raise SettingsError(f"tensor-parallel rank {rank} outside [0, {size})")
         h, kvh = cfg.num_heads // size, cfg.num_kv_heads // size
+        vocab = [split_range(cfg.vocab_size, size, r, VOCAB_ALIGN) for r in range(size)]
         return cls(rank, size, (rank * h, (rank + 1) * h), (rank * kvh, (rank + 1) * kvh),
-                   split_range(cfg.intermediate_size, size, rank, ALIGN),
-                   split_range(cfg.vocab_size, size, rank, VOCAB_ALIGN))
+                   split_range(cfg.intermediate_size, size, rank, ALIGN), vocab[rank], tuple(e - s for s, e in vocab))
 
     @property
     def num_heads(self) -> int:
@@ -104,10 +107,14 @@ class TensorParallel:
     """A rank's place in its tensor-parallel group: its :class:`ShardPlan` and the communicator
     (:mod:`workers.communicator`) that sums and gathers across the group, given at construction
     or later (:meth:`connect`: the ranks load their weights before they meet). With one rank
-    (``size`` 1) both are no-ops."""
+    (``size`` 1) both are no-ops.
+
+    ``comm_ns`` / ``comm_calls``: time spent in the communicator's calls (waiting for the other
+    ranks included) and their count, since construction (``bench.tensor_parallel`` reads them)."""
 
     def __init__(self, plan: ShardPlan, comm=None):
         self.plan, self.comm = plan, comm
+        self.comm_ns = self.comm_calls = 0
 
     def connect(self, comm) -> None:
         """Use ``comm`` (its ``all_reduce`` / ``all_gather``) from now on."""
@@ -124,14 +131,24 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of their ``x`` (the same shape and dtype on each), identical
         on every rank. Raises EngineError before :meth:`connect` (more than one rank)."""
-        return x if self.plan.size == 1 else self._comm().all_reduce(x)
+        if self.plan.size == 1:
+            return x
+        t0 = time.perf_counter_ns()
+        y = self._comm().all_reduce(x)
+        self.comm_ns += time.perf_counter_ns() - t0
+        self.comm_calls += 1
+        return y
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[N, V_r]`` float32 logits of this rank's token ids → ``[N, V]`` of all ranks' in
         rank order (every rank's ``V_r`` from its plan)."""
         if self.plan.size == 1:
             return logits
-        return self._comm().all_gather(logits.contiguous())
+        t0 = time.perf_counter_ns()
+        y = self._comm().all_gather(logits.contiguous(), list(self.plan.vocab_widths))
+        self.comm_ns += time.perf_counter_ns() - t0
+        self.comm_calls += 1
+        return y
 
     def _comm(self):
         if self.comm is None:

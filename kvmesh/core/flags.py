@@ -116,7 +116,8 @@ def add_settings_args(p, cls, *, dest_prefix: str = "", rename: Rename | None = 
                       help_prefix: Callable[[str], str] | None = None, defaults: dict | None = None) -> None:
     """One flag per field of settings class ``cls`` on ``p`` (a parser or argument group):
     ``dest`` ``<dest_prefix><field>``, default None (or ``defaults[field]``). ``rename(field,
-    flag)`` may change a flag or drop it (None); ``help_prefix(field)`` is put before a help."""
+    flag)`` may change a flag or drop it (None; a renamed flag loses its ``short`` alias);
+    ``help_prefix(field)`` is put before a help."""
     defaults = defaults or {}
     for f in fields(cls):
         flag = flag_name(f)
@@ -125,7 +126,8 @@ def add_settings_args(p, cls, *, dest_prefix: str = "", rename: Rename | None = 
         kw = _argument(f)
         if help_prefix is not None:
             kw["help"] = help_prefix(f.name) + kw["help"]
-        p.add_argument(flag, dest=dest_prefix + f.name, default=defaults.get(f.name), **kw)
+        short = [f.metadata["short"]] if f.metadata.get("short") and flag == flag_name(f) else []
+        p.add_argument(flag, *short, dest=dest_prefix + f.name, default=defaults.get(f.name), **kw)
 
 
 def settings_kwargs(args: argparse.Namespace, cls, dest_prefix: str = "") -> dict:

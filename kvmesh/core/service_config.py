@@ -32,9 +32,11 @@ class SchedulerConfig(Settings):
         replicas: model replicas, each one engine loop with its own KV cache.
         pp: pipeline-parallel stages per replica (Ray actors).
         pp_layers: decoder layers per stage, comma-separated (``"20,10"``); empty = even split.
+        tensor_parallel_size: tensor-parallel ranks per stage (``-tp``; :mod:`workers.tensor_parallel`):
+            a replica is ``pp x tensor_parallel_size`` Ray actors.
         executor: ``ray`` (stages are Ray actors), ``local`` (the model in the engine's own
-            process; pp must be 1) or ``auto`` (:meth:`resolved_executor`: local at pp 1 without
-            ``ray_address``, else ray).
+            process; pp and tensor_parallel_size must be 1) or ``auto`` (:meth:`resolved_executor`:
+            local at pp 1 and tensor_parallel_size 1 without ``ray_address``, else ray).
         engine_process: run each replica's engine loop (scheduler, block manager, executor) in a
             process of its own (:mod:`scheduler.engine_core`), as vLLM's engine core; False = a
             thread of the scheduler service's process.
@@ -42,7 +44,7 @@ class SchedulerConfig(Settings):
         stage_num_cpus: CPUs each stage actor reserves in Ray; 0 = :meth:`cpus_per_stage` (this
             machine's cores shared by every stage of every replica, at least 1).
         stage_placement: how a replica's stages spread over Ray nodes (a placement group of one
-            bundle per stage): ``pack`` (as few nodes as fit), ``spread`` (different nodes where
+            bundle per stage and tensor-parallel rank): ``pack`` (as few nodes as fit), ``spread`` (different nodes where
             possible) or ``strict-spread`` (each stage on its own node, else start-up fails).
         max_queued_requests: waiting requests per replica before RESOURCE_EXHAUSTED.
         restart_replicas: restart a replica whose engine process died or hung (with backoff
@@ -82,6 +84,9 @@ class SchedulerConfig(Settings):
     replicas: int = setting(1, "model replicas, each with its own KV cache")
     pp: int = setting(1, "pipeline-parallel stages per replica")
     pp_layers: str = setting("", "decoder layers per stage (empty: an even split)", metavar="N,N,...")
+    tensor_parallel_size: int = setting(1, "tensor-parallel ranks per stage (Ray actors; each holds 1/N of every "
+                                        "layer's heads and MLP and sums with the others twice per layer)",
+                                        short="-tp")
     executor: str = setting("auto", "local: the model in the engine's process, pp 1; ray: stages are Ray actors; "
                             "auto: local at pp 1 without --ray-address, else ray", choices=EXECUTORS)
     engine_process: bool = setting(True, "each replica's engine loop in a process of its own "
@@ -89,7 +94,7 @@ class SchedulerConfig(Settings):
     ray_address: str = setting("", "existing Ray cluster (auto, ray://host:10001); empty: start a local one",
                                metavar="ADDR")
     stage_num_cpus: float = setting(0.0, "CPUs each Ray stage actor reserves and its torch threads (0 = this "
-                                    "machine's cores over replicas x pp, at least 1)")
+                                    "machine's cores over replicas x pp x tp, at least 1)")
     stage_placement: str = setting("pack", "a replica's stages over Ray nodes: pack (as few nodes as fit), "
                                    "spread, strict-spread (one node each)", choices=STAGE_PLACEMENTS)
     max_queued_requests: int = setting(1024, "waiting requests per replica before RESOURCE_EXHAUSTED")
@@ -130,10 +135,13 @@ class SchedulerConfig(Settings):
             raise SettingsError(f"replicas must be >= 1, got {self.replicas}")
         if self.pp < 1:
             raise SettingsError(f"pp must be >= 1, got {self.pp}")
+        if self.tensor_parallel_size < 1:
+            raise SettingsError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.executor not in EXECUTORS:
             raise SettingsError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
-        if self.executor == "local" and self.pp != 1:
-            raise SettingsError("the local executor runs the whole model in one process: use --pp 1 or --executor ray")
+        if self.executor == "local" and (self.pp != 1 or self.tensor_parallel_size != 1):
+            raise SettingsError("the local executor runs the whole model in one process: use --pp 1 and "
+                                "--tensor-parallel-size 1, or --executor ray")
         if self.stage_num_cpus < 0:
             raise SettingsError(f"stage_num_cpus must be >= 0, got {self.stage_num_cpus}")
         if self.stage_placement not in STAGE_PLACEMENTS:
@@ -163,21 +171,22 @@ class SchedulerConfig(Settings):
 
     def resolved_executor(self) -> str:
         """``executor``, with ``auto`` resolved: ``local`` (no Ray hop) for one stage on this
-        machine, ``ray`` for pipeline parallelism or a Ray cluster (``ray_address``)."""
+        machine, ``ray`` for pipeline or tensor parallelism or a Ray cluster (``ray_address``)."""
         if self.executor != "auto":
             return self.executor
-        return "local" if self.pp == 1 and not self.ray_address else "ray"
+        return "local" if self.pp == 1 and self.tensor_parallel_size == 1 and not self.ray_address else "ray"
 
     def cpus_per_stage(self) -> float:
         """CPUs each Ray stage actor reserves: ``stage_num_cpus``, or when it is 0 this
-        process's usable cores (:func:`available_cpus`) over ``replicas x pp`` stages (at
+        process's usable cores (:func:`available_cpus`) over ``replicas x pp x tensor_parallel_size``
+        shards (at
         least 1). On a cluster (``ray_address``) 0 means 1: the head's cores say nothing
         about the workers'."""
         if self.stage_num_cpus:
             return self.stage_num_cpus
         if self.ray_address:
             return 1.0
-        return float(max(1, available_cpus() // (self.replicas * self.pp)))
+        return float(max(1, available_cpus() // (self.replicas * self.pp * self.tensor_parallel_size)))
 
     def layer_split(self) -> list[int] | None:
         """``pp_layers`` as a list of ``pp`` positive ints, or None for an even split."""

@@ -44,15 +44,15 @@ def parse_bytes(v: str | float | int) -> float:
 
 
 def setting(default, help: str, *, metavar: str | None = None, choices: tuple | None = None, kind: str = "",
-            flag: str = ""):
+            flag: str = "", short: str = ""):
     """A settings field whose default is stated here, once, with what its command-line flag
     needs (:mod:`kvmesh.core.flags` builds the flags from these): ``help`` (one line, without
     the default, which the flag's help adds), ``metavar``, ``choices``, ``kind`` (``"bytes"``:
     ``2GiB``-style sizes, ``"port"``, ``"optional_port"``: a port or -1/``off``) and ``flag``
     (another flag name than ``--<field>``; for a bool field, one that sets the opposite of
-    the default)."""
+    the default) and ``short`` (a second, short spelling of the flag, e.g. ``-tp``)."""
     return dataclasses.field(default=default, metadata={"help": help, "metavar": metavar, "choices": choices,
-                                                        "kind": kind, "flag": flag})
+                                                        "kind": kind, "flag": flag, "short": short})
 
 
 class Settings:
