@@ -145,6 +145,27 @@ def test_tp3_seeded_sampling_matches(tp3, local_engine, prose_ids, h):
     assert _offline(tp3, h, reqs) == _offline(local_engine, h, reqs)
 
 
+@pytest.mark.parametrize("kw", [
+    {"speculative_method": "ngram", "speculative_max_batch_tokens": 0},
+    {"speculative_method": "draft", "draft_num_layers": 8, "draft_max_model_len": 160,
+     "speculative_max_batch_tokens": 0},
+    {"kv_cache_dtype": "int8"},
+], ids=["ngram", "draft", "int8-kv"])
+def test_tp3_with_speculation_and_a_quantized_kv_cache_matches(ray_local, smollm2_dir, prose_ids, h, kw):
+    """Rank 0 proposes (prompt lookup, or the draft model it alone holds) and every rank verifies
+    its heads' part; an int8 cache keeps a scale per block and KV head, so each rank quantizes its
+    own heads exactly as one process does."""
+    if kw.get("speculative_method") == "draft":
+        kw = {**kw, "draft_model": str(smollm2_dir)}
+    local = LLMEngine(_cfg(smollm2_dir, **kw))
+    eng = _engine(smollm2_dir, 3, **kw)
+    try:
+        reqs = [(f"r{i}", (prose_ids[:60] * 2)[i: 100 + 9 * i], h.greedy(12)) for i in range(3)]   # repeats: lookups
+        assert _offline(eng, h, reqs) == _offline(local, h, reqs)
+    finally:
+        eng.shutdown()
+
+
 def test_head_counts_that_do_not_divide_are_refused_at_start(ray_local, smollm2_dir):
     with pytest.raises(EngineError, match=r"tensor_parallel_size 2 must divide the model's attention heads \(9\) "
                                           r"and KV heads \(3\)"):
