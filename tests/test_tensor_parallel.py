@@ -150,11 +150,14 @@ def test_tp3_seeded_sampling_matches(tp3, local_engine, prose_ids, h):
     {"speculative_method": "draft", "draft_num_layers": 8, "draft_max_model_len": 160,
      "speculative_max_batch_tokens": 0},
     {"kv_cache_dtype": "int8"},
-], ids=["ngram", "draft", "int8-kv"])
-def test_tp3_with_speculation_and_a_quantized_kv_cache_matches(ray_local, smollm2_dir, prose_ids, h, kw):
+    {"weight_format": "int8"},
+    {"weight_format": "int4", "quant_group_size": 64},
+], ids=["ngram", "draft", "int8-kv", "int8-weights", "int4-weights"])
+def test_tp3_with_speculation_quantized_kv_and_quantized_weights_matches(ray_local, smollm2_dir, prose_ids, h, kw):
     """Rank 0 proposes (prompt lookup, or the draft model it alone holds) and every rank verifies
     its heads' part; an int8 cache keeps a scale per block and KV head, so each rank quantizes its
-    own heads exactly as one process does."""
+    own heads exactly as one process does; quantized weights are cut from the one quantized
+    checkpoint (int4: on its groups of 64, which SmolLM2's 192 head columns per rank allow)."""
     if kw.get("speculative_method") == "draft":
         kw = {**kw, "draft_model": str(smollm2_dir)}
     local = LLMEngine(_cfg(smollm2_dir, **kw))
@@ -164,6 +167,11 @@ def test_tp3_with_speculation_and_a_quantized_kv_cache_matches(ray_local, smollm
         assert _offline(eng, h, reqs) == _offline(local, h, reqs)
     finally:
         eng.shutdown()
+
+
+def test_an_int4_group_the_rank_cut_would_split_is_refused(ray_local, smollm2_dir):
+    with pytest.raises(EngineError, match=r"columns \[0, 192\) cut the int4 groups of 128"):
+        _engine(smollm2_dir, 3, weight_format="int4")
 
 
 def test_head_counts_that_do_not_divide_are_refused_at_start(ray_local, smollm2_dir):

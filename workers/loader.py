@@ -66,7 +66,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         gguf_requantize: ``gguf`` only: ``"q4_1"`` requantizes the blocks with wider lanes to Q4_1
             at load (lossy: a speculative draft's fewer bytes per step).
         tp: a tensor-parallel rank's place (:mod:`workers.tensor_parallel`): the model holds its
-            part of each layer. The ``gguf`` and ``none`` formats only.
+            part of each layer.
     Memory (dense): peak RSS growth while loading is about the served weight bytes
         (:func:`weight_bytes`) plus the largest checkpoint tensor in its file dtype.
     Raises:
@@ -80,15 +80,13 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: str | torch
         from workers.gguf_checkpoint import load_gguf
         return load_gguf(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
                          end_layer=end_layer, num_layers=num_layers, requantize=gguf_requantize, tp=tp)
-    if tp is not None and tp.size > 1 and weight_format != "none":
-        raise SettingsError(f"tensor parallelism serves the gguf and none weight formats, not {weight_format}")
     if weight_format != "none":
         if num_layers is not None:
             raise SettingsError("num_layers cannot be combined with a quantized weight_format")
         load_config(model_dir)        # a clear error before any quantization work
         qdir = ensure_quantized(model_dir, weight_format, group_size, calibration, calibration_data)
         return load_quantized(qdir, dtype=dtype, device=device, max_positions=max_positions,
-                              start_layer=start_layer, end_layer=end_layer)
+                              start_layer=start_layer, end_layer=end_layer, tp=tp)
     ensure_dense(model_dir, why="--weight-format none")
     return load_dense(model_dir, dtype=dtype, device=device, max_positions=max_positions, start_layer=start_layer,
                       end_layer=end_layer, num_layers=num_layers, tp=tp)

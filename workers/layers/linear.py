@@ -255,11 +255,14 @@ class Linear(nn.Module):
             holds along ``tp_dim`` of the checkpoint's ``[out, in]`` weight, 0 (column-parallel:
             output rows, and the bias's) or 1 (row-parallel: input columns; no bias). None: whole
             tensors. The shard sizes (``shards``, ``in_features``) are then the parts' sizes.
+        tp_full: the whole checkpoint shards' sizes along ``tp_dim`` (stacked in ``shards``'
+            order), for tensors stored stacked (a quantized checkpoint: :meth:`tp_index`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  shards: dict[str, int] | None = None, tp_dim: int | None = None,
-                 tp_parts: dict[str, tuple[int, int]] | None = None) -> None:
+                 tp_parts: dict[str, tuple[int, int]] | None = None,
+                 tp_full: dict[str, int] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.shards = shards or {"": out_features}
@@ -267,7 +270,7 @@ class Linear(nn.Module):
             raise ValueError(f"shards {self.shards} do not add up to {out_features} rows")
         if (tp_dim is None) != (tp_parts is None) or (tp_dim == 1 and bias):
             raise ValueError("tp_dim and tp_parts go together; a row-parallel layer (tp_dim 1) has no bias")
-        self.tp_dim, self.tp_parts = tp_dim, tp_parts
+        self.tp_dim, self.tp_parts, self.tp_full = tp_dim, tp_parts, tp_full
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self._loaded: set[tuple[str, str]] = set()
@@ -327,6 +330,18 @@ class Linear(nn.Module):
         if isinstance(tensor, torch.Tensor):
             return tensor.narrow(dim, start, end - start)
         return tensor.rows(torch.arange(start, end)) if dim == 0 else tensor.cols(start, end)
+
+    def tp_index(self) -> torch.Tensor:
+        """The rows (``tp_dim`` 0) or columns (1) of the whole layer's stacked ``[out, in]``
+        weight this rank holds, in order (int64). Raises ValueError without ``tp_full``."""
+        if self.tp_parts is None or self.tp_full is None:
+            raise ValueError("tp_index needs tp_parts and tp_full")
+        idx, base = [], 0
+        for shard in self.shards:
+            start, end = self.tp_parts[shard]
+            idx.append(torch.arange(base + start, base + end))
+            base += self.tp_full[shard]
+        return torch.cat(idx)
 
     def load_shard(self, param: str, shard: str, tensor: torch.Tensor) -> None:
         """Copy a checkpoint tensor (whole: this method takes a tensor-parallel rank's part,

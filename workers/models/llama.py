@@ -146,11 +146,13 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.d = plan.num_heads, plan.num_kv_heads, cfg.head_dim
         d, (h0, h1), (k0, k1) = self.d, plan.heads, plan.kv_heads
-        tp_args = lambda dim, parts: {} if plan.size == 1 else {"tp_dim": dim, "tp_parts": parts}
+        H, KVH = cfg.num_heads * d, cfg.num_kv_heads * d
+        tp_args = lambda dim, parts, full: {} if plan.size == 1 else {"tp_dim": dim, "tp_parts": parts, "tp_full": full}
         self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias,
                                shards={"q": self.h * self.d, "k": self.kvh * self.d, "v": self.kvh * self.d},
-                               **tp_args(0, {"q": (h0 * d, h1 * d), "k": (k0 * d, k1 * d), "v": (k0 * d, k1 * d)}))
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, **tp_args(1, {"": (h0 * d, h1 * d)}))
+                               **tp_args(0, {"q": (h0 * d, h1 * d), "k": (k0 * d, k1 * d), "v": (k0 * d, k1 * d)},
+                                         {"q": H, "k": KVH, "v": KVH}))
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, **tp_args(1, {"": (h0 * d, h1 * d)}, {"": H}))
         self.reduce = _reduce(tp)
         self.rope = rope
         self.scale = self.d ** -0.5
@@ -185,9 +187,12 @@ class MLP(nn.Module):
         self.inter = plan.intermediate_size
         part = plan.intermediate
         split = plan.size > 1
+        full = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, shards={"gate": self.inter, "up": self.inter},
-                                   **({"tp_dim": 0, "tp_parts": {"gate": part, "up": part}} if split else {}))
-        self.down_proj = Linear(self.inter, cfg.hidden_size, **({"tp_dim": 1, "tp_parts": {"": part}} if split else {}))
+                                   **({"tp_dim": 0, "tp_parts": {"gate": part, "up": part},
+                                       "tp_full": {"gate": full, "up": full}} if split else {}))
+        self.down_proj = Linear(self.inter, cfg.hidden_size,
+                                **({"tp_dim": 1, "tp_parts": {"": part}, "tp_full": {"": full}} if split else {}))
         self.reduce = _reduce(tp)
         self.native_act = False       # kvmesh::silu_and_mul_bf16 (set by use_native_ops)
 
@@ -252,7 +257,8 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = Linear(cfg.hidden_size, plan.vocab_size,
-                                  **({"tp_dim": 0, "tp_parts": {"": plan.vocab}} if plan.size > 1 else {}))
+                                  **({"tp_dim": 0, "tp_parts": {"": plan.vocab}, "tp_full": {"": cfg.vocab_size}}
+                                     if plan.size > 1 else {}))
 
     def forward(self, x, positions, md: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = self.embed_tokens(x) if self.is_first else x

@@ -183,9 +183,35 @@ def _global_name(name: str, start_layer: int) -> str:
     return name
 
 
+def tp_part_quantized(lin: Linear, fmt: str, ts: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """A tensor-parallel rank's part of a Linear's quantized tensors (the whole layer's, stacked
+    as :func:`quantize_model` stores them; :meth:`Linear.tp_index`): column-parallel (``tp_dim`` 0)
+    takes its rows of every per-row tensor; row-parallel (1) its columns of ``qweight`` (two per
+    byte for int4), of int4's per-group ``scales`` / ``zeros`` and of ``input_scale``; per-row
+    scales stay whole. Raises EngineError for a column range that cuts an int4 group."""
+    idx = lin.tp_index()
+    if lin.tp_dim == 0:
+        return {k: (t if k == "input_scale" else t.index_select(0, idx)) for k, t in ts.items()}
+    out = dict(ts)
+    start, end = int(idx[0]), int(idx[-1]) + 1
+    if fmt == "int4":
+        if start % group_size or end % group_size:
+            raise EngineError(f"tensor parallelism: columns [{start}, {end}) cut the int4 groups of {group_size}; "
+                              f"choose a quant_group_size dividing them")
+        out["qweight"] = ts["qweight"][:, start // 2: end // 2]
+        out["scales"] = ts["scales"][:, start // group_size: end // group_size]
+        out["zeros"] = ts["zeros"][:, start // group_size: end // group_size]
+    else:
+        out["qweight"] = ts["qweight"][:, start:end]
+    if "input_scale" in ts:
+        out["input_scale"] = ts["input_scale"][start:end]
+    return {k: t.contiguous() for k, t in out.items()}
+
+
 def load_quantized(qdir: str | Path, *, dtype: torch.dtype, device: str | torch.device, max_positions: int,
-                   start_layer: int = 0, end_layer: int | None = None):
-    """Build the model (or the stage ``[start_layer, end_layer)``) from a quantized checkpoint.
+                   start_layer: int = 0, end_layer: int | None = None, tp=None):
+    """Build the model (or the stage ``[start_layer, end_layer)``, or a tensor-parallel rank's
+    part of it: ``tp``, :mod:`workers.tensor_parallel`) from a quantized checkpoint.
     Raises EngineError when the directory is not one (no quant.json / config.json)."""
     from workers.checkpoint import check_servable, load_config
     from workers.models.llama import LlamaForCausalLM
@@ -196,13 +222,15 @@ def load_quantized(qdir: str | Path, *, dtype: torch.dtype, device: str | torch.
     cfg = load_config(qdir)
     check_servable(qdir, cfg, max_positions)
     with torch.device("meta"):           # no storage; the quantized tensors replace the Linears'
-        model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer)
+        model = LlamaForCausalLM(cfg, max_positions, start_layer, end_layer, tp)
     device = torch.device(device)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     with SafetensorsFile(qdir / "model.safetensors") as sf:     # one tensor in memory at a time
         for name, lin in linears.items():
             g = _global_name(name, start_layer)
             ts = {k: sf.get(f"{g}.{k}") for k in QUANT_KEYS if f"{g}.{k}" in sf}
+            if lin.tp_parts is not None:
+                ts = tp_part_quantized(lin, meta["layer_formats"][g], ts, meta["group_size"])
             lin.set_quantized(meta["layer_formats"][g], ts, dtype, device, meta["group_size"])
         model.allocate_weights(dtype, device)     # embeddings, norms, RoPE tables
         for name, p in model.named_parameters():
