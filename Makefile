@@ -8,7 +8,7 @@
 #         the tests compare against transformers on it)
 #   demo  venv + the demo model + a two-turn PolicyDesk chat (`kvmesh demo`)
 #   test  venv + test model + the fast tier: every test but those marked slow for a reason
-#         (FAST_TIER: fuzz, quality, compile, chaos, mesh, multinode, pull; pyproject.toml's markers)
+#         (FAST_TIER: fuzz, quality, compile, chaos, mesh, multinode, pull, matrix; pyproject.toml's markers)
 #   test-all  venv + test model + the whole suite (what CI runs: .ci/run)
 #   protos  regenerate the committed gRPC stubs in kvmesh/v1 from protos/ (tests/test_protos.py checks they are current)
 
@@ -25,7 +25,7 @@ TEST_MODEL  := smollm2-135m-instruct
 DEMO_MODEL  ?= qwen2.5-coder-1.5b-instruct
 
 # The markers `make test` deselects: what makes those tests slow (pyproject.toml lists them).
-FAST_TIER   := not (fuzz or quality or compile or chaos or mesh or multinode or pull)
+FAST_TIER   := not (fuzz or quality or compile or chaos or mesh or multinode or pull or matrix)
 # Test processes (pytest-xdist), each running whole modules (their module-scoped engines and
 # meshes stay shared); the tests use one intra-op thread each (tests/conftest.py).
 TEST_JOBS   ?= 2

@@ -93,7 +93,7 @@ PROSE = (
 
 # pyproject.toml's markers for what makes a test slow, the costliest kind first (the fuzzing
 # alone takes minutes)
-SLOW_MARKERS = ("fuzz", "quality", "compile", "chaos", "mesh", "multinode", "pull")
+SLOW_MARKERS = ("fuzz", "quality", "compile", "chaos", "mesh", "multinode", "pull", "matrix")
 
 
 def pytest_collection_modifyitems(config, items):

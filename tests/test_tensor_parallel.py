@@ -145,6 +145,7 @@ def test_tp3_seeded_sampling_matches(tp3, local_engine, prose_ids, h):
     assert _offline(tp3, h, reqs) == _offline(local_engine, h, reqs)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("kw", [
     {"speculative_method": "ngram", "speculative_max_batch_tokens": 0},
     {"speculative_method": "draft", "draft_num_layers": 8, "draft_max_model_len": 160,

@@ -1,9 +1,9 @@
 """OpenTelemetry traces across the mesh (kvmesh/core/telemetry.py, docs/telemetry.md).
 
-The end-to-end test runs ``kvmesh serve --executor ray --pp 2`` as a subprocess exporting OTLP
+The end-to-end test runs ``kvmesh serve --executor ray --pp 2 -tp 3`` as a subprocess exporting OTLP
 to a collector stub served here (``TraceService/Export``), sends a streamed Generate with a
 W3C ``traceparent`` of a known trace, and checks the span tree: caller → gateway → scheduler
-request → queue/prefill/decode, and one worker span per pipeline stage."""
+request → queue/prefill/decode, and one worker span per pipeline stage and tensor-parallel rank."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def test_one_trace_per_request_across_gateway_scheduler_and_ray_stages(smollm2_d
                    OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_BSP_SCHEDULE_DELAY="100")
     for k in ("OTEL_SERVICE_NAME", "OTEL_SDK_DISABLED", "OTEL_TRACES_SAMPLER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         env.pop(k, None)
-    srv = Served(["serve", "--model", MODEL, "--executor", "ray", "--pp", "2", "--stage-num-cpus", "0.5",
+    srv = Served(["serve", "--model", MODEL, "--executor", "ray", "--pp", "2", "-tp", "3", "--stage-num-cpus", "0.5",
                   "--port", "0", "--scheduler-port", "0", "--grace", "2"], env)
     trace_id, caller = os.urandom(16).hex(), os.urandom(8).hex()
     try:
@@ -166,7 +166,7 @@ def test_one_trace_per_request_across_gateway_scheduler_and_ray_stages(smollm2_d
 
         def complete(spans):
             mine = [s for s in spans if s["trace_id"] == trace_id]
-            return sum(s["name"] == "kvmesh.worker.execute" for s in mine) >= 2 and len(mine) >= 7
+            return sum(s["name"] == "kvmesh.worker.execute" for s in mine) >= 6 and len(mine) >= 11
         t1 = time.monotonic()
         spans = collector.wait_for(complete, 30)
         t_spans = time.monotonic() - t1
@@ -202,8 +202,9 @@ def test_one_trace_per_request_across_gateway_scheduler_and_ray_stages(smollm2_d
         phases[name] = p
     assert phases["queue"]["end"] == phases["prefill"]["start"] and phases["prefill"]["end"] == phases["decode"]["start"]
     workers = by_name["kvmesh.worker.execute"]
-    assert len(workers) == 2, workers
-    assert sorted(w["attrs"]["kvmesh.stage.index"] for w in workers) == [0, 1]
+    assert len(workers) == 6, workers         # pp 2 x tp 3: one span per stage and rank
+    assert sorted((w["attrs"]["kvmesh.stage.index"], w["attrs"]["kvmesh.stage.tp_rank"]) for w in workers) == [
+        (i, r) for i in range(2) for r in range(3)]
     for w in workers:
         assert w["parent"] == sched["span_id"] and w["service"] == "kvmesh-worker"
         a = w["attrs"]
@@ -211,6 +212,7 @@ def test_one_trace_per_request_across_gateway_scheduler_and_ray_stages(smollm2_d
         assert a["kvmesh.worker.steps"] == 6          # one prefill + 5 decode steps (the 6th token is not fed back)
         assert a["kvmesh.worker.tokens"] == n_prompt + 5 and a["kvmesh.worker.compute_s"] > 0
         assert a["kvmesh.stage.end_layer"] > a["kvmesh.stage.start_layer"]
+        assert a["kvmesh.stage.tp_size"] == 3
         assert phases["prefill"]["start"] - 1e9 <= w["start"] <= w["end"] <= sched["end"] + 1e9   # clocks of one host
     # the request without traceparent: its own trace, rooted at the gateway
     other = [s for s in spans if s["trace_id"] != trace_id]

@@ -150,7 +150,7 @@ class PipelineStage:
         # one span per traced request on this stage (kvmesh/core/telemetry.py); OTEL_* come from the
         # actor's environment (a local Ray's workers inherit the driver's)
         self.spans = StageSpans(index, self.runner.model.start_layer, self.runner.model.end_layer, replica,
-                                telemetry.setup_tracing(telemetry.WORKER))
+                                telemetry.setup_tracing(telemetry.WORKER), tp_rank, tp_size)
 
     def info(self) -> dict:
         """The stage as it runs: ``index``, ``start_layer`` / ``end_layer``, ``num_blocks``,

@@ -168,14 +168,17 @@ class StageSpans:
 
     Attributes: ``kvmesh.request_id``, ``kvmesh.replica``, ``kvmesh.stage.index``,
     ``kvmesh.stage.start_layer`` / ``end_layer`` ([start, end) decoder layers),
+    ``kvmesh.stage.tp_rank`` / ``tp_size`` (the stage's tensor-parallel rank: one span per rank),
     ``kvmesh.worker.steps``, ``kvmesh.worker.compute_s`` (wall time of the steps that included
     the request on this stage, whole batch), ``kvmesh.worker.tokens`` (tokens of this request
     computed here).
     """
 
-    def __init__(self, stage: int, start_layer: int, end_layer: int, replica: int = 0, tracer=None):
+    def __init__(self, stage: int, start_layer: int, end_layer: int, replica: int = 0, tracer=None,
+                 tp_rank: int = 0, tp_size: int = 1):
         self.attributes = {"kvmesh.replica": replica, "kvmesh.stage.index": stage,
-                           "kvmesh.stage.start_layer": start_layer, "kvmesh.stage.end_layer": end_layer}
+                           "kvmesh.stage.start_layer": start_layer, "kvmesh.stage.end_layer": end_layer,
+                           "kvmesh.stage.tp_rank": tp_rank, "kvmesh.stage.tp_size": tp_size}
         self._tracer = tracer
         self._live: dict[str, list] = {}    # rid -> [traceparent, start ns, end ns, steps, compute s, tokens]
 
