@@ -170,6 +170,35 @@ def test_tp3_with_speculation_quantized_kv_and_quantized_weights_matches(ray_loc
         eng.shutdown()
 
 
+@pytest.mark.matrix
+def test_qwen_0_5b_tp2_float32_greedy_matches_one_process(ray_local, h):
+    """The issue's model: Qwen2.5-Coder-0.5B (14 heads, 2 KV heads) from its published GGUF, its
+    blocks cut per rank, float32: tp=2 answers PolicyDesk questions token for token as one
+    process does. Skipped where the model is not pulled (CI pulls only SmolLM2)."""
+    from gateway.text import load_tokenizer
+    from kvmesh.hub.cache import is_pulled
+    from kvmesh.hub.pull import resolve_model
+    import policydesk
+    if not is_pulled("qwen2.5-coder-0.5b-instruct"):
+        pytest.skip("qwen2.5-coder-0.5b-instruct not pulled")
+    model_dir = resolve_model("qwen2.5-coder-0.5b-instruct")
+    tok = load_tokenizer(model_dir)
+    qs = policydesk.questions()[:3]
+    reqs = [(f"p{i}", tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": policydesk.system_message(q["policy"])},
+         {"role": "user", "content": q["question"]}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False), h.greedy(24)) for i, q in enumerate(qs)]
+    kw = dict(model=str(model_dir), dtype="float32", weight_format="gguf", kv_cache_memory=256 * 2**20,
+              max_model_len=4096, num_threads=1)
+    one = _offline(LLMEngine(EngineConfig(**kw)), h, reqs)
+    sc = SchedulerConfig(tensor_parallel_size=2, stage_num_cpus=1)
+    eng = LLMEngine(EngineConfig(**kw), executor_factory=lambda c, d: create_executor(c, d, sc))
+    try:
+        assert _offline(eng, h, reqs) == one
+    finally:
+        eng.shutdown()
+
+
 def test_an_int4_group_the_rank_cut_would_split_is_refused(ray_local, smollm2_dir):
     with pytest.raises(EngineError, match=r"columns \[0, 192\) cut the int4 groups of 128"):
         _engine(smollm2_dir, 3, weight_format="int4")
