@@ -178,6 +178,11 @@ class LLM(TextFront):
         self.engine.reset_prefix_cache()
         return True
 
+    def shutdown(self) -> None:
+        """Stop the engine's executor (the Ray actors of a tensor-parallel ``LLM``; nothing to
+        stop otherwise). The ``LLM`` cannot generate afterwards."""
+        self.engine.shutdown()
+
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (list of messages) or a list of conversations."""

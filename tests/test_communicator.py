@@ -7,6 +7,7 @@ error naming it, not a hang."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import uuid
 
@@ -122,3 +123,4 @@ def test_a_rank_that_never_arrives_is_an_error_naming_it():
     msg = q.get(timeout=60)
     p.join(10)
     assert "rank(s) 1 did not reach round 1" in msg and "1.5 s" in msg, msg
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(name)]      # the segment's name is gone

@@ -51,8 +51,9 @@ class ShmCommunicator:
 
     Rank 0 creates the segment (``HEADER_BYTES + 2 world slot_bytes`` bytes, zero-filled: a
     temporary name renamed into place, so a peer never maps a half-made file); the others wait
-    for it (up to ``timeout_s``). Once all ranks mapped it (a first all-reduce) rank 0 removes
-    the name: the mappings stay, and nothing is left in /dev/shm when a rank dies.
+    for it (up to ``timeout_s``). Once all ranks mapped it (a first all-reduce), or that first
+    all-reduce failed, rank 0 removes the name: the mappings stay, and nothing is left in /dev/shm
+    when a rank dies.
 
     Raises:
         DependencyUnavailableError: the native kernels are not built (use gloo), the segment
@@ -95,9 +96,11 @@ class ShmCommunicator:
             os.close(fd)
         self.segment = torch.frombuffer(self._map, dtype=torch.uint8)
         self.seq = 0
-        self.all_reduce(torch.zeros(1))           # every rank has mapped the segment
-        if rank == 0:
-            os.unlink(self.path)
+        try:
+            self.all_reduce(torch.zeros(1))       # every rank has mapped the segment
+        finally:                                  # formed or not, the name goes
+            if rank == 0:
+                os.unlink(self.path)
 
     def _call(self, op, *args):
         try:

@@ -60,6 +60,23 @@ def check_divisible(num_heads: int, num_kv_heads: int, size: int) -> None:
                             f"and KV heads ({num_kv_heads})")
 
 
+def check_int4_groups(cfg, size: int, group_size: int) -> None:
+    """Raises SettingsError when a rank's input columns of a row-parallel layer (o_proj: its
+    heads; down_proj: its intermediate range) would cut int4's groups of ``group_size`` along
+    K, naming ``--quant-group-size`` and the largest size that divides every cut; before
+    anything is quantized or loaded."""
+    import math
+    cuts = []
+    for r in range(size):
+        plan = ShardPlan.of(cfg, r, size)
+        cuts += [plan.heads[0] * cfg.head_dim, plan.heads[1] * cfg.head_dim, *plan.intermediate]
+    bad = [c for c in cuts if c % group_size]
+    if bad:
+        fit = math.gcd(*cuts)
+        raise SettingsError(f"tensor_parallel_size {size} cuts the int4 groups of {group_size} (--quant-group-size) at "
+                            f"input column {bad[0]}; use a --quant-group-size dividing {fit}")
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """The slices of a model a rank holds (all ``[start, end)``): attention heads, KV heads, MLP

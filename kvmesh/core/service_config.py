@@ -88,7 +88,7 @@ class SchedulerConfig(Settings):
                                         "layer's heads and MLP and sums with the others twice per layer)",
                                         short="-tp")
     executor: str = setting("auto", "local: the model in the engine's process, pp 1; ray: stages are Ray actors; "
-                            "auto: local at pp 1 without --ray-address, else ray", choices=EXECUTORS)
+                            "auto: local at pp 1 and tp 1 without --ray-address, else ray", choices=EXECUTORS)
     engine_process: bool = setting(True, "each replica's engine loop in a process of its own "
                                    "(--no-engine-process: a thread of the scheduler's process)")
     ray_address: str = setting("", "existing Ray cluster (auto, ray://host:10001); empty: start a local one",
