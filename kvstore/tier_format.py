@@ -52,6 +52,9 @@ class BlockLayout:
         num_kv_heads, head_dim: per layer.
         layer_ranges: ``[start, end)`` decoder layers of each pipeline stage, in order.
         quantized: the cache keeps float32 scales ``[2, kv_heads]`` per layer and block.
+        tp: tensor-parallel ranks per stage; a stage's body is then its ranks' parts one after
+            the other, each the layout above over its ``num_kv_heads / tp`` KV heads (the same
+            bytes in all, in another order: bodies of replicas of different ``tp`` do not mix).
     """
 
     dtype: str
@@ -61,6 +64,7 @@ class BlockLayout:
     head_dim: int
     layer_ranges: tuple[tuple[int, int], ...]
     quantized: bool
+    tp: int = 1
 
     def body_bytes(self, stage: int) -> int:
         """Bytes of one block's body for pipeline stage ``stage`` (data, then scales)."""
@@ -72,7 +76,7 @@ class BlockLayout:
     def describe(self, stage: int) -> bytes:
         start, end = self.layer_ranges[stage]
         return (f"dtype={self.dtype};bs={self.block_size};kvh={self.num_kv_heads};d={self.head_dim};"
-                f"layers={start}-{end};scales={int(self.quantized)}").encode()
+                f"layers={start}-{end};scales={int(self.quantized)}" + (f";tp={self.tp}" if self.tp > 1 else "")).encode()
 
 
 def block_key(prefix: str, block_hash: int, layers: tuple[int, int]) -> str:

@@ -138,15 +138,13 @@ class LLMEngine:
             raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) needs prefix caching")
         if not hasattr(executor, "save_blocks"):
             raise SettingsError(f"KV offload: executor {type(executor).__name__} cannot save or load KV blocks")
-        if getattr(executor, "tp", 1) > 1:
-            raise SettingsError("KV offload (kv_offload_host_memory, kv_offload_redis_url) does not support tensor "
-                                "parallelism yet: use --tensor-parallel-size 1")
         from kvstore.tier_format import BlockLayout
         from kvstore.tiers import KVTiers
         from workers.kv_cache import is_quantized, kv_dtype
         dt = kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype)
         layout = BlockLayout(str(dt).removeprefix("torch."), dt.itemsize, cfg.block_size, mcfg.num_kv_heads,
-                             mcfg.head_dim, tuple(tuple(r) for r in executor.kv_layer_ranges), is_quantized(dt))
+                             mcfg.head_dim, tuple(tuple(r) for r in executor.kv_layer_ranges), is_quantized(dt),
+                             getattr(executor, "tp", 1))
         tiers = KVTiers(layout, int(cfg.kv_offload_host_memory), cfg.kv_offload_redis_url, cfg.kv_offload_prefix,
                         cfg.kv_offload_redis_ttl)
         self.block_manager.offload = tiers.host is not None

@@ -52,7 +52,7 @@ from kvmesh.core import telemetry
 from kvmesh.core.engine_config import EngineConfig
 from kvmesh.core.service_config import SchedulerConfig
 from kvmesh.core.errors import (CapacityError, DependencyUnavailableError, DuplicateRequestError, EngineError,
-                                InvalidRequestError, SettingsError)
+                                InvalidRequestError)
 from kvmesh.core.grpc_server import GrpcServer, Service, open_server
 from kvmesh.core.proto import finish_reason_to_proto, sampling_params_from_proto, timings_to_proto, usage_to_proto
 from kvmesh.core.status import abort, set_retry_hint
@@ -467,9 +467,6 @@ async def serve_scheduler(sched_cfg: SchedulerConfig, engine_cfg: EngineConfig) 
     cannot be read or the TLS settings do not go together."""
     from kvmesh.core import tls
     sched_cfg.check_tls()
-    if sched_cfg.tensor_parallel_size > 1 and engine_cfg.kv_offload:
-        raise SettingsError("KV tiers (--kv-offload-host-memory, --kv-offload-redis-url) do not support "
-                            f"--tensor-parallel-size {sched_cfg.tensor_parallel_size} yet")
     creds = (tls.server_credentials(sched_cfg.tls_cert_file, sched_cfg.tls_key_file, sched_cfg.tls_client_ca_file)
              if sched_cfg.tls_cert_file else None)
     service = SchedulerService(sched_cfg, engine_cfg)

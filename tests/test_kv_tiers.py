@@ -9,6 +9,8 @@ own layers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 import shutil
@@ -158,6 +160,9 @@ def test_value_checks_checksum_version_and_layout():
     assert e.value.reason == "format"
     with pytest.raises(TierValueError) as e:       # same bytes read by a replica with another layout
         decode_value(_layout(torch.bfloat16, ((0, 2), (2, 3))), 0, value)
+    assert e.value.reason == "format"
+    with pytest.raises(TierValueError) as e:       # the same bytes in a tensor-parallel replica's order
+        decode_value(dataclasses.replace(layout, tp=2), 0, value)
     assert e.value.reason == "format"
 
 
@@ -384,7 +389,7 @@ def test_redis_killed_between_turns_means_recompute(h, redis_engines, private_re
     ref.shutdown()
 
 
-# ---- pp=2 through Ray ------------------------------------------------------------------------
+# ---- pp=2 and tp=3 through Ray ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
@@ -395,7 +400,11 @@ def ray_local():
     ray.shutdown()
 
 
-def test_pp2_stages_store_and_load_their_own_layers(ray_local, h, smollm2_dir, prose_ids, redis_prefix):
+@pytest.mark.parametrize("pp,tp,ranges", [(2, 1, ((0, 15), (15, 30))), (1, 3, ((0, 30),))], ids=["pp2", "tp3"])
+def test_stages_and_ranks_store_and_load_their_own_layers(ray_local, h, smollm2_dir, prose_ids, redis_prefix,
+                                                          pp, tp, ranges):
+    """pp=2: each stage's body under its own key; tp=3: a stage's body is its ranks' parts (each its
+    KV heads of every block) one after the other, split again at load."""
     from kvmesh.core.engine_config import EngineConfig
     from kvmesh.core.service_config import SchedulerConfig
     from scheduler.engine import LLMEngine
@@ -404,17 +413,17 @@ def test_pp2_stages_store_and_load_their_own_layers(ray_local, h, smollm2_dir, p
     cfg = EngineConfig(model=str(smollm2_dir), dtype="float32", kv_cache_memory=64 * 2**20, max_model_len=512,
                        num_threads=1, kv_offload_host_memory=64 * 2**20, kv_offload_redis_url=REDIS_URL,
                        kv_offload_prefix=prefix)
-    sc = SchedulerConfig(pp=2, stage_num_cpus=1)
+    sc = SchedulerConfig(pp=pp, tensor_parallel_size=tp, stage_num_cpus=1)
     eng = LLMEngine(cfg, executor_factory=lambda c, d: create_executor(c, d, sc))
     try:
-        assert eng.tiers.layout.layer_ranges == ((0, 15), (15, 30))
+        assert eng.tiers.layout.layer_ranges == ranges and eng.tiers.layout.tp == tp
         ref = h.make_engine(smollm2_dir, num_blocks=48)
         out1, _ = _run(h, eng, "t1", _chat(prose_ids, 1))
         eng.reset_prefix_cache(offload=True)
         eng.step()
         eng.tiers.flush()
         keys = [k.decode().rsplit(":", 1)[1] for k in raw.scan_iter(match=f"{prefix}:kv:*")]
-        assert sorted(keys) == ["0-15"] * 11 + ["15-30"] * 11
+        assert sorted(keys) == sorted(f"{a}-{b}" for a, b in ranges for _ in range(11))
         out2, cached = _run(h, eng, "t2", _chat(prose_ids, 2))
         assert cached == 176 and eng.snapshot().kv_tier_host_hits == 11
         assert (out1, out2) == (_run(h, ref, "r1", _chat(prose_ids, 1))[0], _run(h, ref, "r2", _chat(prose_ids, 2))[0])

@@ -228,14 +228,6 @@ def test_the_llm_api_takes_tensor_parallel_size_and_shuts_its_ranks_down(ray_loc
     assert llm.engine.executor.stages == []
 
 
-async def test_kv_tiers_with_tp_are_refused_before_anything_starts(smollm2_dir):
-    from scheduler.service import serve_scheduler
-    with pytest.raises(SettingsError, match=r"KV tiers \(--kv-offload-host-memory, --kv-offload-redis-url\) do not "
-                                            r"support --tensor-parallel-size 3"):
-        await serve_scheduler(SchedulerConfig(port=0, tensor_parallel_size=3),
-                              _cfg(smollm2_dir, kv_offload_host_memory=64 * 2**20))
-
-
 def test_tp_and_pp_settings():
     assert SchedulerConfig(tensor_parallel_size=2).resolved_executor() == "ray"
     assert SchedulerConfig().resolved_executor() == "local"

@@ -364,27 +364,34 @@ class RayPipelineExecutor:
         return list(self.layer_bounds)
 
     def save_blocks(self, block_ids: list[int]) -> list[list[bytes]]:
-        """Bodies of blocks ``block_ids``: ``[block][stage]``, each stage its own layers. Runs
-        after the steps already submitted (each stage runs its calls in order) and waits.
-        Raises EngineError when a stage fails, or under tensor parallelism (not supported)."""
+        """Bodies of blocks ``block_ids``: ``[block][stage]``, each stage its own layers (under
+        tensor parallelism its ranks' parts, each its KV heads, one after the other). Runs after
+        the steps already submitted (each stage runs its calls in order) and waits. Raises
+        EngineError when a stage fails."""
         import ray
-        if self.tp > 1:
-            raise SettingsError("KV tiers (saving KV blocks) do not support tensor parallelism yet")
         with self._lock:
             refs = [s.save_blocks.remote(block_ids) for s in self.stages]
         try:
             parts = ray.get(refs)
         except ray.exceptions.RayError as e:
             raise DependencyUnavailableError(f"saving KV blocks failed on a pipeline stage: {_first_line(e)}") from None
-        return [list(p) for p in zip(*parts)]
+        tp = self.tp
+        stages = [[b"".join(ranks) for ranks in zip(*parts[i:i + tp])] for i in range(0, len(parts), tp)]
+        return [list(p) for p in zip(*stages)]
 
     def load_blocks(self, block_ids: list[int], bodies: list[list[bytes]]) -> None:
         """Send each stage its bodies (``bodies[i][stage]``) of blocks ``block_ids``; a stage
         writes them before any step submitted later (no wait here: the copy overlaps the
-        stages' work in flight)."""
+        stages' work in flight). Under tensor parallelism rank r of a stage gets the r-th of
+        ``tp`` equal parts of each body (:meth:`save_blocks`)."""
+        tp = self.tp
         with self._lock:
             for i, s in enumerate(self.stages):
-                s.load_blocks.remote(block_ids, [b[i] for b in bodies])
+                stage, r = divmod(i, tp)
+                part = [b[stage] for b in bodies]
+                if tp > 1:
+                    part = [body[r * len(body) // tp: (r + 1) * len(body) // tp] for body in part]
+                s.load_blocks.remote(block_ids, part)
 
     def check_health(self, timeout: float = 10.0) -> None:
         """Raise EngineError when a stage is dead or does not answer within ``timeout`` seconds
