@@ -157,6 +157,8 @@ class ModelRunner:
         # "Profile", 2026-12-02 on a Zen 5).
         self.native_cascade = self.prefill_native
         self.compiled_decode = None
+        if cfg.enable_compile and plan.size > 1:
+            log.warning("kvmesh: enable_compile is off under tensor parallelism (its all-reduces are not compiled)")
         if cfg.enable_compile and self.attention_backend == "native" and plan.size == 1:
             from workers.compiled_decode import CompiledDecode
             self.compiled_decode = CompiledDecode(self.model, self.kv_caches, cfg.max_num_seqs,
