@@ -207,6 +207,28 @@ def test_an_int4_group_the_rank_cut_would_split_is_refused(ray_local, smollm2_di
         _engine(smollm2_dir, 3, weight_format="int4")
 
 
+@pytest.mark.chaos
+def test_a_rank_killed_mid_step_fails_the_step_at_once_naming_it(ray_local, smollm2_dir, prose_ids, h):
+    """Its peers would wait for it in their all-reduce until the communicator's 60 s timeout;
+    the executor watches every rank's call of the step, so the step fails as soon as Ray knows
+    the actor died."""
+    import ray
+    eng = _engine(smollm2_dir, 3)
+    try:
+        eng.add_request("long", prose_ids[:40], h.greedy(400))
+        for _ in range(3):
+            eng.step()
+        pid = ray.get(eng.executor.stages[2].info.remote())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="pipeline stage 0 rank 2 died"):
+            for _ in range(400):
+                eng.step()
+        assert time.monotonic() - t0 < 20
+    finally:
+        eng.shutdown()
+
+
 def test_head_counts_that_do_not_divide_are_refused_at_start(ray_local, smollm2_dir):
     with pytest.raises(EngineError, match=r"tensor_parallel_size 2 must divide the model's attention heads \(9\) "
                                           r"and KV heads \(3\)"):

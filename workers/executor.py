@@ -191,26 +191,39 @@ def _first_line(e: BaseException) -> str:
 
 class RayHandle:
     """The in-flight step of a :class:`RayPipelineExecutor`: ``ref`` is the result of its last
-    stage, ``stage`` that stage's index.
+    stage (its rank 0 under tensor parallelism), ``stage`` that stage's index. ``ranks``: under
+    tensor parallelism, ``{ref: (stage, rank)}`` of every other actor's call of the step, watched
+    while waiting, so that a rank that dies mid-step fails the step at once instead of after its
+    peers' communicator timeout.
 
-    Raises (``result``): EngineError naming the stage when the step failed: the last stage died,
-    or its step failed (an earlier stage died: its link closed; or an error in the step). The
-    engine loop dies of it, and with it the replica (:mod:`scheduler.engine_core`)."""
+    Raises (``result``): EngineError naming the stage (and rank) when the step failed: an actor
+    died, or its step failed (an earlier stage died: its link closed; or an error in the step).
+    The engine loop dies of it, and with it the replica (:mod:`scheduler.engine_core`)."""
 
-    def __init__(self, ref, stage: int):
-        self.ref, self.stage = ref, stage
+    def __init__(self, ref, stage: int, ranks: dict | None = None):
+        self.ref, self.stage, self.ranks = ref, stage, ranks or {}
 
     def result(self) -> ModelRunnerOutput:
         import ray
+        where = f"pipeline stage {self.stage}" + (" rank 0" if self.ranks else "")
         try:
+            pending = [self.ref, *self.ranks]
+            while len(pending) > 1 and self.ref in pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                for r in ready:
+                    if r != self.ref:
+                        stage, rank = self.ranks[r]
+                        where = f"pipeline stage {stage} rank {rank}"
+                        ray.get(r)                  # raises when that rank failed or died
+                        where = f"pipeline stage {self.stage} rank 0"
             return ray.get(self.ref)
         except ray.exceptions.ActorDiedError as e:
-            raise DependencyUnavailableError(f"pipeline stage {self.stage} died: {_first_line(e)}") from None
+            raise DependencyUnavailableError(f"{where} died: {_first_line(e)}") from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(e.cause, EngineError) else repr(e.cause)
-            raise DependencyUnavailableError(f"pipeline stage {self.stage}: {cause}") from None
+            raise DependencyUnavailableError(f"{where}: {cause}") from None
         except ray.exceptions.RayError as e:       # lost objects, a dead owner, ...
-            raise DependencyUnavailableError(f"pipeline stage {self.stage}: {_first_line(e)}") from None
+            raise DependencyUnavailableError(f"{where}: {_first_line(e)}") from None
 
 
 # --stage-placement -> Ray placement group strategy (one bundle per stage)
@@ -357,7 +370,10 @@ class RayPipelineExecutor:
         with self._lock:
             delta = self.encoder.encode(out)
             refs = [stage.execute.remote(delta) for stage in self.stages]
-        return RayHandle(refs[-self.tp], len(refs) // self.tp - 1)
+        tp = self.tp
+        last = len(refs) - tp
+        ranks = {ref: divmod(i, tp) for i, ref in enumerate(refs) if i != last} if tp > 1 else None
+        return RayHandle(refs[last], len(refs) // tp - 1, ranks)
 
     @property
     def kv_layer_ranges(self) -> list[tuple[int, int]]:
