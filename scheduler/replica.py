@@ -119,6 +119,8 @@ async def start_engine_processes(sc: SchedulerConfig, ec: EngineConfig) -> tuple
     Returns each replica's started client or the exception it failed with, and the settings
     the engine processes got (Ray address resolved; what a restart uses)."""
     from scheduler.engine_core import EngineCoreClient
+    from workers.tensor_parallel import check_model
+    check_model(ec.model, sc.tensor_parallel_size, ec.weight_format, ec.quant_group_size)    # before Ray starts
     if sc.resolved_executor() == "ray":
         from workers.executor import ensure_ray, ray_address_of_this_process
         cpus = sc.cpus_per_stage()

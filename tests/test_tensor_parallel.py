@@ -250,6 +250,21 @@ def test_the_llm_api_takes_tensor_parallel_size_and_shuts_its_ranks_down(ray_loc
     assert llm.engine.executor.stages == []
 
 
+@pytest.mark.mesh
+def test_serve_refuses_a_tp_the_heads_do_not_allow_before_ray_starts(smollm2_dir):
+    import subprocess
+    import sys
+    from pathlib import Path
+    kvmesh = str(Path(sys.executable).with_name("kvmesh"))
+    t0 = time.monotonic()
+    p = subprocess.run([kvmesh, "serve", "--model", str(smollm2_dir), "-tp", "2", "--port", "0", "--scheduler-port",
+                        "0"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    errors = [line for line in p.stderr.splitlines() if "must divide" in line]
+    assert errors == ["kvmesh: error: tensor_parallel_size 2 must divide the model's attention heads (9) and KV heads (3)"]
+    assert "ray" not in p.stderr.lower() and time.monotonic() - t0 < 60
+
+
 def test_tp_and_pp_settings():
     assert SchedulerConfig(tensor_parallel_size=2).resolved_executor() == "ray"
     assert SchedulerConfig().resolved_executor() == "local"
