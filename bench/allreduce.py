@@ -11,6 +11,7 @@ Usage::
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import socket
@@ -20,7 +21,6 @@ import time
 import uuid
 from pathlib import Path
 
-from bench import command
 
 
 def _rank(kind: str, rank: int, world: int, address: str, shapes: list[tuple[int, int]], calls: int, q) -> None:
@@ -66,14 +66,17 @@ def measure(kind: str, world: int, shapes: list[tuple[int, int]], calls: int) ->
 
 
 def main(argv=None) -> int:
-    ap = command.parser(__doc__)
-    ap.add_argument("--world-size", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=2, help="ranks (processes), at least 2")
     ap.add_argument("--kind", nargs="+", default=["shm", "gloo"], choices=("shm", "gloo"))
     ap.add_argument("--hidden", type=int, default=1536, help="hidden size (Qwen2.5-1.5B: 1536)")
     ap.add_argument("--tokens", type=int, default=1536, help="rows of the prefill chunk")
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--calls", type=int, default=2000, help="calls per timed run of the decode shape (the chunk: 1/50)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    if args.world_size < 2 or args.calls < 20:
+        ap.error("--world-size must be at least 2 and --calls at least 20")
     from bench.machine import cpu_model
     shapes = [(1, args.hidden), (args.tokens, args.hidden)]
     rows = {kind: measure(kind, args.world_size, shapes, args.calls) for kind in args.kind}

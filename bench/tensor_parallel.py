@@ -1,5 +1,5 @@
 """Tensor parallelism against one process and against pipeline parallelism: batch-1 decode, cold
-TTFT and the all-reduce's share of a step (issue 32).
+TTFT and the all-reduce's share of a step.
 
 One engine per configuration, built, measured and shut down in turn (one at a time: on a small
 machine two would share its cores):
