@@ -189,12 +189,15 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+WATCH_AFTER_S = 1.0      # seconds a tensor-parallel step runs before its handle watches every rank
+
+
 class RayHandle:
     """The in-flight step of a :class:`RayPipelineExecutor`: ``ref`` is the result of its last
     stage (its rank 0 under tensor parallelism), ``stage`` that stage's index. ``ranks``: under
     tensor parallelism, ``{ref: (stage, rank)}`` of every other actor's call of the step, watched
-    while waiting, so that a rank that dies mid-step fails the step at once instead of after its
-    peers' communicator timeout.
+    once the step has run :data:`WATCH_AFTER_S`, so that a rank that dies mid-step fails the step
+    within about a second instead of after its peers' communicator timeout.
 
     Raises (``result``): EngineError naming the stage (and rank) when the step failed: an actor
     died, or its step failed (an earlier stage died: its link closed; or an error in the step).
@@ -207,7 +210,10 @@ class RayHandle:
         import ray
         where = f"pipeline stage {self.stage}" + (" rank 0" if self.ranks else "")
         try:
-            pending = [self.ref, *self.ranks]
+            # a step that is done within a second (decode) costs one wait; a longer one (a prefill
+            # chunk, or a rank gone) watches the other ranks from then on
+            slow = bool(self.ranks) and not ray.wait([self.ref], timeout=WATCH_AFTER_S)[0]
+            pending = [self.ref, *self.ranks] if slow else [self.ref]
             while len(pending) > 1 and self.ref in pending:
                 ready, pending = ray.wait(pending, num_returns=1)
                 for r in ready:
