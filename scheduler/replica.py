@@ -113,14 +113,33 @@ async def close_engine_loop(aengine) -> None:
         await asyncio.to_thread(engine.shutdown)
 
 
+def check_tensor_parallel(ec: EngineConfig, size: int) -> None:
+    """Refuse, before any process starts, a ``size`` the local model (a pulled known model or a
+    checkpoint directory) cannot be split by: its head counts, its int4 groups
+    (:mod:`workers.tensor_parallel`). A model not pulled yet is left to its ranks' own checks
+    (nothing is pulled here). Raises SettingsError."""
+    from kvmesh.hub.pull import resolve_model
+    from workers.checkpoint import load_config
+    from workers.tensor_parallel import check_divisible, check_int4_groups
+    if size == 1:
+        return
+    try:
+        model_dir = resolve_model(ec.model, pull_if_missing=False)
+    except Exception:                  # not pulled yet, or not a model: the engine says so
+        return
+    cfg = load_config(model_dir)
+    check_divisible(cfg.num_heads, cfg.num_kv_heads, size)
+    if ec.weight_format == "int4":
+        check_int4_groups(cfg, size, ec.quant_group_size)
+
+
 async def start_engine_processes(sc: SchedulerConfig, ec: EngineConfig) -> tuple[list, SchedulerConfig]:
     """One engine process per replica (:mod:`scheduler.engine_core`), loading concurrently.
     A Ray executor's local Ray is started here first, so that every replica joins the same.
     Returns each replica's started client or the exception it failed with, and the settings
     the engine processes got (Ray address resolved; what a restart uses)."""
     from scheduler.engine_core import EngineCoreClient
-    from workers.tensor_parallel import check_model
-    check_model(ec.model, sc.tensor_parallel_size, ec.weight_format, ec.quant_group_size)    # before Ray starts
+    check_tensor_parallel(ec, sc.tensor_parallel_size)         # before Ray starts
     if sc.resolved_executor() == "ray":
         from workers.executor import ensure_ray, ray_address_of_this_process
         cpus = sc.cpus_per_stage()

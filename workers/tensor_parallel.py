@@ -172,21 +172,3 @@ class TensorParallel:
             raise EngineError(f"tensor-parallel rank {self.plan.rank} of {self.plan.size} is not connected to its group")
         return self.comm
 
-
-def check_model(model: str, size: int, weight_format: str = "auto", group_size: int = 128) -> None:
-    """Refuse, before any process starts, a ``size`` the local model ``model`` (a pulled known
-    model or a checkpoint directory) cannot be split by: head counts :func:`check_divisible`,
-    int4 groups :func:`check_int4_groups`. A model not pulled yet is left to its ranks' own checks
-    (nothing is pulled here). Raises SettingsError."""
-    from kvmesh.hub.pull import resolve_model
-    from workers.checkpoint import load_config
-    if size == 1:
-        return
-    try:
-        model_dir = resolve_model(model, pull_if_missing=False)
-    except Exception:                  # not pulled yet, or not a model: the engine says so
-        return
-    cfg = load_config(model_dir)
-    check_divisible(cfg.num_heads, cfg.num_kv_heads, size)
-    if weight_format == "int4":
-        check_int4_groups(cfg, size, group_size)
