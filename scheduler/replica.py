@@ -120,17 +120,14 @@ def check_tensor_parallel(ec: EngineConfig, size: int) -> None:
     (nothing is pulled here). Raises SettingsError."""
     from kvmesh.hub.pull import resolve_model
     from workers.checkpoint import load_config
-    from workers.tensor_parallel import check_divisible, check_int4_groups
+    from workers.tensor_parallel import check_split
     if size == 1:
         return
     try:
         model_dir = resolve_model(ec.model, pull_if_missing=False)
     except Exception:                  # not pulled yet, or not a model: the engine says so
         return
-    cfg = load_config(model_dir)
-    check_divisible(cfg.num_heads, cfg.num_kv_heads, size)
-    if ec.weight_format == "int4":
-        check_int4_groups(cfg, size, ec.quant_group_size)
+    check_split(load_config(model_dir), size, ec.weight_format, ec.quant_group_size)
 
 
 async def start_engine_processes(sc: SchedulerConfig, ec: EngineConfig) -> tuple[list, SchedulerConfig]:

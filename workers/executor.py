@@ -26,7 +26,7 @@ from kvmesh.core.errors import DependencyUnavailableError, EngineError, Settings
 from kvmesh.core.telemetry import StageSpans, tracing_enabled
 from workers.model_runner import ModelRunner, ModelRunnerOutput
 from workers.step import ScheduledStep, StepDecoder, StepEncoder
-from workers.tensor_parallel import check_divisible, check_int4_groups
+from workers.tensor_parallel import check_split
 
 
 class StepHandle(Protocol):
@@ -298,9 +298,7 @@ class RayPipelineExecutor:
             raise SettingsError(f"stage_num_cpus must be > 0, got {stage_num_cpus}")
         m = load_config(model_dir)
         bounds = split_layers(m.num_layers, pp, layer_split)
-        check_divisible(m.num_heads, m.num_kv_heads, tp)
-        if tp > 1 and cfg.weight_format == "int4":
-            check_int4_groups(m, tp, cfg.quant_group_size)
+        check_split(m, tp, cfg.weight_format, cfg.quant_group_size)
         per_block = bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim,
                                     kv_dtype(cfg.kv_cache_dtype, cfg.torch_dtype))
         self.num_blocks = budget_bytes(cfg.kv_cache_memory, torch.device(cfg.device)) // per_block

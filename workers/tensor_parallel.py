@@ -77,6 +77,16 @@ def check_int4_groups(cfg, size: int, group_size: int) -> None:
                             f"input column {bad[0]}; use a --quant-group-size dividing {fit}")
 
 
+def check_split(cfg, size: int, weight_format: str, group_size: int) -> None:
+    """Whether ``size`` ranks can split the model of ``cfg`` (a
+    :class:`workers.models.llama.ModelConfig`) served in ``weight_format``: its head counts
+    (:func:`check_divisible`) and, for int4, its groups of ``group_size``
+    (:func:`check_int4_groups`). Raises SettingsError naming what does not fit."""
+    check_divisible(cfg.num_heads, cfg.num_kv_heads, size)
+    if size > 1 and weight_format == "int4":
+        check_int4_groups(cfg, size, group_size)
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """The slices of a model a rank holds (all ``[start, end)``): attention heads, KV heads, MLP
@@ -148,21 +158,18 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of their ``x`` (the same shape and dtype on each), identical
         on every rank. Raises EngineError before :meth:`connect` (more than one rank)."""
-        if self.plan.size == 1:
-            return x
-        t0 = time.perf_counter_ns()
-        y = self._comm().all_reduce(x)
-        self.comm_ns += time.perf_counter_ns() - t0
-        self.comm_calls += 1
-        return y
+        return x if self.plan.size == 1 else self._timed(self._comm().all_reduce, x)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``[N, V_r]`` float32 logits of this rank's token ids → ``[N, V]`` of all ranks' in
         rank order (every rank's ``V_r`` from its plan)."""
         if self.plan.size == 1:
             return logits
+        return self._timed(self._comm().all_gather, logits.contiguous(), list(self.plan.vocab_widths))
+
+    def _timed(self, call, *args) -> torch.Tensor:
         t0 = time.perf_counter_ns()
-        y = self._comm().all_gather(logits.contiguous(), list(self.plan.vocab_widths))
+        y = call(*args)
         self.comm_ns += time.perf_counter_ns() - t0
         self.comm_calls += 1
         return y
