@@ -1,11 +1,12 @@
 """Peers side by side: the same PolicyDesk workload through kvmesh and the systems a user would
-pick instead (transformers ``generate``, vLLM for CPU, llama.cpp), in one run, with ratios.
+pick instead (transformers ``generate``, vLLM for CPU, llama.cpp, ONNX Runtime GenAI, OpenVINO
+GenAI), in one run, with ratios.
 
 Usage (from the repo root, in kvmesh's venv; peers set up first with bench/peers/setup_*.sh)::
 
     python -m bench.peers.compare --model smollm2-135m-instruct --num-prompts 16 --max-tokens 64 \
-        --peers hf,vllm,llamacpp [--batch-sizes 1,8] [--decode-tokens 128] [--serve] \
-        [--out docs/peers.json]
+        --peers hf,vllm,llamacpp,ort,openvino [--ort-formats int4,fp32] [--openvino-formats int4,fp16] \
+        [--batch-sizes 1,8] [--decode-tokens 128] [--serve] [--out docs/peers.json]
 
 What it does:
 
@@ -22,10 +23,19 @@ What it does:
    is single-sequence, B=1 only), and one request alone on a cold cache (TTFT, decode tok/s).
    llama.cpp runs the GGUF's own quantization (SmolLM2: Q4_1), so with ``llamacpp`` kvmesh also
    runs the very same weights (``--weight-format gguf``: its batch sizes and the single request).
+   ONNX Runtime GenAI and OpenVINO GenAI run the model as their setup scripts converted it from
+   kvmesh's dense checkpoint, one row per format (``ort-int4``, ``openvino-fp16`` ...). A peer
+   on dense weights (transformers, vLLM, an fp32 / fp16 / bf16 conversion) is compared with
+   kvmesh on its dense weights (``kvmesh-dense``, ``--weight-format none``, run when such a
+   peer ran); a quantized one with kvmesh's defaults (a known model's GGUF blocks).
 3. ``--serve``: serving latency (TTFT, ITL) through ``kvmesh bench serve`` on the same
    ``workload.jsonl``: against ``kvmesh serve`` (gRPC), ``vllm serve`` and
-   ``python -m llama_cpp.server`` (``--backend openai-chat``).
-4. Prints a markdown table (kvmesh, peer, kvmesh/peer and who wins by how much) and writes JSON.
+   ``python -m llama_cpp.server`` (``--backend openai-chat``). transformers, ONNX Runtime GenAI
+   and OpenVINO GenAI ship no server in their Python packages (OpenVINO's is OpenVINO Model
+   Server, a separate binary), so they have offline rows only.
+4. Prints a markdown table (kvmesh, peer, kvmesh/peer and who wins by how much) and writes JSON:
+   ``systems`` (one line of headline numbers per system: :func:`systems`), ``comparisons``
+   (the table's rows), and each runner's whole output.
 
 A peer whose venv is missing is reported as "not installed" and skipped; nothing here is
 needed by the test suite.
@@ -51,10 +61,36 @@ from bench.peers.gguf import ensure_gguf, peers_home
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-PEERS = ("hf", "vllm", "llamacpp")
+PEERS = ("hf", "vllm", "llamacpp", "ort", "openvino")
 SETUP = {p: f"bench/peers/setup_{p}.sh" for p in PEERS}
-LABEL = {"kvmesh": "kvmesh", "kvmesh-gguf": "kvmesh gguf", "hf": "transformers", "vllm": "vLLM (CPU)",
-         "llamacpp": "llama.cpp"}
+LABEL = {"kvmesh": "kvmesh", "kvmesh-gguf": "kvmesh gguf", "kvmesh-dense": "kvmesh dense", "hf": "transformers",
+         "vllm": "vLLM (CPU)", "llamacpp": "llama.cpp", "ort": "ONNX Runtime GenAI", "openvino": "OpenVINO GenAI"}
+# The weight formats a converted-model peer runs (one row each, ``<peer>-<format>``), the
+# directory its setup script builds them into, and the file that says a build is complete.
+MODEL_FORMATS = {"ort": ("ort-models", "genai_config.json"), "openvino": ("openvino-models", "openvino_model.xml")}
+DENSE_FORMATS = {"fp32", "fp16", "bf16"}     # a peer row in one of these is compared with kvmesh's dense row
+
+
+def label(name: str) -> str:
+    """Table label of a system row: ``ort-int4`` -> ``ONNX Runtime GenAI int4``."""
+    peer, _, fmt = name.partition("-")
+    return LABEL.get(name) or (f"{LABEL[peer]} {fmt}" if peer in MODEL_FORMATS and fmt else name)
+
+
+def peer_model_dir(peer: str, model: str, fmt: str) -> Path:
+    """Where setup_<peer>.sh puts ``model`` converted to the peer's format ``fmt``."""
+    return peers_home() / MODEL_FORMATS[peer][0] / f"{model}-{fmt}"
+
+
+def reference(name: str, offline_res: dict) -> str:
+    """The kvmesh row a system row is compared with: kvmesh's dense weights (``kvmesh-dense``,
+    when it ran) for a peer on dense weights (transformers, vLLM, a converted model in fp32 /
+    fp16 / bf16), else kvmesh's defaults (``kvmesh``: a known model's GGUF blocks)."""
+    peer, _, fmt = name.partition("-")
+    dense = peer in ("hf", "vllm") or (peer in MODEL_FORMATS and fmt in DENSE_FORMATS)
+    if dense and "error" not in offline_res.get("kvmesh-dense", {"error": 1}):
+        return "kvmesh-dense"
+    return "kvmesh"
 
 
 def log(msg: str) -> None:
@@ -144,6 +180,20 @@ def offline(args, model_dir: Path, prompts: Path, workdir: Path) -> dict[str, di
                 "--prompts", str(prompts), "--batch-sizes", args.batch_sizes, "--decode-tokens", str(args.decode_tokens),
                 "--threads", str(args.threads), "--model", args.model, "--dtype", args.dtype,
                 "--weight-format", "gguf"], workdir, args.timeout)
+        else:                                   # ort, openvino: one row per converted weight format
+            for fmt in args.formats[peer]:
+                name, d = f"{peer}-{fmt}", peer_model_dir(peer, args.model, fmt)
+                if not (d / MODEL_FORMATS[peer][1]).is_file():
+                    results[name] = {"peer": name, "error": f"not built: {d} has no {MODEL_FORMATS[peer][1]}; run "
+                                     f"{peer.upper()}_MODELS={args.model} bash {SETUP[peer]}"}
+                    log(f"{name}: {results[name]['error']}")
+                    continue
+                results[name] = run_runner(name, py, f"run_{peer}.py", common + ["--model-dir", str(d)],
+                                           workdir, args.timeout)
+    if any(reference(name, {"kvmesh-dense": {}}) == "kvmesh-dense" for name, res in results.items() if "error" not in res):
+        # kvmesh on dense weights beside the peers on dense weights (bf16 against their bf16/fp16/fp32)
+        results["kvmesh-dense"] = run_runner("kvmesh-dense", sys.executable, "run_kvmesh.py", common + [
+            "--model", args.model, "--dtype", args.dtype, "--weight-format", "none"], workdir, args.timeout)
     return results
 
 
@@ -228,8 +278,8 @@ def serving(args, model_dir: Path, workload: Path, workdir: Path) -> dict[str, d
     longest = args.max_model_len
     for peer in args.peers:
         py = peer_python(peer)
-        if peer == "hf" or not py.exists():
-            continue                    # transformers has no server of its own
+        if peer in ("hf", "ort", "openvino") or not py.exists():
+            continue                    # no server in their Python packages (see the module docstring)
         port = free_port()
         if peer == "vllm":
             # `vllm serve` looks up the version of a distribution named "vllm" and fails on
@@ -277,7 +327,6 @@ def _verdict(k: float, p: float, higher_better: bool) -> str:
 def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
     """Rows ``{metric, peer, kvmesh, peer_value, ratio (kvmesh/peer), verdict, note}``."""
     rows = []
-    km = offline_res.get("kvmesh", {})
 
     def add(metric, peer, kv, pv, higher_better, note=""):
         if kv is None or pv is None:
@@ -286,14 +335,18 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
                      "ratio": kv / pv if pv else None, "higher_is_better": higher_better,
                      "verdict": _verdict(kv, pv, higher_better), "note": note})
 
-    k_tp = {r["batch_size"]: r["output_tok_s"] for r in km.get("throughput", [])}
-    k_rows = {r["batch_size"]: r for r in km.get("throughput", [])}
-    for peer in PEERS:
-        res = offline_res.get(peer)
-        if not res or "error" in res:
+    for peer, res in offline_res.items():
+        if peer.startswith("kvmesh") or "error" in res:
             continue
-        # kvmesh's row runs its defaults: the known models' GGUF blocks where --weight-format auto picks them
-        note = "llama.cpp on the GGUF file; kvmesh with its defaults" if peer == "llamacpp" else ""
+        ref = reference(peer, offline_res)
+        km = offline_res.get(ref, {})
+        k_tp = {r["batch_size"]: r["output_tok_s"] for r in km.get("throughput", [])}
+        k_rows = {r["batch_size"]: r for r in km.get("throughput", [])}
+        # kvmesh's row runs its defaults (the known models' GGUF blocks) or, against a peer on
+        # dense weights when it ran, the dense conversion
+        note = ("llama.cpp on the GGUF file; kvmesh with its defaults" if peer == "llamacpp" else
+                "kvmesh on its dense weights" if ref == "kvmesh-dense" else
+                "kvmesh with its defaults (GGUF blocks)" if peer.partition("-")[0] in MODEL_FORMATS else "")
         for r in res.get("throughput", []):
             add(f"offline output tok/s, B={r['batch_size']}", peer, k_tp.get(r["batch_size"]),
                 r["output_tok_s"], True, note)
@@ -351,12 +404,39 @@ def agreement(offline_res: dict) -> list[str]:
         got = ids(name)
         if name == "kvmesh" or not ref or not got:
             continue
-        out.append(f"{LABEL.get(name, name)}: first {_same_prefix(ref, got)} of {len(ref)} greedy tokens identical "
+        out.append(f"{label(name)}: first {_same_prefix(ref, got)} of {len(ref)} greedy tokens identical "
                    f"to kvmesh's")
     gguf, llama = ids("kvmesh-gguf"), ids("llamacpp")
     if gguf and llama:
         out.append(f"kvmesh gguf vs llama.cpp (the same file): first {_same_prefix(gguf, llama)} of {len(gguf)} greedy "
                    f"tokens identical")
+    return out
+
+
+def systems(offline_res: dict, serve_res: dict) -> dict[str, dict]:
+    """One line of headline numbers per system row that ran: ``out_tok_s`` (its best offline
+    output tokens/s over the batch sizes it ran, ``out_tok_s_batch`` the batch size, all of
+    them in ``out_tok_s_by_batch``), the single request's ``ttft_s`` and ``decode_tok_s``,
+    ``peak_rss_mib`` and ``startup_s`` (the largest over its runs), its ``settings``, and
+    ``serving`` (the ``kvmesh bench serve`` summary numbers) where it was served."""
+    out = {}
+    for name, res in offline_res.items():
+        if "error" in res:
+            continue
+        single = res.get("single", {})
+        tp = {r["batch_size"]: r["output_tok_s"] for r in res.get("throughput", [])}
+        runs = res.get("throughput", []) + [single]
+        rss = [r["peak_rss_bytes"] for r in runs if r.get("peak_rss_bytes")]
+        start = [r["startup_s"] for r in runs if r.get("startup_s") is not None]
+        best = max(tp, key=tp.get) if tp else None
+        out[name] = {"label": label(name), "out_tok_s": tp.get(best), "out_tok_s_batch": best,
+                     "out_tok_s_by_batch": tp, "ttft_s": single.get("ttft_s"),
+                     "decode_tok_s": single.get("decode_tok_s"),
+                     "peak_rss_mib": max(rss) / 2 ** 20 if rss else None, "startup_s": max(start) if start else None,
+                     "settings": res.get("settings", {})}
+    for name, res in serve_res.items():
+        if "error" not in res:
+            out.setdefault(name, {"label": label(name)})["serving"] = _numbers(res)
     return out
 
 
@@ -367,7 +447,7 @@ def _fmt(x: float) -> str:
 def table(rows: list[dict], offline_res: dict, serve_res: dict) -> str:
     lines = ["| metric | peer | kvmesh | peer | kvmesh/peer | verdict | note |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['metric']} | {LABEL[r['peer']]} | {_fmt(r['kvmesh'])} | {_fmt(r['peer_value'])} "
+        lines.append(f"| {r['metric']} | {label(r['peer'])} | {_fmt(r['kvmesh'])} | {_fmt(r['peer_value'])} "
                      f"| {r['ratio']:.2f} | {r['verdict']} | {r['note']} |")
     notes = [f"- {line}" for line in agreement(offline_res)]
     for name, res in list(offline_res.items()) + [(f"serve {k}", v) for k, v in serve_res.items()]:
@@ -388,6 +468,10 @@ def main(argv=None) -> int:
                     help="comma-separated output lengths taken in rotation, instead of --max-tokens "
                          "(the issue-13 workload: 16,32,64,128,256,64 over 48 requests)")
     ap.add_argument("--peers", default="hf,vllm,llamacpp", help=f"comma-separated, of {','.join(PEERS)}")
+    ap.add_argument("--ort-formats", default="int4,fp32",
+                    help="ONNX Runtime GenAI models to run, of those setup_ort.sh builds (int4, fp32)")
+    ap.add_argument("--openvino-formats", default="int4,fp16",
+                    help="OpenVINO GenAI models to run, of those setup_openvino.sh exports (int4, int8, fp16)")
     ap.add_argument("--batch-sizes", default="1,8", help="offline batch sizes / concurrency caps")
     ap.add_argument("--decode-tokens", type=int, default=128, help="tokens of the single-request run")
     ap.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"],
@@ -411,6 +495,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/peers.json")
     args = ap.parse_args(argv)
     args.peers = [p for p in args.peers.split(",") if p]
+    args.formats = {"ort": [f for f in args.ort_formats.split(",") if f],
+                    "openvino": [f for f in args.openvino_formats.split(",") if f]}
     bad = [p for p in args.peers if p not in PEERS]
     if bad:
         ap.error(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
@@ -433,7 +519,7 @@ def main(argv=None) -> int:
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
               "model": args.model, "model_dir": str(model_dir), "num_prompts": args.num_prompts,
               "max_tokens": args.max_tokens, "output_lens": args.output_lens, "dtype": args.dtype, "threads": args.threads,
-              "comparisons": rows, "offline": offline_res, "serving": serve_res, "table_md": md}
+              "systems": systems(offline_res, serve_res), "comparisons": rows, "offline": offline_res, "serving": serve_res, "table_md": md}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         log(f"wrote {args.out}")
