@@ -82,6 +82,9 @@ def test_dense_peers_are_compared_with_kvmesh_dense_and_quantized_ones_with_its_
     by = {(r["metric"], r["peer"]): r for r in compare.comparisons(offline, {})}
     assert by[("offline output tok/s, B=8", "ort-int4")]["ratio"] == 2.0          # kvmesh 100 vs 50
     assert by[("offline output tok/s, B=8", "ort-fp32")]["ratio"] == 2.0          # kvmesh-dense 60 vs 30
+    assert [by[("offline output tok/s, B=8", p)]["kvmesh_row"] for p in ("ort-int4", "ort-fp32", "vllm")] == \
+        ["kvmesh", "kvmesh-dense", "kvmesh-dense"]
+    assert by[("offline output tok/s, B=8", "ort-fp32")]["peer_label"] == "ONNX Runtime GenAI fp32"
     assert by[("offline output tok/s, B=8", "openvino-fp16")]["verdict"] == "kvmesh LOSES x2.00"
     assert by[("single request TTFT s (cold)", "ort-fp32")]["ratio"] == 0.5
     assert not any(r["peer"] == "openvino-int4" for r in by.values())

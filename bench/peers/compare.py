@@ -328,10 +328,11 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
     """Rows ``{metric, peer, kvmesh, peer_value, ratio (kvmesh/peer), verdict, note}``."""
     rows = []
 
-    def add(metric, peer, kv, pv, higher_better, note=""):
+    def add(metric, peer, kv, pv, higher_better, note="", ref="kvmesh"):
         if kv is None or pv is None:
             return
-        rows.append({"metric": metric, "peer": peer, "kvmesh": kv, "peer_value": pv,
+        rows.append({"metric": metric, "peer": peer, "peer_label": label(peer), "kvmesh_row": ref,
+                     "kvmesh": kv, "peer_value": pv,
                      "ratio": kv / pv if pv else None, "higher_is_better": higher_better,
                      "verdict": _verdict(kv, pv, higher_better), "note": note})
 
@@ -349,24 +350,24 @@ def comparisons(offline_res: dict, serve_res: dict) -> list[dict]:
                 "kvmesh with its defaults (GGUF blocks)" if peer.partition("-")[0] in MODEL_FORMATS else "")
         for r in res.get("throughput", []):
             add(f"offline output tok/s, B={r['batch_size']}", peer, k_tp.get(r["batch_size"]),
-                r["output_tok_s"], True, note)
+                r["output_tok_s"], True, note, ref=ref)
             kr = k_rows.get(r["batch_size"], {})
             add(f"start-up to ready s, B={r['batch_size']}", peer, kr.get("startup_s"), r.get("startup_s"), False,
-                "engine construction + a 4-token warm-up request")
+                "engine construction + a 4-token warm-up request", ref=ref)
             gib = lambda v: None if v is None else v / 2 ** 30
             add(f"peak RSS GiB, B={r['batch_size']}", peer, gib(kr.get("peak_rss_bytes")), gib(r.get("peak_rss_bytes")),
-                False, "runner process tree, sampled every 0.1 s")
+                False, "runner process tree, sampled every 0.1 s", ref=ref)
         s, ks = res.get("single", {}), km.get("single", {})
-        add("single request TTFT s (cold)", peer, ks.get("ttft_s"), s.get("ttft_s"), False, note)
-        add("single request decode tok/s", peer, ks.get("decode_tok_s"), s.get("decode_tok_s"), True, note)
+        add("single request TTFT s (cold)", peer, ks.get("ttft_s"), s.get("ttft_s"), False, note, ref=ref)
+        add("single request decode tok/s", peer, ks.get("decode_tok_s"), s.get("decode_tok_s"), True, note, ref=ref)
         if peer == "llamacpp" and "error" not in offline_res.get("kvmesh-gguf", {"error": 1}):
             kg = offline_res["kvmesh-gguf"]["single"]
             note = "the same GGUF file: kvmesh --weight-format gguf vs llama.cpp"
             gib = lambda v: None if v is None else v / 2 ** 30
-            add("single request TTFT s (cold), gguf", peer, kg.get("ttft_s"), s.get("ttft_s"), False, note)
-            add("single request decode tok/s, gguf", peer, kg.get("decode_tok_s"), s.get("decode_tok_s"), True, note)
-            add("start-up to ready s, gguf", peer, kg.get("startup_s"), s.get("startup_s"), False, note)
-            add("peak RSS GiB, gguf", peer, gib(kg.get("peak_rss_bytes")), gib(s.get("peak_rss_bytes")), False, note)
+            add("single request TTFT s (cold), gguf", peer, kg.get("ttft_s"), s.get("ttft_s"), False, note, ref="kvmesh-gguf")
+            add("single request decode tok/s, gguf", peer, kg.get("decode_tok_s"), s.get("decode_tok_s"), True, note, ref="kvmesh-gguf")
+            add("start-up to ready s, gguf", peer, kg.get("startup_s"), s.get("startup_s"), False, note, ref="kvmesh-gguf")
+            add("peak RSS GiB, gguf", peer, gib(kg.get("peak_rss_bytes")), gib(s.get("peak_rss_bytes")), False, note, ref="kvmesh-gguf")
     ksv = serve_res.get("kvmesh", {})
     for peer, res in serve_res.items():
         if peer == "kvmesh" or "error" in res or "error" in ksv:
