@@ -13,19 +13,26 @@ import torch
 
 
 def cpu_model() -> str:
-    """The CPU's model name and its ISA flags that matter to our kernels."""
-    name, flags = platform.processor() or "unknown", set()
+    """The CPU's model name, its family and model numbers (``family 25 model 17``: what tells
+    the CPU classes of these hosts apart, whose model names say only ``AMD EPYC``) and its ISA
+    flags that matter to our kernels."""
+    name, flags, ids = platform.processor() or "unknown", set(), {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and name in ("unknown", "x86_64", ""):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and name in ("unknown", "x86_64", ""):
+                name = value.strip()
+            elif key in ("cpu family", "model"):
+                ids.setdefault(key, value.strip())
+            elif key == "flags":
+                flags = set(value.split())
                 break
     except OSError:
         pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
-    return f"{name} ({os.cpu_count()} cpus; {', '.join(isa) or 'no avx2'})"
+    family = f"family {ids['cpu family']} model {ids['model']}; " if len(ids) == 2 else ""
+    return f"{name} ({os.cpu_count()} cpus; {family}{', '.join(isa) or 'no avx2'})"
 
 
 def time_call(fn, repeats: int, clock=time.perf_counter, stat=statistics.median) -> float:

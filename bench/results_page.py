@@ -46,6 +46,7 @@ CPUS = {
     "family 26 model 2": "AMD EPYC Zen 5 (family 26 model 2)",
     "family 25 model 17": "AMD EPYC Zen 4 (family 25 model 17)",
     "family 25 model 1": "AMD EPYC Zen 3 (family 25 model 1)",
+    "family 23 model 1": "AMD EPYC Zen 1 (family 23 model 1)",
     "family 6 model 207": "Intel Xeon (family 6 model 207)",
     "family 6 model 167": "Intel Xeon, Sapphire Rapids class (family 6 model 167)",
 }
@@ -302,6 +303,27 @@ def vs_llamacpp(run: Run) -> list[list[str]]:
     if "loads" in run.first:                       # bench.serving: kvmesh serve vs llama.cpp's server
         return _serving(run, "llamacpp")
     return _comparisons(run, "llamacpp", lambda m: m[:-len(", gguf")] if m.endswith(", gguf") else None)
+
+
+RUNTIME_METRICS = ("offline output tok/s", "single request TTFT s (cold)", "single request decode tok/s",
+                   "peak RSS GiB", "start-up to ready s")
+KVMESH_ROWS = {"kvmesh": "defaults (GGUF blocks)", "kvmesh-dense": "dense bf16", "kvmesh-gguf": "GGUF blocks"}
+
+
+def every_runtime(run: Run) -> list[list[str]]:
+    """Rows of a ``bench.peers.compare`` run against every peer it ran: (metric, model, peer,
+    kvmesh's row, kvmesh, peer, kvmesh / peer); the offline rate at each batch size, the single
+    request's TTFT and decode rate, peak RSS and start-up (the same-file rows of llama.cpp
+    repeat kvmesh's defaults and are left out)."""
+    rows = []
+    for d in run.data:
+        for c in d["comparisons"]:
+            if c["metric"].endswith(", gguf") or not c["metric"].startswith(RUNTIME_METRICS):
+                continue
+            rows.append([c["metric"], d["model"], c.get("peer_label", NAMES.get(c["peer"], c["peer"])),
+                         KVMESH_ROWS.get(c.get("kvmesh_row", "kvmesh"), c.get("kvmesh_row")), num(c["kvmesh"]),
+                         num(c["peer_value"]), ratio(c["kvmesh"], c["peer_value"])])
+    return rows
 
 
 SERVING_METRICS = (("output tok/s", "output_throughput"), ("TTFT p90 ms", "p90_ttft_ms"),

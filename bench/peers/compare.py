@@ -517,7 +517,8 @@ def main(argv=None) -> int:
     rows = comparisons(offline_res, serve_res)
     md = table(rows, offline_res, serve_res)
     print(md)
-    report = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:],
+    from bench.machine import cpu_model
+    report = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "argv": sys.argv[1:], "cpu": cpu_model(),
               "model": args.model, "model_dir": str(model_dir), "num_prompts": args.num_prompts,
               "max_tokens": args.max_tokens, "output_lens": args.output_lens, "dtype": args.dtype, "threads": args.threads,
               "systems": systems(offline_res, serve_res), "comparisons": rows, "offline": offline_res, "serving": serve_res, "table_md": md}
