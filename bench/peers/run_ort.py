@@ -37,64 +37,25 @@ import time
 
 import runner_common as rc
 
-ONNX_FLOAT = {1: "fp32", 10: "fp16", 16: "bf16"}      # TensorProto.DataType
-
-
-def _fields(buf: bytes):
-    """(field number, value) of a serialized protobuf message: an int (varint) or bytes
-    (length-delimited); fixed-width fields are skipped. Enough to read an ONNX graph's nodes."""
-    i, n = 0, len(buf)
-
-    def varint():
-        nonlocal i
-        shift = out = 0
-        while True:
-            b = buf[i]
-            i += 1
-            out |= (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                return out
-
-    while i < n:
-        key = varint()
-        wire = key & 7
-        if wire == 0:
-            yield key >> 3, varint()
-        elif wire == 2:
-            size = varint()
-            yield key >> 3, buf[i:i + size]
-            i += size
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"protobuf wire type {wire} not supported")
-
 
 def model_info(model_dir: str) -> dict:
     """What genai_config.json says (graph file, execution provider, pad / EOS ids, KV cache) and
-    the precision read from that graph (stdlib only: the ONNX file is a ModelProto; its weights
-    are in external data, so the file itself is small)."""
+    the precision read from that graph with the ``onnx`` package (in ort-venv for the model
+    builder; the weights are external data, not loaded)."""
+    import onnx
+
     with open(os.path.join(model_dir, "genai_config.json"), encoding="utf-8") as fh:
         cfg = json.load(fh)
     dec = cfg["model"]["decoder"]
     providers = [name for opt in dec.get("session_options", {}).get("provider_options", []) for name in opt]
-    with open(os.path.join(model_dir, dec["filename"]), "rb") as fh:
-        graph = next(v for f, v in _fields(fh.read()) if f == 7)           # ModelProto.graph
-    quant, elem = None, {}
-    for f, v in _fields(graph):
-        if f == 1 and quant is None:                                         # GraphProto.node
-            node = list(_fields(v))
-            if any(k == 4 and val == b"MatMulNBits" for k, val in node):     # NodeProto.op_type
-                attrs = [dict(_fields(a)) for k, a in node if k == 5]        # AttributeProto: name 1, i 3
-                quant = {a[1].decode(): a.get(3) for a in attrs if 1 in a}
-        elif f in (11, 12):                                                  # GraphProto.input / output
-            vi = dict(_fields(v))                                            # ValueInfoProto: name 1, type 2
-            tensor = dict(_fields(dict(_fields(vi.get(2, b""))).get(1, b"")))   # TypeProto.tensor_type
-            elem[vi.get(1, b"").decode()] = tensor.get(1)                    # TensorProto.DataType
+    graph = onnx.load(os.path.join(model_dir, dec["filename"]), load_external_data=False).graph
+    node = next((n for n in graph.node if n.op_type == "MatMulNBits"), None)
+    quant = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} if node is not None else None
+    elem = {v.name: v.type.tensor_type.elem_type for v in list(graph.input) + list(graph.output)}
     past = dec["inputs"].get("past_key_names", "%d") % 0                     # the KV cache's type, else the logits'
     io = elem.get(past) or elem.get(dec["outputs"]["logits"])
-    io_dtype = ONNX_FLOAT.get(io, str(io))
+    io_dtype = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16",
+                onnx.TensorProto.BFLOAT16: "bf16"}.get(io, str(io))
     precision = f"int{quant.get('bits', 4)}" if quant else io_dtype
     return {"precision": precision, "io_dtype": io_dtype,
             "matmul_nbits": ({k: quant.get(k) for k in ("bits", "block_size", "accuracy_level")} if quant else None),
