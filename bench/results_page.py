@@ -553,6 +553,16 @@ QUESTIONS: tuple[Question, ...] = (
          Source(("peers_2026-12-04_zen3_smollm2.json",), "0z10", "family 25 model 1")),
         vs_llamacpp),
     Question(
+        "kvmesh against every CPU runtime",
+        "`bench.peers.compare --peers llamacpp,ort,openvino`: the same PolicyDesk prompts through llama.cpp (the "
+        "GGUF file), ONNX Runtime GenAI (its model builder's fp32 and int4) and OpenVINO GenAI (optimum-intel's "
+        "fp16 and int4 IRs), each peer against kvmesh in the comparable format: a dense peer against kvmesh's "
+        "dense bf16 row, a quantized one against kvmesh's defaults (the GGUF blocks); 2 threads each, one run. "
+        "Ratios are kvmesh / peer (for TTFT, start-up and RSS lower is better).",
+        ("metric", "model", "peer", "kvmesh row", "kvmesh", "peer value", "kvmesh / peer"),
+        (Source(("peers_2026-12-05_zen4_smollm2_cpu_runtimes.json",), "0z21", "family 25 model 17"),),
+        every_runtime),
+    Question(
         "Quantization: bytes, speed and fit of each weight format, and the KV cache formats",
         "`bench.quant`: each weight format in its own process (in-process engine, greedy): weight bytes as "
         "stored, batch-1 decode tok/s, decode tok/s with N requests at once, TTFT of a 1.5k-token prompt, peak "
