@@ -560,7 +560,8 @@ QUESTIONS: tuple[Question, ...] = (
         "dense bf16 row, a quantized one against kvmesh's defaults (the GGUF blocks); 2 threads each, one run. "
         "Ratios are kvmesh / peer (for TTFT, start-up and RSS lower is better).",
         ("metric", "model", "peer", "kvmesh row", "kvmesh", "peer value", "kvmesh / peer"),
-        (Source(("peers_2026-12-05_zen4_smollm2_cpu_runtimes.json",), "0z21", "family 25 model 17"),),
+        (Source(("peers_2026-12-05_zen4_smollm2_cpu_runtimes.json",), "0z21", "family 25 model 17"),
+         Source(("peers_2026-12-05_zen4_1p5b_cpu_runtimes.json",), "0z21", "family 25 model 17")),
         every_runtime),
     Question(
         "Quantization: bytes, speed and fit of each weight format, and the KV cache formats",
