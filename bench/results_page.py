@@ -524,7 +524,9 @@ QUESTIONS: tuple[Question, ...] = (
         "server, at most 8 single questions or 4 chat turns in flight, greedy, SmolLM2-135M-Instruct in "
         "bf16; the latest run on each CPU (two runs: `a / b`).",
         ("load: metric", "model", "kvmesh", "vLLM-CPU", "kvmesh / vLLM"),
-        (Source(("serving_2026-12-03c_zen5_1.json", "serving_2026-12-03c_zen5_2.json"), "0z8", "family 26 model 2",
+        (Source(("serving_2026-12-05_zen4_smollm2_llamacpp.json",), "0z21", "family 25 model 17",
+                command="python -m bench.serving --systems kvmesh,vllm,llamacpp"),
+         Source(("serving_2026-12-03c_zen5_1.json", "serving_2026-12-03c_zen5_2.json"), "0z8", "family 26 model 2",
                 command="python -m bench.serving --systems kvmesh,inprocess,vllm"),
          Source(("serving_2026-12-03_zen4.json",), "0y", "family 25 model 17",
                 command="python -m bench.serving --systems kvmesh,inprocess,vllm"),
@@ -537,7 +539,9 @@ QUESTIONS: tuple[Question, ...] = (
         "2 threads each (rounds: `a / b / c`); and `bench.serving`'s chat load through `kvmesh serve` and "
         "llama.cpp's OpenAI server on that file. Ratios are kvmesh / llama.cpp.",
         ("metric", "model", "kvmesh", "llama.cpp", "kvmesh / llama.cpp"),
-        (Source(("peers_2026-12-04_xeon_gguf_1p5b_1.json", "peers_2026-12-04_xeon_gguf_1p5b_2.json",
+        (Source(("serving_2026-12-05_zen4_smollm2_llamacpp.json",), "0z21", "family 25 model 17",
+                command="python -m bench.serving --systems kvmesh,vllm,llamacpp"),
+         Source(("peers_2026-12-04_xeon_gguf_1p5b_1.json", "peers_2026-12-04_xeon_gguf_1p5b_2.json",
                  "peers_2026-12-04_xeon_gguf_1p5b_3.json"), "0z12", "family 6 model 167"),
          Source(("serving_2026-12-04_xeon_1p5b_llamacpp.json",), "0z12", "family 6 model 167",
                 command="python -m bench.serving --model qwen2.5-coder-1.5b-instruct --systems kvmesh,llamacpp "
