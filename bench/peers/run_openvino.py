@@ -30,10 +30,8 @@ Input/output formats: runner_common.py. Usage (from the repo root)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -195,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child-single", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_batch:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        rc.child_report(child(args))
         return 0
 
     rc.load_prompts(args.prompts)                 # fail here, not in a child, on a bad file
@@ -212,12 +210,9 @@ def main(argv=None) -> int:
         cmd += ["--no-prefix-caching"] if args.no_prefix_caching else []
         cmd += ["--child-single"] if is_single else []
         print(f"openvino: {what}: starting a pipeline", file=sys.stderr, flush=True)
-        res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-        line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("RESULT ")), None)
-        if res.returncode != 0 or line is None:
-            print(f"openvino: {what}: child failed (exit {res.returncode})", file=sys.stderr)
+        part = rc.run_child(cmd, f"openvino: {what}")
+        if part is None:
             return 1
-        part = json.loads(line[len("RESULT "):])
         if "throughput" in part:
             throughput.append(part["throughput"])
             print(f"openvino: batch {b}: {part['throughput']['output_tok_s']:.1f} output tok/s", file=sys.stderr, flush=True)

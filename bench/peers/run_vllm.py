@@ -16,9 +16,7 @@ resetting its prefix cache. Input/output formats: runner_common.py. Usage (from 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -103,7 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child-single-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child_batch:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        rc.child_report(child(args))
         return 0
 
     sizes = rc.batch_sizes(args.batch_sizes)
@@ -115,12 +113,9 @@ def main(argv=None) -> int:
         cmd += ["--enforce-eager"] if args.enforce_eager else []
         cmd += ["--child-single-only"] if b not in sizes else []
         print(f"vllm: batch {b}: starting an engine", file=sys.stderr, flush=True)
-        res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-        line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith("RESULT ")), None)
-        if res.returncode != 0 or line is None:
-            print(f"vllm: batch {b}: child failed (exit {res.returncode})", file=sys.stderr)
+        part = rc.run_child(cmd, f"vllm: batch {b}")
+        if part is None:
             return 1
-        part = json.loads(line[len("RESULT "):])
         if "throughput" in part:
             throughput.append(part["throughput"])
             print(f"vllm: batch {b}: {part['throughput']['output_tok_s']:.1f} output tok/s", file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""What every peer runner (run_hf.py, run_vllm.py, run_llamacpp.py) shares. Runners execute in
+"""What every peer runner (run_hf.py, run_vllm.py, run_llamacpp.py, run_ort.py, run_openvino.py) shares. Runners execute in
 their peer's own venv (``python bench/peers/run_X.py ...``), where kvmesh is not installed, so
 this module uses the standard library only.
 
@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -133,6 +134,27 @@ def throughput_row(batch_size: int, rows: list[dict], wall: float, output_tokens
     return {"batch_size": batch_size, "requests": len(rows),
             "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in rows),
             "output_tokens": output_tokens, "wall_s": wall, "output_tok_s": output_tokens / wall, **extra}
+
+
+CHILD_RESULT = "RESULT "      # the prefix of the line a runner's child process reports on
+
+
+def child_report(result: dict) -> None:
+    """In a runner's child process (one engine per batch size: run_vllm.py, run_openvino.py):
+    print ``result`` as the line :func:`run_child` reads."""
+    print(CHILD_RESULT + json.dumps(result), flush=True)
+
+
+def run_child(cmd: list[str], label: str) -> dict | None:
+    """Run a runner's child process (``cmd``, stdout captured, stderr passed through) and return
+    the JSON of its last :func:`child_report` line; None, with ``label: child failed`` on stderr,
+    when it exits non-zero or reports nothing."""
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith(CHILD_RESULT)), None)
+    if res.returncode != 0 or line is None:
+        print(f"{label}: child failed (exit {res.returncode})", file=sys.stderr)
+        return None
+    return json.loads(line[len(CHILD_RESULT):])
 
 
 def emit(result: dict, out: str | None) -> None:
