@@ -1,6 +1,6 @@
 """What every peer runner (run_hf.py, run_vllm.py, run_llamacpp.py, run_ort.py, run_openvino.py)
-shares. Runners execute in their peer's own venv (``python bench/peers/run_X.py ...``), where kvmesh is not installed, so
-this module uses the standard library only.
+shares. Runners execute in their peer's own venv (``python bench/peers/run_X.py ...``), where
+kvmesh is not installed, so this module uses the standard library only.
 
 Input: the prompts file written by :mod:`bench.peers.compare`, JSONL, one request a line::
 
