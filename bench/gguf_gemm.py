@@ -9,16 +9,17 @@ cache between matrices), and times
 - one pass over the chain at each ``--m`` (rows of x; M = 1 is a decode step's projections), in
   ms, with the panel bytes read per second beside the read bandwidth measured in the same run
   (``bench.machine.read_bandwidth``): M = 1 is bound by memory;
-- one Q4_K gate_up and one Q6_K down matrix at ``--m-compute`` rows on one thread (the
-  compute-bound prefill case), in GMAC/s.
+- one Q4_K gate_up and one Q6_K down matrix, and SmolLM2-135M's Q4_1 gate_up (3072x576: the
+  flat scheme), at ``--m-compute`` rows on one thread (the compute-bound prefill case), in GMAC/s.
 
 Each figure is the median (chain) or best (one matrix) of ``--runs`` timed runs after a
-warm-up. The kernel path is the active level's (``KVMESH_KERNEL_ISA``, read when the kernels
-load; printed).
+warm-up. The kernel path is the active level's: the CPU's best, or ``--isa`` (e.g.
+``avx512bf16`` on a Xeon with AMX: the avx512vnni path a Zen 4 runs); printed. x is float32, or
+``--x-dtype bfloat16`` (the engine's activations where the CPU has AVX512-BF16).
 
 Usage::
 
-    python -m bench.gguf_gemm [--m 1 8 64] [--m-compute 64] [--runs 6] [--out gguf_gemm.json]
+    python -m bench.gguf_gemm [--m 1 8 64] [--m-compute 64] [--runs 6] [--isa auto] [--x-dtype float32] [--out gguf_gemm.json]
 """
 
 from __future__ import annotations
@@ -34,8 +35,14 @@ LAYERS = 28
 SHAPES = [(2048, 1536, 4, 32), (1536, 1536, 4, 32), (17920, 1536, 4, 32), (1536, 8960, 6, 16)]   # N, K, bits, G
 
 
-def _matrix(n: int, k: int, bits: int, G: int, gen: torch.Generator):
+def _matrix(n: int, k: int, bits: int, G: int, gen: torch.Generator, flat: bool = False):
     from workers.kernels import gemm
+    if flat:            # Q4_1: w = s q + z per group of 32, s and z float16
+        q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+        s = torch.rand(n, k // G, generator=gen) * 0.02
+        z = -s * torch.randint(0, 2 ** bits, (n, k // G), generator=gen)
+        return (gemm.pack_gguf_qweight(q, bits), gemm.pack_gguf_scales(s.half().float(), z.half().float(), torch.float16),
+                None, bits, G, n, k)
     q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
     sc = torch.randint(-63, 64, (n, k // G), generator=gen, dtype=torch.int8)
     m = torch.randint(0, 64, (n, k // G), generator=gen, dtype=torch.int8)
@@ -64,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--m-compute", type=int, default=64)
     ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--isa", default="auto", help="kernel level: auto, scalar, avx2, avx512, avx512bf16, amx")
+    ap.add_argument("--x-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench.machine import cpu_model, read_bandwidth
@@ -71,6 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     from workers.kernels import gemm
     if not gemm.gguf_available():
         raise SystemExit("the native kernels are not built here")
+    kernels.set_isa(args.isa)
+    xdt = getattr(torch, args.x_dtype)
     gen = torch.Generator().manual_seed(0)
     chain = [_matrix(*s, gen) for _ in range(LAYERS) for s in SHAPES]
     # on 2 MiB pages, as the model's (workers.layers.linear.gguf_to_huge_pages)
@@ -79,12 +90,12 @@ def main(argv: list[str] | None = None) -> dict:
     chain = [(next(moved), next(moved), next(moved)) + m[3:] for m in chain]
     nbytes = sum(_bytes(m) for m in chain)
     bw = read_bandwidth()
-    res = {"cpu": cpu_model(), "path": kernels.path("gguf_linear"), "threads": torch.get_num_threads(),
+    res = {"cpu": cpu_model(), "path": kernels.path("gguf_linear"), "x_dtype": args.x_dtype, "threads": torch.get_num_threads(),
            "bandwidth_bytes_per_s": bw, "chain_bytes": nbytes, "chain": [], "compute": []}
-    print(f"# CPU: {res['cpu']}; gguf_linear path {res['path']}; {res['threads']} threads; read bandwidth "
+    print(f"# CPU: {res['cpu']}; gguf_linear path {res['path']}; x {args.x_dtype}; {res['threads']} threads; read bandwidth "
           f"{bw / 1e9:.1f} GB/s; chain {nbytes / 1e6:.0f} MB")
     for M in args.m:
-        xs = {k: torch.randn(M, k, generator=gen) for k in {s[1] for s in SHAPES}}
+        xs = {k: torch.randn(M, k, generator=gen).to(xdt) for k in {s[1] for s in SHAPES}}
         times = []
         for i in range(args.runs + 1):
             t = time.perf_counter()
@@ -100,9 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name, shape in (("Q4_K gate_up 17920x1536", SHAPES[2]), ("Q6_K down 1536x8960", SHAPES[3])):
-            mat = _matrix(*shape, gen)
-            x = torch.randn(args.m_compute, shape[1], generator=gen)
+        for name, shape, flat in (("Q4_K gate_up 17920x1536", SHAPES[2], False), ("Q6_K down 1536x8960", SHAPES[3], False),
+                                  ("Q4_1 gate_up 3072x576", (3072, 576, 4, 32), True)):
+            mat = _matrix(*shape, gen, flat=flat)
+            x = torch.randn(args.m_compute, shape[1], generator=gen).to(xdt)
             _run(mat, x)
             best = float("inf")
             for _ in range(args.runs):

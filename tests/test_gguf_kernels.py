@@ -2,8 +2,8 @@
 (:func:`workers.kernels.reference.gguf_linear_ref`), on every path this CPU has (amx,
 avx512vnni, avx2, scalar: each level this CPU has forced with ``workers.kernels.set_isa``, and
 checked to run its own path, ``kernels.path("gguf_linear")``): both scale schemes, 4-, 6- and
-8-bit lanes, groups of 16 and 32, N not a multiple of 16, row counts across the 4-row register
-blocks, the 16-row AMX tiles and the 64-row cache blocks, float32 and bfloat16 x. The amx path
+8-bit lanes, groups of 16 and 32, N not a multiple of 16, row counts across the 4- and 8-row
+register blocks, the 16-row AMX tiles and the 64-row cache blocks, float32 and bfloat16 x. The amx path
 must give the avx512vnni path's outputs bit for bit (the same integers, the same float steps). The reference itself is checked against a plain
 dequantize-then-matmul, so it cannot drift from the weights' meaning.
 
@@ -83,7 +83,10 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, set_level
     gen = torch.Generator().manual_seed(k)
     for level in _levels():
         assert set_level(level) == level and kernels.path("gguf_linear") == PATHS[level]
-        for m in (1, 3, 5, 8, 9, 17, 130):        # 5, 9 = 4 + 5, 17 = 3 x 4 + 5: avx512vnni's block of 5
+        # register blocks and their tails: avx2's and scalar's of 4, avx512vnni's of 8 (9 = 8 + 1,
+        # 15 = 8 + 7); avx512vnni's 6-bit panels expanded per cache block of 16 rows or more (17,
+        # 130 = 64 + 64 + 2: the last block of 2 unpacked in registers)
+        for m in (1, 3, 5, 8, 9, 15, 17, 130):
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
                 x[0, 32:64] = 0                              # an all-zero block
@@ -104,23 +107,23 @@ def test_kernel_matches_reference_on_every_path(bits, G, scheme, n, k, set_level
 @pytest.mark.parametrize("bits,G,scheme", [(4, 32, "flat"), (6, 32, "flat"), (8, 32, "flat"), (4, 32, "k"), (6, 16, "k"),
                                            (8, 16, "k"), (4, 16, "k"), (6, 16, "k-sym"), (8, 32, "k-sym")], ids=str)
 def test_amx_path_equals_the_vnni_path_bitwise(bits, G, scheme, set_level):
-    """From 16 rows the amx path multiplies in AMX-INT8 tiles (rows padded to 16, k-quant m xsum
-    as a tile product; float32 x, and bfloat16 x below 32 rows); its outputs are the avx512vnni
-    path's, bit for bit, below and above the 16-row threshold, with row tails, bias and both
-    output dtypes."""
+    """From 32 rows the amx path multiplies float32 x in AMX-INT8 tiles (rows padded to 16, k-quant
+    m xsum as a tile product; bfloat16 x takes the AMX-BF16 route from 32 rows and avx512vnni's
+    below); its outputs are the avx512vnni path's, bit for bit, below and above the 32-row
+    threshold, with row tails, bias and both output dtypes."""
     if "amx" not in _levels():
         pytest.skip("this CPU has no AMX")
     n, k = 56, 1024 if G == 32 else 512
     q, scales, supers = _weights(n, k, bits, G, scheme, seed=7 * bits + G)
     qw = gemm.pack_gguf_qweight(q, bits)
     gen = torch.Generator().manual_seed(bits + G)
-    for m in (15, 16, 17, 31, 33, 200):
+    for m in (15, 31, 32, 33, 47, 200):
         for dtype in (torch.float32, torch.bfloat16):
             if dtype == torch.bfloat16 and m >= 32:
                 continue                                   # the bfloat16 route (next test)
             x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
             x[m // 2, :256] = 0                            # all-zero blocks and a whole zero super-block
-            bias = torch.randn(n, generator=gen) if m == 17 else None
+            bias = torch.randn(n, generator=gen) if m == 33 else None
             out = {}
             for level in ("amx", "avx512"):
                 set_level(level)

@@ -283,7 +283,7 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, su
             names the argument).
 
     Path (:func:`workers.kernels.paths`, by the active level): ``amx`` (bfloat16 x of 32 rows or
-    more: the panels dequantized to bfloat16 and AMX-BF16 tiles; other x of 16 rows or more:
+    more: the panels dequantized to bfloat16 and AMX-BF16 tiles; float32 x of 32 rows or more:
     AMX-INT8 tiles; fewer rows: avx512vnni's), ``avx512vnni`` at avx512 and avx512bf16 (and at
     amx on a CPU without AMX-INT8), ``avx2`` (also at avx512 on a CPU without AVX512-VNNI),
     ``scalar``.

@@ -25,11 +25,11 @@
 //   y[n] = sum_g dx * (s isum + z xsum).
 // Paths (chosen per call from the active level, isa.h; gguf_path): amx
 // (bfloat16 x of 32 rows or more -- the compute-bound prefill --: the panels dequantized to
-// bfloat16 and AMX-BF16 tiles, no activation quantization; other x of 16 rows or more: AMX-INT8
+// bfloat16 and AMX-BF16 tiles, no activation quantization; float32 x of 32 rows or more: AMX-INT8
 // tiles, bitwise the avx512vnni path's outputs; fewer rows: avx512vnni), avx512vnni (vpdpbusd), avx2 (vpmaddubsw: 4-bit lanes as they are; 8-bit lanes as the signed
 // q - 128 with the sign moved onto x, exact, and 128 * xsum added back), scalar. Threads split
-// the panels; rows go in blocks of 64 (their int8 x stays in L2 across a thread's panels), 4
-// rows at a time per panel (each weight load feeds 4 rows).
+// the panels; rows go in blocks of 64 (their int8 x stays in L2 across a thread's panels), 8
+// (avx512vnni) or 4 rows at a time per panel (each weight load feeds them all).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -57,9 +57,12 @@
 namespace kvmesh_gemm {
 namespace {
 
-constexpr int kMR = 4;      // rows per register block (avx512vnni: a block of 5 instead of 4 + 1, below)
+constexpr int kMR = 4;      // rows per register block (scalar, avx2)
+constexpr int kMRVnni = 8;  // rows per register block on avx512vnni (one int32 chain per row from 5 rows)
+constexpr int64_t kVnniExpandRows = 16;   // avx512vnni: from these rows per cache block, 6-bit panels expanded to 8-bit lanes
 constexpr int64_t kMC = 64;  // rows per cache block
-constexpr int64_t kAmxMinRows = 16;   // the amx path's tiles from 16 rows; fewer take avx512vnni
+constexpr int64_t kAmxMinRows = 32;   // the amx path's int8 tiles from 32 rows; fewer take avx512vnni
+                                      // (faster below 32 rows since its 8-row blocks: docs/engine.md)
 
 // Chunk geometry per lane width: k per chunk and bytes per chunk.
 constexpr int chunk_k(int bits) { return bits == 8 ? 4 : 8; }
@@ -86,6 +89,9 @@ struct GgufProblem {
   const float* dx;        // [M, K / QB]: the activations' scale per block of QB
   int64_t QB;             // 32 (flat scheme) or the super-block (k-quant scheme)
   const int32_t* xs16;    // [M, K / 16] sums of xq over 16
+  const float* dxs;       // flat scheme: [M, K / G] dx * xsum per group (float32, the scaling's own product); else nullptr
+  const int32_t* xsp;     // k-quant: [M, K / G / 2] the sums of xq over groups 2j and 2j + 1 as an int16 pair
+                          // (|sum| <= 32 x 127), vpdpwssd's operand; else nullptr
   int64_t M, K;
   const uint8_t* qw;      // [P, K * bits / 8 * 16]
   const void* scales;     // flat: uint16 (half bits) [P, K/G, 2, 16]; k: int8 [P, K/G, S, 16]
@@ -268,75 +274,98 @@ static inline __attribute__((always_inline)) void chunk_operands(const uint8_t* 
   }
 }
 
-// acc[r][0] + acc[r][1] = the integer dot products q . xq of one group (G values of k) for rows
-// r < MR and the panel's 16 columns (int32; two chains per row for vpdpbusd's latency). q is
-// unsigned (u8 operand), xq signed: exact for every lane width.
-template <int MR, int BITS, int G>
+// acc[r][0] (+ acc[r][1]) = the integer dot products q . xq of one group (G values of k) for rows
+// r < MR and the panel's 16 columns (int32). NC chains per row: 2 for blocks of up to 4 rows (for
+// vpdpbusd's latency), 1 from 5 rows (as many independent chains as rows). q is unsigned (u8
+// operand), xq signed: exact for every lane width.
+template <int MR, int NC, int BITS, int G>
 static inline __attribute__((always_inline)) void group_dots_vnni(const uint8_t* pg, const int32_t* const* xq4,
-                                                                  int64_t q0, __m512i (&acc)[MR][2]) {
+                                                                  int64_t q0, __m512i (&acc)[MR][NC]) {
   constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);    // chunks per group, bytes each
   prefetch_ahead<kChunks * kCB>(pg);
-#pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 2
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 8
   for (int c = 0; c < kChunks; ++c) {
     if constexpr (BITS == 4 || BITS == 6) {
       __m512i w0, w1;
       chunk_operands<BITS>(pg + c * kCB, w0, w1);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xq4[r][q0 + 2 * c]));
-        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, _mm512_set1_epi32(xq4[r][q0 + 2 * c + 1]));
+        acc[r][NC - 1] = _mm512_dpbusd_epi32(acc[r][NC - 1], w1, _mm512_set1_epi32(xq4[r][q0 + 2 * c + 1]));
       }
     } else {
       const __m512i v = _mm512_loadu_si512(pg + c * kCB);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
-        acc[r][c & 1] = _mm512_dpbusd_epi32(acc[r][c & 1], v, _mm512_set1_epi32(xq4[r][q0 + c]));
+        acc[r][c % NC] = _mm512_dpbusd_epi32(acc[r][c % NC], v, _mm512_set1_epi32(xq4[r][q0 + c]));
     }
   }
 }
 
-// rows [m0, m0 + MR) against panel p, BITS, G and the scheme (KQ: k-quant) fixed. Flat: every
-// group scaled in float32 (s, z of float16). k-quant: a super-block's groups summed in integers
-// (sc isum, m xsum; |.| < 2^30) and scaled once per super-block by dx d and dx dmin (one
-// activation scale per super-block). No division in the loops: row pointers are set up once,
-// super-blocks and their groups are nested loops (as the avx2 path).
+// A group's isum of row r: its chains added (exact)
+template <int MR, int NC>
+static inline __attribute__((always_inline)) __m512i group_isum(const __m512i (&acc)[MR][NC], int r) {
+  if constexpr (NC == 1) return acc[r][0];
+  return _mm512_add_epi32(acc[r][0], acc[r][1]);
+}
+
+// The k-quant m of groups g and g + 1 (int8, 16 columns each at sm and sm + st) as 16 int16
+// pairs (m_g[n], m_g+1[n]) in column n's 32-bit lane: vpdpwssd's operand against the rows'
+// (xsum_g, xsum_g+1) pairs (GgufProblem::xsp).
+static inline __attribute__((always_inline)) __m512i m_pairs(const int8_t* sm, int64_t st) {
+  const __m128i a = _mm_loadu_si128((const __m128i*)sm), b = _mm_loadu_si128((const __m128i*)(sm + st));
+  return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+}
+
+// rows [m0, m0 + MR) against panel p (its lanes at `panel`: pb.qw's own, or expanded to 8-bit
+// lanes, BITS = 8), BITS, G and the scheme (KQ: k-quant) fixed. Flat: every
+// group scaled in float32 (s, z of float16; dx xsum from GgufProblem::dxs). k-quant: a
+// super-block's groups summed in integers (sc isum by vpmulld; m xsum by vpdpwssd, two groups per
+// instruction; |.| < 2^30) and scaled once per super-block by dx d and dx dmin (one activation
+// scale per super-block). No division in the loops: row pointers are set up once, super-blocks
+// and their groups are nested loops (as the avx2 path).
 template <int MR, int BITS, int G, bool KQ>
-static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
-  const int64_t K = pb.K, ng = K / G, pbytes = K * BITS * 2;
-  const uint8_t* panel = pb.qw + p * pbytes;
+static void panel_rows_vnni(const GgufProblem& pb, const uint8_t* panel, int64_t p, int64_t m0) {
+  constexpr int NC = MR > 4 ? 1 : 2;
+  const int64_t K = pb.K, ng = K / G;
   const RowPointers<MR> rows(pb, m0);
-  const auto &xq4 = rows.xq4, &dxr = rows.dx, &xsr = rows.xs16;
+  const auto &xq4 = rows.xq4, &dxr = rows.dx;
   __m512 out[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
   constexpr int64_t kGroupBytes = G / chunk_k(BITS) * chunk_bytes(BITS);
   if constexpr (KQ) {
-    const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;
+    const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;      // per_sb is even (SB % 32 == 0, G <= 16 or 32)
     auto [st, mo, sm, dd] = KScales(pb, p);
+    const int32_t* xsp[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) xsp[r] = pb.xsp + (m0 + r) * (ng / 2);
     const uint8_t* pg = panel;
     int64_t g = 0;
     for (int64_t sb = 0; sb < nsb; ++sb, dd += st) {
       __m512i ks[MR], km[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) ks[r] = km[r] = _mm512_setzero_si512();
       for (int64_t j = 0; j < per_sb; ++j, ++g, sm += st, pg += kGroupBytes) {
-        __m512i acc[MR][2];
-        group_dots_vnni<MR, BITS, G>(pg, xq4, g * (G / 4), acc);
+        __m512i acc[MR][NC];
+        group_dots_vnni<MR, NC, BITS, G>(pg, xq4, g * (G / 4), acc);
         const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm));
-        const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sm + mo)));
-#pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) {
-          const int32_t xsum = group_xsum<G>(xsr[r], g);
-          ks[r] = _mm512_add_epi32(ks[r], _mm512_mullo_epi32(_mm512_add_epi32(acc[r][0], acc[r][1]), sc));
-          km[r] = _mm512_add_epi32(km[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(xsum)));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) ks[r] = _mm512_add_epi32(ks[r], _mm512_mullo_epi32(group_isum(acc, r), sc));
+        if (j % 2 == 1) {
+          const __m512i mp = m_pairs(sm - st + mo, st);
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) km[r] = _mm512_dpwssd_epi32(km[r], mp, _mm512_set1_epi32(xsp[r][g / 2]));
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dd));
       const __m512 dmin = pb.S == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dd + 16)))
                                     : _mm512_mul_ps(d, _mm512_set1_ps(32.f));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512 dx = _mm512_set1_ps(dxr[r][sb]);
         out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ks[r]), _mm512_mul_ps(d, dx), out[r]);
@@ -346,43 +375,82 @@ static void panel_rows_vnni(const GgufProblem& pb, int64_t p, int64_t m0) {
   } else {
     // flat: the activations' blocks are 32 values (QB), G = 16 or 32
     const uint16_t* hs = (const uint16_t*)pb.scales + p * ng * 32;
+    const float* dxs[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) dxs[r] = pb.dxs + (m0 + r) * ng;
     const uint8_t* pg = panel;
     for (int64_t g = 0; g < ng; ++g, hs += 32, pg += kGroupBytes) {
-      __m512i acc[MR][2];
-      group_dots_vnni<MR, BITS, G>(pg, xq4, g * (G / 4), acc);
+      __m512i acc[MR][NC];
+      group_dots_vnni<MR, NC, BITS, G>(pg, xq4, g * (G / 4), acc);
       const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)hs));
       const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(hs + 16)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        const float dx = dxr[r][g * G / 32];
-        const int32_t xsum = group_xsum<G>(xsr[r], g);
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1]));
-        out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dx), out[r]);
-        out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dx * (float)xsum), out[r]);
+        const __m512 isum = _mm512_cvtepi32_ps(group_isum(acc, r));
+        out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dxr[r][g * G / 32]), out[r]);
+        out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[r][g]), out[r]);
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) store_row_avx512(pb, m0 + r, p, out[r]);
 }
 
-template <int BITS, int G>
-static void panel_vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
-  const bool kq = pb.supers != nullptr;
+template <int BITS, int G, bool KQ>
+static void panel_vnni_scheme(const GgufProblem& pb, const uint8_t* panel, int64_t p, int64_t m0, int mr) {
   switch (mr) {
-    case 5: return kq ? panel_rows_vnni<5, BITS, G, true>(pb, p, m0) : panel_rows_vnni<5, BITS, G, false>(pb, p, m0);
-    case 4: return kq ? panel_rows_vnni<4, BITS, G, true>(pb, p, m0) : panel_rows_vnni<4, BITS, G, false>(pb, p, m0);
-    case 3: return kq ? panel_rows_vnni<3, BITS, G, true>(pb, p, m0) : panel_rows_vnni<3, BITS, G, false>(pb, p, m0);
-    case 2: return kq ? panel_rows_vnni<2, BITS, G, true>(pb, p, m0) : panel_rows_vnni<2, BITS, G, false>(pb, p, m0);
-    default: return kq ? panel_rows_vnni<1, BITS, G, true>(pb, p, m0) : panel_rows_vnni<1, BITS, G, false>(pb, p, m0);
+    case 8: return panel_rows_vnni<8, BITS, G, KQ>(pb, panel, p, m0);
+    case 7: return panel_rows_vnni<7, BITS, G, KQ>(pb, panel, p, m0);
+    case 6: return panel_rows_vnni<6, BITS, G, KQ>(pb, panel, p, m0);
+    case 5: return panel_rows_vnni<5, BITS, G, KQ>(pb, panel, p, m0);
+    case 4: return panel_rows_vnni<4, BITS, G, KQ>(pb, panel, p, m0);
+    case 3: return panel_rows_vnni<3, BITS, G, KQ>(pb, panel, p, m0);
+    case 2: return panel_rows_vnni<2, BITS, G, KQ>(pb, panel, p, m0);
+    default: return panel_rows_vnni<1, BITS, G, KQ>(pb, panel, p, m0);
   }
 }
 
-static void panel_rows_avx512vnni(const GgufProblem& pb, int64_t p, int64_t m0, int mr) {
-  if (pb.bits == 4) return pb.G == 32 ? panel_vnni<4, 32>(pb, p, m0, mr) : panel_vnni<4, 16>(pb, p, m0, mr);
-  if (pb.bits == 6) return pb.G == 32 ? panel_vnni<6, 32>(pb, p, m0, mr) : panel_vnni<6, 16>(pb, p, m0, mr);
-  return pb.G == 32 ? panel_vnni<8, 32>(pb, p, m0, mr) : panel_vnni<8, 16>(pb, p, m0, mr);
+template <int BITS, int G>
+static void panel_vnni(const GgufProblem& pb, const uint8_t* panel, int64_t p, int64_t m0, int mr) {
+  return pb.supers != nullptr ? panel_vnni_scheme<BITS, G, true>(pb, panel, p, m0, mr)
+                              : panel_vnni_scheme<BITS, G, false>(pb, panel, p, m0, mr);
 }
+
+// The panel's 4- or 6-bit chunks as 8-bit lanes (the bits-8 layout, 64-byte chunks of 4 k): row
+// 2c holds k 8c..8c+3 of the 16 columns, row 2c + 1 k 8c+4..8c+7 (the w0, w1 of group_dots_vnni).
+// Also AMX-INT8's B tile rows. out: K * 16 bytes, 64-byte aligned.
+template <int BITS>
+static void expand_panel_u8(const uint8_t* panel, int64_t K, uint8_t* out) {
+  for (int64_t c = 0; c < K / 8; ++c) {
+    __m512i w0, w1;
+    chunk_operands<BITS>(panel + c * chunk_bytes(BITS), w0, w1);
+    _mm512_store_si512(out + c * 128, w0);
+    _mm512_store_si512(out + c * 128 + 64, w1);
+  }
+}
+
+// rows [m0, m0 + mr) against panel p, its lanes at `panel`, `lanes` bits wide (pb.bits, or 8 when
+// expanded by expand_panel_u8)
+static void panel_rows_avx512vnni(const GgufProblem& pb, const uint8_t* panel, int lanes, int64_t p, int64_t m0, int mr) {
+  if (lanes == 4) return pb.G == 32 ? panel_vnni<4, 32>(pb, panel, p, m0, mr) : panel_vnni<4, 16>(pb, panel, p, m0, mr);
+  if (lanes == 6) return pb.G == 32 ? panel_vnni<6, 32>(pb, panel, p, m0, mr) : panel_vnni<6, 16>(pb, panel, p, m0, mr);
+  return pb.G == 32 ? panel_vnni<8, 32>(pb, panel, p, m0, mr) : panel_vnni<8, 16>(pb, panel, p, m0, mr);
+}
+// A row's per-group operands of the avx512vnni path from its quantized x: flat, dxs[g] = dx of
+// the group's block * xsum (the float32 product the scaling uses); k-quant, xsp[j] = the int16
+// pair (xsum of group 2j, of group 2j + 1). xs16: [K / 16]; dx: [K / 32] (flat).
+static void group_operands(const int32_t* xs16, const float* dx, int64_t K, int64_t G, bool kq, float* dxs,
+                           int32_t* xsp) {
+  const int64_t ng = K / G;
+  auto xsum = [&](int64_t g) { return G == 32 ? xs16[2 * g] + xs16[2 * g + 1] : xs16[g]; };
+  if (kq) {
+    for (int64_t j = 0; j < ng / 2; ++j)
+      xsp[j] = (int32_t)(((uint32_t)(uint16_t)(int16_t)xsum(2 * j)) | ((uint32_t)(uint16_t)(int16_t)xsum(2 * j + 1) << 16));
+  } else {
+    for (int64_t g = 0; g < ng; ++g) dxs[g] = dx[g * G / 32] * (float)xsum(g);
+  }
+}
+
 static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 static inline __m512 load16(const uint16_t* x) { return kvmesh::bf16x16_f32(x); }
 
@@ -446,18 +514,6 @@ struct AmxScratch {
   alignas(64) int32_t km[16][16];
   alignas(64) float out[16][16];
 };
-
-// The panel's chunks (BITS 4 or 6) as B tile rows: row 2c holds k 8c..8c+3 of the 16 columns,
-// row 2c + 1 k 8c+4..8c+7 (the w0, w1 of group_dots_vnni).
-template <int BITS>
-static void amx_expand_panel(const uint8_t* panel, int64_t K, uint8_t* bt) {
-  for (int64_t c = 0; c < K / 8; ++c) {
-    __m512i w0, w1;
-    chunk_operands<BITS>(panel + c * chunk_bytes(BITS), w0, w1);
-    _mm512_store_si512(bt + c * 128, w0);
-    _mm512_store_si512(bt + c * 128 + 64, w1);
-  }
-}
 
 // The k-quant m of every k as B tile rows of 16 columns x 4 k: the group's m (int8) in every
 // byte of its column's lane, G / 4 identical rows per group.
@@ -573,8 +629,8 @@ static void amx_panels(const GgufProblem& pb, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = pb.qw + p * K * pb.bits * 2;
       const uint8_t* bt = panel;           // 8-bit lanes: the panel is the B layout
-      if (pb.bits == 4) amx_expand_panel<4>(panel, K, bt0), bt = bt0;
-      if (pb.bits == 6) amx_expand_panel<6>(panel, K, bt0), bt = bt0;
+      if (pb.bits == 4) expand_panel_u8<4>(panel, K, bt0), bt = bt0;
+      if (pb.bits == 6) expand_panel_u8<6>(panel, K, bt0), bt = bt0;
       if (kq) amx_expand_m(pb, p, bm);
       for (int64_t m = mb; m < std::min(Mp, mb + mc); m += 16) {
         if (pb.G == 32) kq ? amx_row_block<32, true>(pb, p, m, bt, bm, sc) : amx_row_block<32, false>(pb, p, m, bt, bm, sc);
@@ -967,7 +1023,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       xb = at::zeros({(M + 15) / 16 * 16, K}, xc.options());
       xb.narrow(0, 0, M).copy_(xc);
     }
-    const GgufProblem pb{nullptr, nullptr, 0, nullptr, M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
+    const GgufProblem pb{nullptr, nullptr, 0, nullptr, nullptr, nullptr, M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
                          kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB,
                          y.data_ptr(), true, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
     const uint16_t* xp = (const uint16_t*)xb.data_ptr<at::BFloat16>();
@@ -975,13 +1031,18 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
     return n == P * 16 ? y : y.narrow(1, 0, n);
   }
 #endif
-  // AMX-INT8: 16 rows or more, and (k-quant) super-blocks of whole 64-k A tiles and <= 16 groups
+  // AMX-INT8: kAmxMinRows rows or more, and (k-quant) super-blocks of whole 64-k A tiles and <= 16 groups
   const bool amx = path == Path::kAmx && M >= kAmxMinRows && (!kq || (SB % 64 == 0 && SB / G <= 16));
   if (path == Path::kAmx && !amx) path = Path::kAvx512Vnni;
   const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;     // AMX tiles read 16 rows: zero rows past M
   std::vector<int8_t> xq(Mp * K);
   std::vector<float> dx(Mp * (K / QB));
   std::vector<int32_t> xs16(Mp * (K / 16));
+  // avx512vnni's per-group operands (GgufProblem::dxs, xsp), from each row's dx and xs16
+  const int64_t ng = K / G;
+  const bool vnni = path == Path::kAvx512Vnni;
+  std::vector<float> dxs(vnni && !kq ? M * ng : 0);
+  std::vector<int32_t> xsp(vnni && kq ? M * (ng / 2) : 0);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(bf16 ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
@@ -992,6 +1053,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       if (path == Path::kAvx512Vnni || path == Path::kAmx) {
         if (bf16) quantize_rows_avx512((const uint16_t*)xc.data_ptr<at::BFloat16>() + m * K, K, QB, q, d, s16);
         else quantize_rows_avx512(xc.data_ptr<float>() + m * K, K, QB, q, d, s16);
+        if (vnni) group_operands(s16, d, K, G, kq, dxs.data() + (kq ? 0 : m * ng), xsp.data() + (kq ? m * (ng / 2) : 0));
         continue;
       }
       if (path == Path::kAvx2) {
@@ -1009,7 +1071,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       }
     }
   });
-  GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
+  GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), kq ? nullptr : dxs.data(), kq ? xsp.data() : nullptr, M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
                  kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16,
                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
 #if defined(__x86_64__)
@@ -1018,22 +1080,44 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
     return n == P * 16 ? y : y.narrow(1, 0, n);
   }
 #endif
+#if defined(__x86_64__)
+  // avx512vnni: rows in register blocks of kMRVnni, a cache block's last rows as one block (so that
+  // a speculative verify pass of 1 + 4 tokens unpacks each weight chunk once: docs/engine.md,
+  // "Kernel constants and the measurements behind them"); a cache block of kVnniExpandRows rows or
+  // more reads each 6-bit panel expanded to 8-bit lanes once (expand_panel_u8), its register
+  // blocks then load their operands with no unpacking (4-bit lanes: their unpacking, 3 instructions
+  // per 16 vpdpbusd, measured no slower than the expanded panel's loads).
+  if (vnni) {
+    at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
+      std::vector<uint8_t> buf(pb.bits == 6 ? K * 16 + 64 : 0);
+      uint8_t* u8 = (uint8_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
+      for (int64_t mb = 0; mb < M; mb += kMC) {
+        const int64_t me = std::min(M, mb + kMC);
+        const bool expand = pb.bits == 6 && me - mb >= kVnniExpandRows;
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint8_t* panel = pb.qw + p * K * pb.bits * 2;
+          if (expand) expand_panel_u8<6>(panel, K, u8);
+          for (int64_t m = mb, mr; m < me; m += mr) {
+            mr = std::min<int64_t>(kMRVnni, me - m);
+            panel_rows_avx512vnni(pb, expand ? u8 : panel, expand ? 8 : pb.bits, p, m, (int)mr);
+          }
+        }
+      }
+    });
+    return n == P * 16 ? y : y.narrow(1, 0, n);
+  }
+#endif
   auto* fn = &panel_rows_scalar;
 #if defined(__x86_64__)
-  if (path == Path::kAvx512Vnni) fn = &panel_rows_avx512vnni;
-  else if (path == Path::kAvx2) fn = &panel_rows_avx2_any;
+  if (path == Path::kAvx2) fn = &panel_rows_avx2_any;
 #endif
-  // Rows in register blocks of kMR; on avx512vnni a cache block's last 5 rows go as one block of 5
-  // (25 accumulators still fit the 32 zmm registers): a speculative verify pass of 1 + 4 tokens
-  // then unpacks each weight chunk once instead of twice (docs/engine.md, "Kernel constants and
-  // the measurements behind them").
-  const int64_t five = path == Path::kAvx512Vnni ? kMR + 1 : 0;
+  // Rows in register blocks of kMR
   at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
     for (int64_t mb = 0; mb < M; mb += kMC) {
       const int64_t me = std::min(M, mb + kMC);
       for (int64_t p = p0; p < p1; ++p)
         for (int64_t m = mb, mr; m < me; m += mr) {
-          mr = me - m == five ? five : std::min<int64_t>(kMR, me - m);
+          mr = std::min<int64_t>(kMR, me - m);
           fn(pb, p, m, (int)mr);
         }
     }
