@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -61,6 +62,7 @@ constexpr int kMR = 4;      // rows per register block (scalar, avx2)
 constexpr int kMRVnni = 8;  // rows per register block on avx512vnni (one int32 chain per row from 5 rows)
 constexpr int64_t kVnniExpandRows = 16;   // avx512vnni: from these rows per cache block, 6-bit panels expanded to 8-bit lanes
 constexpr int64_t kMC = 64;  // rows per cache block
+static_assert(kMC % kMRVnni == 0, "avx512vnni's register blocks tile the cache blocks (vnni_block)");
 constexpr int64_t kAmxMinRows = 32;   // the amx path's int8 tiles from 32 rows; fewer take avx512vnni
                                       // (faster below 32 rows since its 8-row blocks: docs/engine.md)
 
@@ -88,10 +90,14 @@ struct GgufProblem {
   const int8_t* xq;       // [M, K]
   const float* dx;        // [M, K / QB]: the activations' scale per block of QB
   int64_t QB;             // 32 (flat scheme) or the super-block (k-quant scheme)
-  const int32_t* xs16;    // [M, K / 16] sums of xq over 16
-  const float* dxs;       // flat scheme: [M, K / G] dx * xsum per group (float32, the scaling's own product); else nullptr
-  const int32_t* xsp;     // k-quant: [M, K / G / 2] the sums of xq over groups 2j and 2j + 1 as an int16 pair
-                          // (|sum| <= 32 x 127), vpdpwssd's operand; else nullptr
+  const int32_t* xs16;    // [M, K / 16] sums of xq over 16 (not on avx512vnni)
+  const float* dxs;       // avx512vnni, flat scheme: [M, K / G] dx * xsum per group (float32, the scaling's own product)
+  const int32_t* xsp;     // avx512vnni, k-quant: [M, K / G / 2] the sums of xq over groups 2j and 2j + 1 as an int16
+                          // pair (|sum| <= 32 x 127), vpdpwssd's operand
+  // On avx512vnni xq, dx, dxs and xsp are interleaved per register block (vnni_block): the block of
+  // rows [m0, m0 + mr) holds, from row m0's offset, each column (xq: 4-byte quad of k) for its mr
+  // rows in turn, so that a register block reads every row's operand at a constant offset from one
+  // pointer (vpdpbusd's embedded broadcast, no row pointers).
   int64_t M, K;
   const uint8_t* qw;      // [P, K * bits / 8 * 16]
   const void* scales;     // flat: uint16 (half bits) [P, K/G, 2, 16]; k: int8 [P, K/G, S, 16]
@@ -275,12 +281,12 @@ static inline __attribute__((always_inline)) void chunk_operands(const uint8_t* 
 }
 
 // acc[r][0] (+ acc[r][1]) = the integer dot products q . xq of one group (G values of k) for rows
-// r < MR and the panel's 16 columns (int32). NC chains per row: 2 for blocks of up to 4 rows (for
+// r < MR and the panel's 16 columns (int32); xi: the group's int8 x quads, interleaved [G / 4][MR]. NC chains per row: 2 for blocks of up to 4 rows (for
 // vpdpbusd's latency), 1 from 5 rows (as many independent chains as rows). q is unsigned (u8
 // operand), xq signed: exact for every lane width.
 template <int MR, int NC, int BITS, int G>
-static inline __attribute__((always_inline)) void group_dots_vnni(const uint8_t* pg, const int32_t* const* xq4,
-                                                                  int64_t q0, __m512i (&acc)[MR][NC]) {
+static inline __attribute__((always_inline)) void group_dots_vnni(const uint8_t* pg, const int32_t* xi,
+                                                                  __m512i (&acc)[MR][NC]) {
   constexpr int kChunks = G / chunk_k(BITS), kCB = chunk_bytes(BITS);    // chunks per group, bytes each
   prefetch_ahead<kChunks * kCB>(pg);
 #pragma GCC unroll 8
@@ -294,14 +300,14 @@ static inline __attribute__((always_inline)) void group_dots_vnni(const uint8_t*
       chunk_operands<BITS>(pg + c * kCB, w0, w1);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xq4[r][q0 + 2 * c]));
-        acc[r][NC - 1] = _mm512_dpbusd_epi32(acc[r][NC - 1], w1, _mm512_set1_epi32(xq4[r][q0 + 2 * c + 1]));
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, _mm512_set1_epi32(xi[2 * c * MR + r]));
+        acc[r][NC - 1] = _mm512_dpbusd_epi32(acc[r][NC - 1], w1, _mm512_set1_epi32(xi[(2 * c + 1) * MR + r]));
       }
     } else {
       const __m512i v = _mm512_loadu_si512(pg + c * kCB);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r)
-        acc[r][c % NC] = _mm512_dpbusd_epi32(acc[r][c % NC], v, _mm512_set1_epi32(xq4[r][q0 + c]));
+        acc[r][c % NC] = _mm512_dpbusd_epi32(acc[r][c % NC], v, _mm512_set1_epi32(xi[c * MR + r]));
     }
   }
 }
@@ -332,8 +338,8 @@ template <int MR, int BITS, int G, bool KQ>
 static void panel_rows_vnni(const GgufProblem& pb, const uint8_t* panel, int64_t p, int64_t m0) {
   constexpr int NC = MR > 4 ? 1 : 2;
   const int64_t K = pb.K, ng = K / G;
-  const RowPointers<MR> rows(pb, m0);
-  const auto &xq4 = rows.xq4, &dxr = rows.dx;
+  const int32_t* xi = (const int32_t*)(pb.xq + m0 * K);     // [K / 4][MR], as every operand below
+  const float* dxi = pb.dx + m0 * (K / pb.QB);
   __m512 out[MR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
@@ -341,9 +347,7 @@ static void panel_rows_vnni(const GgufProblem& pb, const uint8_t* panel, int64_t
   if constexpr (KQ) {
     const int64_t per_sb = pb.SB / G, nsb = K / pb.SB;      // per_sb is even (SB % 32 == 0, G <= 16 or 32)
     auto [st, mo, sm, dd] = KScales(pb, p);
-    const int32_t* xsp[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) xsp[r] = pb.xsp + (m0 + r) * (ng / 2);
+    const int32_t* xspi = pb.xsp + m0 * (ng / 2);
     const uint8_t* pg = panel;
     int64_t g = 0;
     for (int64_t sb = 0; sb < nsb; ++sb, dd += st) {
@@ -352,14 +356,14 @@ static void panel_rows_vnni(const GgufProblem& pb, const uint8_t* panel, int64_t
       for (int r = 0; r < MR; ++r) ks[r] = km[r] = _mm512_setzero_si512();
       for (int64_t j = 0; j < per_sb; ++j, ++g, sm += st, pg += kGroupBytes) {
         __m512i acc[MR][NC];
-        group_dots_vnni<MR, NC, BITS, G>(pg, xq4, g * (G / 4), acc);
+        group_dots_vnni<MR, NC, BITS, G>(pg, xi + g * (G / 4) * MR, acc);
         const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)sm));
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) ks[r] = _mm512_add_epi32(ks[r], _mm512_mullo_epi32(group_isum(acc, r), sc));
         if (j % 2 == 1) {
           const __m512i mp = m_pairs(sm - st + mo, st);
 #pragma GCC unroll 8
-          for (int r = 0; r < MR; ++r) km[r] = _mm512_dpwssd_epi32(km[r], mp, _mm512_set1_epi32(xsp[r][g / 2]));
+          for (int r = 0; r < MR; ++r) km[r] = _mm512_dpwssd_epi32(km[r], mp, _mm512_set1_epi32(xspi[g / 2 * MR + r]));
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dd));
@@ -367,7 +371,7 @@ static void panel_rows_vnni(const GgufProblem& pb, const uint8_t* panel, int64_t
                                     : _mm512_mul_ps(d, _mm512_set1_ps(32.f));
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        const __m512 dx = _mm512_set1_ps(dxr[r][sb]);
+        const __m512 dx = _mm512_set1_ps(dxi[sb * MR + r]);
         out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ks[r]), _mm512_mul_ps(d, dx), out[r]);
         out[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(km[r]), _mm512_mul_ps(dmin, dx), out[r]);
       }
@@ -375,20 +379,18 @@ static void panel_rows_vnni(const GgufProblem& pb, const uint8_t* panel, int64_t
   } else {
     // flat: the activations' blocks are 32 values (QB), G = 16 or 32
     const uint16_t* hs = (const uint16_t*)pb.scales + p * ng * 32;
-    const float* dxs[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) dxs[r] = pb.dxs + (m0 + r) * ng;
+    const float* dxsi = pb.dxs + m0 * ng;
     const uint8_t* pg = panel;
     for (int64_t g = 0; g < ng; ++g, hs += 32, pg += kGroupBytes) {
       __m512i acc[MR][NC];
-      group_dots_vnni<MR, NC, BITS, G>(pg, xq4, g * (G / 4), acc);
+      group_dots_vnni<MR, NC, BITS, G>(pg, xi + g * (G / 4) * MR, acc);
       const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)hs));
       const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(hs + 16)));
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512 isum = _mm512_cvtepi32_ps(group_isum(acc, r));
-        out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dxr[r][g * G / 32]), out[r]);
-        out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxs[r][g]), out[r]);
+        out[r] = _mm512_fmadd_ps(_mm512_mul_ps(isum, s), _mm512_set1_ps(dxi[g * G / 32 * MR + r]), out[r]);
+        out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dxsi[g * MR + r]), out[r]);
       }
     }
   }
@@ -436,6 +438,21 @@ static void panel_rows_avx512vnni(const GgufProblem& pb, const uint8_t* panel, i
   if (lanes == 6) return pb.G == 32 ? panel_vnni<6, 32>(pb, panel, p, m0, mr) : panel_vnni<6, 16>(pb, panel, p, m0, mr);
   return pb.G == 32 ? panel_vnni<8, 32>(pb, panel, p, m0, mr) : panel_vnni<8, 16>(pb, panel, p, m0, mr);
 }
+// The avx512vnni register block of row m (of M): its first row and its row count. Blocks of
+// kMRVnni from 0 within cache blocks of kMC rows (a multiple of kMRVnni): a block's rows are
+// min(kMRVnni, M - first row).
+static inline std::pair<int64_t, int> vnni_block(int64_t m, int64_t M) {
+  const int64_t b0 = m / kMRVnni * kMRVnni;
+  return {b0, (int)std::min<int64_t>(kMRVnni, M - b0)};
+}
+
+// Row r of an mr-row register block into the block's interleaved array (dst: the block's start):
+// dst[i * mr + r] = src[i] for i < n.
+template <typename T>
+static inline void interleave_row(const T* src, int64_t n, T* dst, int mr, int r) {
+  for (int64_t i = 0; i < n; ++i) dst[i * mr + r] = src[i];
+}
+
 // A row's per-group operands of the avx512vnni path from its quantized x: flat, dxs[g] = dx of
 // the group's block * xsum (the float32 product the scaling uses); k-quant, xsp[j] = the int16
 // pair (xsum of group 2j, of group 2j + 1). xs16: [K / 16]; dx: [K / 32] (flat).
@@ -1038,22 +1055,35 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   std::vector<int8_t> xq(Mp * K);
   std::vector<float> dx(Mp * (K / QB));
   std::vector<int32_t> xs16(Mp * (K / 16));
-  // avx512vnni's per-group operands (GgufProblem::dxs, xsp), from each row's dx and xs16
+  // avx512vnni: its per-group operands (GgufProblem::dxs, xsp), and every operand interleaved
+  // per register block (vnni_block)
   const int64_t ng = K / G;
   const bool vnni = path == Path::kAvx512Vnni;
   std::vector<float> dxs(vnni && !kq ? M * ng : 0);
   std::vector<int32_t> xsp(vnni && kq ? M * (ng / 2) : 0);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<float> row(bf16 ? K : 0);
+    // avx512vnni: a row quantized here, then interleaved into its register block
+    std::vector<int8_t> q1(vnni ? K : 0);
+    std::vector<float> d1(vnni ? K / QB : 0), dxs1(vnni && !kq ? ng : 0);
+    std::vector<int32_t> s1(vnni ? K / 16 : 0), xsp1(vnni && kq ? ng / 2 : 0);
     for (int64_t m = m0; m < m1; ++m) {
-      int8_t* q = xq.data() + m * K;
-      float* d = dx.data() + m * (K / QB);
-      int32_t* s16 = xs16.data() + m * (K / 16);
+      int8_t* q = vnni ? q1.data() : xq.data() + m * K;
+      float* d = vnni ? d1.data() : dx.data() + m * (K / QB);
+      int32_t* s16 = vnni ? s1.data() : xs16.data() + m * (K / 16);
 #if defined(__x86_64__)
       if (path == Path::kAvx512Vnni || path == Path::kAmx) {
         if (bf16) quantize_rows_avx512((const uint16_t*)xc.data_ptr<at::BFloat16>() + m * K, K, QB, q, d, s16);
         else quantize_rows_avx512(xc.data_ptr<float>() + m * K, K, QB, q, d, s16);
-        if (vnni) group_operands(s16, d, K, G, kq, dxs.data() + (kq ? 0 : m * ng), xsp.data() + (kq ? m * (ng / 2) : 0));
+        if (vnni) {
+          group_operands(s16, d, K, G, kq, dxs1.data(), xsp1.data());
+          const auto [b0, mr] = vnni_block(m, M);
+          const int r = (int)(m - b0);
+          interleave_row((const int32_t*)q, K / 4, (int32_t*)(xq.data() + b0 * K), mr, r);
+          interleave_row(d, K / QB, dx.data() + b0 * (K / QB), mr, r);
+          if (kq) interleave_row(xsp1.data(), ng / 2, xsp.data() + b0 * (ng / 2), mr, r);
+          else interleave_row(dxs1.data(), ng, dxs.data() + b0 * ng, mr, r);
+        }
         continue;
       }
       if (path == Path::kAvx2) {
