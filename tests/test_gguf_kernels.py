@@ -148,7 +148,7 @@ def test_amx_bf16_route_matches_its_reference(bits, G, scheme, set_level):
     qw = gemm.pack_gguf_qweight(q, bits)
     w = _dequantized(q, scales, supers, G).to(torch.bfloat16).double()
     gen = torch.Generator().manual_seed(bits * G)
-    for m in (32, 33, 80, 300):
+    for m in (32, 33, 56, 80, 300):       # 56: a 32-row block whose second tile is partial
         x = (torch.randn(m, k, generator=gen) * 2).bfloat16()
         bias = torch.randn(n, generator=gen) if m == 33 else None
         y = gemm.gguf_linear(x, qw, scales, supers, bits, G, n, bias)

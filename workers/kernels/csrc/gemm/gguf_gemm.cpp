@@ -708,12 +708,13 @@ static void dequant_panel_bf16(const GgufProblem& pb, int64_t p, uint16_t* out) 
   }
 }
 
-// Panel pairs [q0, q1) (pair q: panels 2q, 2q + 1) for every row of the bfloat16 x (xb: at least
-// 16 * ceil(M / 16) readable rows of K), rows in chunks whose x stays in L2, but at least 256
+// Panel pairs [q0, q1) (pair q: panels 2q, 2q + 1) for every row of the bfloat16 x (xb: M rows of
+// K; xtail: the rows past the last whole 16-row tile, 16 rows with zeros past M, or nullptr when
+// 16 divides M: the tiles read whole 16-row blocks), rows in chunks whose x stays in L2, but at least 256
 // rows, so that the dequantization of a pair is spread over enough rows (down_proj, K = 8960, one
 // thread, M = 256: 107 GMAC/s in chunks of 32 rows, 302 in chunks of 256).
-static void amx_bf16_pairs(const GgufProblem& pb, const uint16_t* xb, int64_t q0, int64_t q1) {
-  const int64_t K = pb.K, M = pb.M;
+static void amx_bf16_pairs(const GgufProblem& pb, const uint16_t* xb, const uint16_t* xtail, int64_t q0, int64_t q1) {
+  const int64_t K = pb.K, M = pb.M, M16 = M / 16 * 16;
   const int64_t mc = std::max<int64_t>(256, kAmxXBytes / (K * 2) / 32 * 32);
   std::vector<uint16_t> wv(2 * K * 16 + 32);
   uint16_t* w = (uint16_t*)(((uintptr_t)wv.data() + 63) & ~(uintptr_t)63);
@@ -729,12 +730,20 @@ static void amx_bf16_pairs(const GgufProblem& pb, const uint16_t* xb, int64_t q0
         else if (pb.bits == 6) dequant_panel_bf16<6>(pb, 2 * q + i, o);
         else dequant_panel_bf16<8>(pb, 2 * q + i, o);
       }
+      // tiles (1 or 2 blocks of 16 rows from x) for rows [r0, r0 + rows), stored
+      auto block = [&](const uint16_t* xr, int mbk, int64_t r0, int rows) {
+        amx.fn[mbk][np](xr, K, w, K * 16, K / 2, tile);
+        for (int rr = 0; rr < rows; ++rr)
+          for (int i = 0; i < np; ++i) store_row_avx512(pb, r0 + rr, 2 * q + i, _mm512_load_ps(tile + rr * np * 16 + i * 16));
+      };
       for (int64_t r = mb; r < std::min(M, mb + mc); r += 32) {
         const int mbk = M - r > 16 ? 2 : 1;
-        amx.fn[mbk][np](xb + r * K, K, w, K * 16, K / 2, tile);
-        const int rows = (int)std::min<int64_t>(16 * mbk, M - r);
-        for (int rr = 0; rr < rows; ++rr)
-          for (int i = 0; i < np; ++i) store_row_avx512(pb, r + rr, 2 * q + i, _mm512_load_ps(tile + rr * np * 16 + i * 16));
+        if (r + 16 * mbk <= M16) {
+          block(xb + r * K, mbk, r, 16 * mbk);
+        } else {                                  // the last tile is partial: from xtail
+          if (r < M16) block(xb + r * K, 1, r, 16);
+          block(xtail, 1, M16, (int)(M - M16));
+        }
       }
     }
   }
@@ -1035,16 +1044,15 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   Path path = path_at(kvmesh::active_isa());
 #if defined(__x86_64__)
   if (path == Path::kAmx && bf16 && M >= kAmxBf16MinRows) {    // bfloat16 x: dequantized panels, AMX-BF16
-    at::Tensor xb = xc;
-    if (M % 16 != 0) {                                         // the tiles read whole 16-row blocks
-      xb = at::zeros({(M + 15) / 16 * 16, K}, xc.options());
-      xb.narrow(0, 0, M).copy_(xc);
-    }
+    const int64_t M16 = M / 16 * 16;
+    std::vector<uint16_t> tail(M16 < M ? 16 * K : 0, 0);      // the tiles read whole 16-row blocks
+    if (M16 < M) std::memcpy(tail.data(), (const uint16_t*)xc.data_ptr<at::BFloat16>() + M16 * K, (M - M16) * K * 2);
     const GgufProblem pb{nullptr, nullptr, 0, nullptr, nullptr, nullptr, M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
                          kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB,
                          y.data_ptr(), true, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
-    const uint16_t* xp = (const uint16_t*)xb.data_ptr<at::BFloat16>();
-    at::parallel_for(0, (P + 1) / 2, 2, [&](int64_t q0, int64_t q1) { amx_bf16_pairs(pb, xp, q0, q1); });
+    const uint16_t* xp = (const uint16_t*)xc.data_ptr<at::BFloat16>();
+    const uint16_t* xt = M16 < M ? tail.data() : nullptr;
+    at::parallel_for(0, (P + 1) / 2, 2, [&](int64_t q0, int64_t q1) { amx_bf16_pairs(pb, xp, xt, q0, q1); });
     return n == P * 16 ? y : y.narrow(1, 0, n);
   }
 #endif
