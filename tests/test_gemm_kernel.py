@@ -170,7 +170,8 @@ def test_amx_tiles_coexist_with_aten(best_isa):
     a = torch.randn(64, 96, generator=g).to(torch.bfloat16)
     bm = torch.randn(96, 80, generator=g).to(torch.bfloat16)
     expect = (a.double() @ bm.double())
-    # K = 4864 splits K into blocks (fp32 partial sums between them) at 64 rows
+    # row tails: the partial 16-row tile alone (15, 33, 100) or after a whole one in a 32-row
+    # block (17); K = 4864 in one k-block (AMX row chunks keep all of K)
     for n, k, m in [(576, 1536, m) for m in (4, 15, 16, 17, 31, 32, 33, 64, 100)] + [(80, 4864, 100)]:
         x, w, b, p, ref, scale = _case(n, k, m, bias=True)
         xb = x.to(torch.bfloat16)

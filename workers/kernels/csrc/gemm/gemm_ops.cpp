@@ -11,19 +11,24 @@
 // the packed weight once (decode is bandwidth-bound).
 // The micro-kernel (micro_*.cpp) is the active level's (isa.h), every level has its own: scalar,
 // avx2, avx512 (fp32 activations at avx512 and above), avx512bf16 (vdpbf16ps, bf16 activations),
-// amx (bf16 activations of at least kAmxMinRows rows through AMX tiles, micro_amx.cpp: x is then
-// padded to a multiple of 16 rows and row blocks are 16 or 32 rows; fewer rows: avx512bf16).
+// amx (bf16 activations of at least kAmxMinRows rows through AMX tiles, micro_amx.cpp: row blocks
+// of 16 or 32 rows, the rows past the last whole 16-row tile read from a zero-padded copy of
+// them; row chunks of up to kAmxXSlice bytes of x with all of K, so that a panel group's weights
+// serve a whole chunk's row blocks; fewer rows: avx512bf16).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "isa.h"
 #include "micro.h"
@@ -51,12 +56,15 @@ constexpr int64_t kMinWork = 1 << 16;   // multiply-adds below which a thread is
 // Fewest rows of bf16 activations that take the AMX tiles (below, vdpbf16ps: a tile row block
 // of 16 would mostly multiply padding) (figures: docs/engine.md, "Kernel constants and the measurements behind them").
 constexpr int64_t kAmxMinRows = 4;
+constexpr int64_t kAmxXSlice = 1 << 20;   // bytes of bf16 x per AMX row chunk (L2-resident)
 
 struct Problem {
   int64_t M, N, NB, kp;          // rows, columns, panels, k-pairs (Kp / 2)
   const float* x;                // fp32 activations [M, 2 kp] (fp32 micro-kernels)
   const uint16_t* xb;            // bf16 activations [M, 2 kp] (vdpbf16ps kernels) or null;
-                                 // AMX: [16 ceil(M / 16), 2 kp], padding rows readable
+                                 // AMX: [16 ceil(M / 16), 2 kp], padding rows readable, unless
+  const uint16_t* xb_tail;       // AMX: rows [M16, M) of x, zero-padded to [16, 2 kp], or null
+  int64_t M16;                   // rows of whole 16-row tiles (M rounded down to 16)
   const uint16_t* w;             // packed [NB][kp][16][2]
   const float* bias;             // [N] or null
   float* out_f;                  // fp32 output [M, N] or null
@@ -134,9 +142,18 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
           if (amx) {   // blocks of 32 rows (16 for the last <= 16); r0 is a multiple of 16
             for (int64_t r = r0; r < r1; r += 32) {
               const int mb = r1 - r > 16 ? 2 : 1;
-              amx->fn[mb][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
-              epilogue(P, tile, np * kPanel, r, static_cast<int>(std::min<int64_t>(16 * mb, r1 - r)),
-                       c0, nc, first, last, true);
+              if (P.xb_tail == nullptr || r + 16 * mb <= P.M16) {
+                amx->fn[mb][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
+                epilogue(P, tile, np * kPanel, r, static_cast<int>(std::min<int64_t>(16 * mb, r1 - r)),
+                         c0, nc, first, last, true);
+                continue;
+              }
+              if (r < P.M16) {           // a whole first tile, then the partial one from xb_tail
+                amx->fn[1][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
+                epilogue(P, tile, np * kPanel, r, 16, c0, nc, first, last, true);
+              }
+              amx->fn[1][np](P.xb_tail + 2 * k0, ldx, wg, pstride, kn, tile);
+              epilogue(P, tile, np * kPanel, P.M16, static_cast<int>(P.M - P.M16), c0, nc, first, last, true);
             }
             continue;
           }
@@ -174,7 +191,9 @@ void copy_rows(const S* src, int64_t s0, int64_t s1, int64_t M, int64_t K, D* ds
   for (int64_t i = 0; i < M; ++i) {
     const S* a = src + i * s0;
     D* d = dst + i * ld;
-    if (s1 == 1)
+    if (std::is_same_v<S, D> && s1 == 1)
+      std::memcpy(d, a, K * sizeof(D));
+    else if (s1 == 1)
       for (int64_t j = 0; j < K; ++j) d[j] = static_cast<D>(static_cast<float>(a[j]));
     else
       for (int64_t j = 0; j < K; ++j) d[j] = static_cast<D>(static_cast<float>(a[j * s1]));
@@ -244,9 +263,14 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   // is fp32 [M, 2 kp] contiguous; K up to Kp gets zero columns (and AMX zero rows up to a
   // multiple of 16). A plain loop: this runs for every decode-step projection, where each
   // extra ATen op costs microseconds.
-  at::Tensor xk = x;
-  if (use_dp ? !(x.is_contiguous() && K == 2 * kp && Mx == M)
-             : !(x.scalar_type() == at::kFloat && x.is_contiguous() && K == 2 * kp)) {
+  at::Tensor xk = x, tail;
+  const int64_t M16 = M / 16 * 16;
+  if (use_amx && Mx > M && x.is_contiguous() && K == 2 * kp) {
+    // AMX on x as it is: only the rows past the last whole 16-row tile are copied, zero-padded
+    tail = at::zeros({16, 2 * kp}, x.options());
+    std::memcpy(tail.data_ptr<c10::BFloat16>(), x.data_ptr<c10::BFloat16>() + M16 * K, (M - M16) * K * sizeof(c10::BFloat16));
+  } else if (use_dp ? !(x.is_contiguous() && K == 2 * kp && Mx == M)
+                    : !(x.scalar_type() == at::kFloat && x.is_contiguous() && K == 2 * kp)) {
     xk = at::empty({Mx, 2 * kp}, x.options().dtype(use_dp ? at::kBFloat16 : at::kFloat));
     if (Mx > M) xk.narrow(0, M, Mx - M).zero_();
     if (use_dp)
@@ -258,17 +282,20 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     else
       copy_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, xk.data_ptr<float>(), 2 * kp);
   }
-  const int64_t mc_max = use_amx ? 64 : kMC;
+  // AMX: row chunks whose bf16 x (MC x K) stays in L2 (kAmxXSlice), at least 64 rows, whole K:
+  // each panel group's weights serve all of a chunk's row blocks (docs/engine.md, kernel constants)
+  const int64_t mc_max = use_amx ? std::max<int64_t>(64, kAmxXSlice / (4 * kp) / 32 * 32) : kMC;
   const int64_t m_chunks = (M + mc_max - 1) / mc_max;
   int64_t MC = (M + m_chunks - 1) / m_chunks;           // equal chunks: 64 -> 32 + 32
   if (use_amx) MC = (MC + 15) / 16 * 16;                // AMX row blocks start at multiples of 16
-  const int64_t KCP = MC * 2 * kp * (use_dp ? 2 : 4) <= kXSlice ? kp : std::min(kp, kKCP);
+  const int64_t KCP = use_amx || MC * 2 * kp * (use_dp ? 2 : 4) <= kXSlice ? kp : std::min(kp, kKCP);
   at::Tensor acc;
   if (bf16_in && KCP < kp) acc = at::empty({M, N}, x.options().dtype(at::kFloat));
 
   Problem P{M, N, NB, kp,
             use_dp ? nullptr : xk.data_ptr<float>(),
             use_dp ? reinterpret_cast<const uint16_t*>(xk.data_ptr<at::BFloat16>()) : nullptr,
+            tail.defined() ? reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()) : nullptr, M16,
             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
             b.defined() ? b.data_ptr<float>() : nullptr,
             bf16_in ? nullptr : out.data_ptr<float>(),
