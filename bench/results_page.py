@@ -566,6 +566,7 @@ QUESTIONS: tuple[Question, ...] = (
         "Ratios are kvmesh / peer (for TTFT, start-up and RSS lower is better).",
         ("metric", "model", "peer", "kvmesh row", "kvmesh", "peer value", "kvmesh / peer"),
         (Source(("peers_2026-12-05_xeon_smollm2_openvino_vllm.json",), "0z22", "family 6 model 167"),
+         Source(("peers_2026-12-05_xeon_1p5b_openvino.json",), "0z22", "family 6 model 167"),
          Source(("peers_2026-12-05_zen4_smollm2_cpu_runtimes.json",), "0z21", "family 25 model 17",
                 note="its OpenVINO B=1 rows ran all 8 prompts in one generate() call, which the pipeline "
                      "batched (section 0z22): not a B=1 pass"),
