@@ -507,7 +507,8 @@ static void quantize_rows_avx512(const T* x, int64_t K, int64_t QB, int8_t* xq, 
 // C of a group, tmm1 C of m xsum, tmm2 A (16 x G), tmm3 B (G / 4 x 64), tmm4 A (16 x 64),
 // tmm5 B of m (16 x 64).
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,amx-tile,amx-int8")
+// (every CPU with AMX has AVX512-BF16: the bf16 route's dequantization rounds with vcvtne2ps2bf16)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma,amx-tile,amx-int8")
 
 constexpr int64_t kAmxXBytes = 1 << 20;  // a row chunk's int8 x (rows x K) kept within L2
 
@@ -676,18 +677,20 @@ static void dequant_panel_bf16(const GgufProblem& pb, int64_t p, uint16_t* out) 
   const int64_t K = pb.K, ng = K / pb.G;
   const uint8_t* panel = pb.qw + p * K * BITS * 2;
   const __m512i b255 = _mm512_set1_epi32(0xFF);
-  const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
-  // 4 consecutive k of the 16 columns (w's lanes) -> two k-pair rows of out
+  // k-pair interleave of vcvtne2ps2bf16's [16 of k even | 16 of k odd] halves: column c's pair
+  // (k even, k odd) into its 32-bit lane
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // 4 consecutive k of the 16 columns (w's lanes) -> two k-pair rows of out, each weight rounded
+  // to nearest even (vcvtne2ps2bf16)
   auto emit = [&](__m512i w, __m512 s, __m512 z, uint16_t* o) {
-    __m512i r[4];
+    __m512 f[4];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * j), b255)), s, z);
-      const __m512i u = _mm512_castps_si512(f);
-      r[j] = _mm512_add_epi32(u, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    }
-    _mm512_store_si512(o, _mm512_or_si512(_mm512_srli_epi32(r[0], 16), _mm512_and_si512(r[1], hi16)));
-    _mm512_store_si512(o + 32, _mm512_or_si512(_mm512_srli_epi32(r[2], 16), _mm512_and_si512(r[3], hi16)));
+    for (int j = 0; j < 4; ++j)
+      f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, 8 * j), b255)), s, z);
+    const __m512i p01 = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), p23 = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+    _mm512_store_si512(o, _mm512_permutexvar_epi16(pairs, p01));
+    _mm512_store_si512(o + 32, _mm512_permutexvar_epi16(pairs, p23));
   };
   alignas(64) float s[16], z[16];
   for (int64_t g = 0; g < ng; ++g) {
@@ -719,6 +722,8 @@ static void amx_bf16_pairs(const GgufProblem& pb, const uint16_t* xb, const uint
   std::vector<uint16_t> wv(2 * K * 16 + 32);
   uint16_t* w = (uint16_t*)(((uintptr_t)wv.data() + 63) & ~(uintptr_t)63);
   alignas(64) float tile[32 * 32];
+  uint16_t* y = (uint16_t*)pb.y;         // bfloat16 [M, 16 P] (this route's x and y are bfloat16)
+  auto bias = [&](int64_t p) { return pb.bias != nullptr ? _mm512_loadu_ps(pb.bias + p * 16) : _mm512_setzero_ps(); };
   const AmxTable& amx = amx_table();
   amx_configure();
   for (int64_t mb = 0; mb < M; mb += mc) {
@@ -730,11 +735,18 @@ static void amx_bf16_pairs(const GgufProblem& pb, const uint16_t* xb, const uint
         else if (pb.bits == 6) dequant_panel_bf16<6>(pb, 2 * q + i, o);
         else dequant_panel_bf16<8>(pb, 2 * q + i, o);
       }
-      // tiles (1 or 2 blocks of 16 rows from x) for rows [r0, r0 + rows), stored
+      // tiles (1 or 2 blocks of 16 rows from x) for rows [r0, r0 + rows), stored as bfloat16
+      // (vcvtneps2bf16: nearest even, as store_row_avx512) with the bias
+      const __m512 b0 = bias(2 * q), b1 = np > 1 ? bias(2 * q + 1) : b0;
       auto block = [&](const uint16_t* xr, int mbk, int64_t r0, int rows) {
         amx.fn[mbk][np](xr, K, w, K * 16, K / 2, tile);
-        for (int rr = 0; rr < rows; ++rr)
-          for (int i = 0; i < np; ++i) store_row_avx512(pb, r0 + rr, 2 * q + i, _mm512_load_ps(tile + rr * np * 16 + i * 16));
+        for (int rr = 0; rr < rows; ++rr) {
+          uint16_t* yr = y + (r0 + rr) * pb.P * 16 + 2 * q * 16;
+          const float* tr = tile + rr * np * 16;
+          _mm256_storeu_si256((__m256i*)yr, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tr), b0)));
+          if (np > 1)
+            _mm256_storeu_si256((__m256i*)(yr + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tr + 16), b1)));
+        }
       };
       for (int64_t r = mb; r < std::min(M, mb + mc); r += 32) {
         const int mbk = M - r > 16 ? 2 : 1;
