@@ -1074,11 +1074,11 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
   const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;     // AMX tiles read 16 rows: zero rows past M
   std::vector<int8_t> xq(Mp * K);
   std::vector<float> dx(Mp * (K / QB));
-  std::vector<int32_t> xs16(Mp * (K / 16));
-  // avx512vnni: its per-group operands (GgufProblem::dxs, xsp), and every operand interleaved
-  // per register block (vnni_block)
+  // avx512vnni: its per-group operands (GgufProblem::dxs, xsp) instead of xs16, and every operand
+  // interleaved per register block (vnni_block)
   const int64_t ng = K / G;
   const bool vnni = path == Path::kAvx512Vnni;
+  std::vector<int32_t> xs16(vnni ? 0 : Mp * (K / 16));
   std::vector<float> dxs(vnni && !kq ? M * ng : 0);
   std::vector<int32_t> xsp(vnni && kq ? M * (ng / 2) : 0);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -1121,7 +1121,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
       }
     }
   });
-  GgufProblem pb{xq.data(), dx.data(), QB, xs16.data(), kq ? nullptr : dxs.data(), kq ? xsp.data() : nullptr, M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
+  GgufProblem pb{xq.data(), dx.data(), QB, vnni ? nullptr : xs16.data(), kq ? nullptr : dxs.data(), kq ? xsp.data() : nullptr, M, K, qweight.data_ptr<uint8_t>(), scales.data_ptr(),
                  kq ? (const uint16_t*)superscales->data_ptr<at::Half>() : nullptr, S, P, (int)bits, (int)G, (int)SB, y.data_ptr(), bf16,
                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
 #if defined(__x86_64__)
@@ -1129,8 +1129,6 @@ at::Tensor gguf_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, const
     at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) { amx_panels(pb, p0, p1); });
     return n == P * 16 ? y : y.narrow(1, 0, n);
   }
-#endif
-#if defined(__x86_64__)
   // avx512vnni: rows in register blocks of kMRVnni, a cache block's last rows as one block (so that
   // a speculative verify pass of 1 + 4 tokens unpacks each weight chunk once: docs/engine.md,
   // "Kernel constants and the measurements behind them"); a cache block of kVnniExpandRows rows or
