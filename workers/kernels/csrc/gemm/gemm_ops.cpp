@@ -13,7 +13,7 @@
 // avx2, avx512 (fp32 activations at avx512 and above), avx512bf16 (vdpbf16ps, bf16 activations),
 // amx (bf16 activations of at least kAmxMinRows rows through AMX tiles, micro_amx.cpp: row blocks
 // of 16 or 32 rows, the rows past the last whole 16-row tile read from a zero-padded copy of
-// them; row chunks of up to kAmxXSlice bytes of x with all of K, so that a panel group's weights
+// them; row chunks of up to kAmxXBytes of x with all of K, so that a panel group's weights
 // serve a whole chunk's row blocks; fewer rows: avx512bf16).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
@@ -56,7 +56,6 @@ constexpr int64_t kMinWork = 1 << 16;   // multiply-adds below which a thread is
 // Fewest rows of bf16 activations that take the AMX tiles (below, vdpbf16ps: a tile row block
 // of 16 would mostly multiply padding) (figures: docs/engine.md, "Kernel constants and the measurements behind them").
 constexpr int64_t kAmxMinRows = 4;
-constexpr int64_t kAmxXSlice = 1 << 20;   // bytes of bf16 x per AMX row chunk (L2-resident)
 
 struct Problem {
   int64_t M, N, NB, kp;          // rows, columns, panels, k-pairs (Kp / 2)
@@ -140,21 +139,11 @@ void run(const Problem& P, Isa isa, int64_t MC, int64_t KCP) {
           const int nc = static_cast<int>(std::min<int64_t>(np * kPanel, P.N - c0));
           const uint16_t* wg = P.w + g * kGroup * pstride + k0 * 2 * kPanel;
           if (amx) {   // blocks of 32 rows (16 for the last <= 16); r0 is a multiple of 16
-            for (int64_t r = r0; r < r1; r += 32) {
-              const int mb = r1 - r > 16 ? 2 : 1;
-              if (P.xb_tail == nullptr || r + 16 * mb <= P.M16) {
-                amx->fn[mb][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
-                epilogue(P, tile, np * kPanel, r, static_cast<int>(std::min<int64_t>(16 * mb, r1 - r)),
-                         c0, nc, first, last, true);
-                continue;
-              }
-              if (r < P.M16) {           // a whole first tile, then the partial one from xb_tail
-                amx->fn[1][np](P.xb + r * ldx + 2 * k0, ldx, wg, pstride, kn, tile);
-                epilogue(P, tile, np * kPanel, r, 16, c0, nc, first, last, true);
-              }
-              amx->fn[1][np](P.xb_tail + 2 * k0, ldx, wg, pstride, kn, tile);
-              epilogue(P, tile, np * kPanel, P.M16, static_cast<int>(P.M - P.M16), c0, nc, first, last, true);
-            }
+            amx_row_blocks(P.xb + 2 * k0, ldx, P.xb_tail ? P.xb_tail + 2 * k0 : nullptr, P.M16, P.M, r0, r1,
+                           [&](const uint16_t* a, int mb, int64_t r, int rows) {
+                             amx->fn[mb][np](a, ldx, wg, pstride, kn, tile);
+                             epilogue(P, tile, np * kPanel, r, rows, c0, nc, first, last, true);
+                           });
             continue;
           }
           // Row blocks of near-equal size (7 rows with MR 6 -> 4 + 3, not 6 + 1).
@@ -282,9 +271,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     else
       copy_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), M, K, xk.data_ptr<float>(), 2 * kp);
   }
-  // AMX: row chunks whose bf16 x (MC x K) stays in L2 (kAmxXSlice), at least 64 rows, whole K:
+  // AMX: row chunks whose bf16 x (MC x K) stays in L2 (kAmxXBytes), at least 64 rows, whole K:
   // each panel group's weights serve all of a chunk's row blocks (docs/engine.md, kernel constants)
-  const int64_t mc_max = use_amx ? std::max<int64_t>(64, kAmxXSlice / (4 * kp) / 32 * 32) : kMC;
+  const int64_t mc_max = use_amx ? std::max<int64_t>(64, kAmxXBytes / (4 * kp) / 32 * 32) : kMC;
   const int64_t m_chunks = (M + mc_max - 1) / mc_max;
   int64_t MC = (M + m_chunks - 1) / m_chunks;           // equal chunks: 64 -> 32 + 32
   if (use_amx) MC = (MC + 15) / 16 * 16;                // AMX row blocks start at multiples of 16

@@ -510,7 +510,6 @@ static void quantize_rows_avx512(const T* x, int64_t K, int64_t QB, int8_t* xq, 
 // (every CPU with AMX has AVX512-BF16: the bf16 route's dequantization rounds with vcvtne2ps2bf16)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma,amx-tile,amx-int8")
 
-constexpr int64_t kAmxXBytes = 1 << 20;  // a row chunk's int8 x (rows x K) kept within L2
 
 struct alignas(64) AmxTileConfig {
   uint8_t palette_id;
@@ -748,15 +747,7 @@ static void amx_bf16_pairs(const GgufProblem& pb, const uint16_t* xb, const uint
             _mm256_storeu_si256((__m256i*)(yr + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tr + 16), b1)));
         }
       };
-      for (int64_t r = mb; r < std::min(M, mb + mc); r += 32) {
-        const int mbk = M - r > 16 ? 2 : 1;
-        if (r + 16 * mbk <= M16) {
-          block(xb + r * K, mbk, r, 16 * mbk);
-        } else {                                  // the last tile is partial: from xtail
-          if (r < M16) block(xb + r * K, 1, r, 16);
-          block(xtail, 1, M16, (int)(M - M16));
-        }
-      }
+      amx_row_blocks(xb, K, xtail, M16, M, mb, std::min(M, mb + mc), block);
     }
   }
   amx_release();

@@ -74,6 +74,29 @@ const AmxTable& amx_table();
 void amx_configure();
 void amx_release();
 
+// Bytes of x an AMX row chunk holds (L2-resident while the chunk's weights stream past it): the
+// bf16 GEMM's and the GGUF kernel's AMX routes (docs/engine.md, kernel constants).
+constexpr int64_t kAmxXBytes = 1 << 20;
+
+// The AMX row blocks of rows [r0, r1) (r0 a multiple of 16): block(a, mb, first, rows) per
+// call of an MB = mb block kernel on A rows at `a` (row stride ldx), computing rows [first,
+// first + rows). x holds M rows; rows [M16, M) (M16 = M rounded down to 16) past the last whole
+// 16-row tile come from xtail, their 16-row zero-padded copy (nullptr: x has readable rows up to
+// a multiple of 16), so that no tile reads past x.
+template <class Block>
+inline void amx_row_blocks(const uint16_t* x, int64_t ldx, const uint16_t* xtail, int64_t M16, int64_t M,
+                           int64_t r0, int64_t r1, Block&& block) {
+  for (int64_t r = r0; r < r1; r += 32) {
+    const int mb = r1 - r > 16 ? 2 : 1;
+    if (xtail == nullptr || r + 16 * mb <= M16) {
+      block(x + r * ldx, mb, r, static_cast<int>(r1 - r < 16 * mb ? r1 - r : 16 * mb));
+      continue;
+    }
+    if (r < M16) block(x + r * ldx, 1, r, 16);          // a whole first tile, then the partial one
+    block(xtail, 1, M16, static_cast<int>(M - M16));
+  }
+}
+
 // AVX512-BF16 epilogue (micro_amx.cpp) of a bf16-output tile of mr rows x nc columns (row
 // stride ldt floats): v = tile + (first ? bias : acc); with acc (fp32 partial sums, row stride
 // lda) and not last, acc = v; else out = bf16(v), rounded to nearest even (row stride ldo).
