@@ -10,7 +10,9 @@ cache between matrices), and times
   ms, with the panel bytes read per second beside the read bandwidth measured in the same run
   (``bench.machine.read_bandwidth``): M = 1 is bound by memory;
 - one Q4_K gate_up and one Q6_K down matrix, and SmolLM2-135M's Q4_1 gate_up (3072x576: the
-  flat scheme), at ``--m-compute`` rows on one thread (the compute-bound prefill case), in GMAC/s.
+  flat scheme), at ``--m-compute`` rows on one thread (the compute-bound prefill case), in GMAC/s;
+  with ``--dense``, beside each the dense bf16 GEMM (``bf16_linear``) of the same shape on the
+  same x, the format the GGUF blocks are compared with.
 
 Each figure is the median (chain) or best (one matrix) of ``--runs`` timed runs after a
 warm-up. The kernel path is the active level's: the CPU's best, or ``--isa`` (e.g.
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--isa", default="auto", help="kernel level: auto, scalar, avx2, avx512, avx512bf16, amx")
     ap.add_argument("--x-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dense", action="store_true", help="also time bf16_linear on each compute matrix's shape")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from bench.machine import cpu_model, read_bandwidth
@@ -123,8 +126,19 @@ def main(argv: list[str] | None = None) -> dict:
                 best = min(best, time.perf_counter() - t)
             row = {"matrix": name, "m": args.m_compute, "ms": best * 1e3,
                    "gmac_s": args.m_compute * shape[0] * shape[1] / best / 1e9}
+            line = f"{name}, M={args.m_compute}, one thread: {row['ms']:.1f} ms, {row['gmac_s']:.1f} GMAC/s"
+            if args.dense:
+                packed = gemm.pack_bf16_weight(torch.randn(shape[0], shape[1], generator=gen))
+                gemm.bf16_linear(x, packed, shape[0])
+                dense = float("inf")
+                for _ in range(args.runs):
+                    t = time.perf_counter()
+                    gemm.bf16_linear(x, packed, shape[0])
+                    dense = min(dense, time.perf_counter() - t)
+                row["dense_ms"] = dense * 1e3
+                line += f"; dense bf16 {row['dense_ms']:.1f} ms ({best / dense:.2f}x its time)"
             res["compute"].append(row)
-            print(f"{name}, M={args.m_compute}, one thread: {row['ms']:.1f} ms, {row['gmac_s']:.1f} GMAC/s")
+            print(line)
     finally:
         torch.set_num_threads(threads)
     if args.out:
